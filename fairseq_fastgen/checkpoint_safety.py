@@ -1,0 +1,81 @@
+"""Load fairseq checkpoints under torch's ``weights_only`` unpickler.
+
+Since torch 2.6 ``torch.load`` refuses every global it does not know, and every
+fairseq checkpoint pickles a few (``argparse.Namespace`` for legacy args, numpy
+arrays and scalars for the meters of ``--eval-bleu`` runs).  Rather than turning
+the protection off for all files (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``), the
+plugin allows exactly the globals fairseq's own training writes.  Any other
+global is still refused, with a message naming it and the explicit opt-in:
+``FASTGEN_TRUSTED_GLOBALS=module.Name[,module.Other]``.
+"""
+
+import argparse
+import collections
+import importlib
+import os
+import pickle
+import re
+
+import numpy as np
+import torch
+
+TRUST_ENV = "FASTGEN_TRUSTED_GLOBALS"
+
+
+def _numpy_globals():
+    """numpy callables that pickled arrays and scalars refer to, under both the
+    numpy 1.x (``numpy.core``) and numpy 2.x (``numpy._core``) module names."""
+    import codecs
+
+    multiarray = np.core.multiarray if not hasattr(np, "_core") else np._core.multiarray
+    entries = [
+        (codecs.encode, "_codecs.encode"),
+        (np.dtype, "numpy.dtype"),
+        (np.ndarray, "numpy.ndarray"),
+    ]
+    for module in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        entries.append((multiarray._reconstruct, f"{module}._reconstruct"))
+        entries.append((multiarray.scalar, f"{module}.scalar"))
+    # numpy >= 1.25 pickles a dtype through its class, e.g. numpy.dtypes.Float64DType
+    dtype_classes = [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    entries.extend((cls, f"numpy.dtypes.{cls.__name__}") for cls in dtype_classes)
+    return entries
+
+
+def fairseq_checkpoint_globals():
+    """Every global a checkpoint written by fairseq training may reference."""
+    return [argparse.Namespace, collections.OrderedDict] + _numpy_globals()
+
+
+def _resolve(dotted):
+    module_name, _, attr = dotted.rpartition(".")
+    if not module_name:
+        raise ValueError(f"{TRUST_ENV}: {dotted!r} is not of the form module.Name")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def user_trusted_globals():
+    names = [n.strip() for n in os.environ.get(TRUST_ENV, "").split(",") if n.strip()]
+    return [(_resolve(n), n) for n in names]
+
+
+def allow_fairseq_checkpoint_globals():
+    torch.serialization.add_safe_globals(fairseq_checkpoint_globals() + user_trusted_globals())
+
+
+_GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
+
+
+class UntrustedCheckpointError(pickle.UnpicklingError):
+    pass
+
+
+def explain_refusal(path, error):
+    """Turn torch's weights_only refusal into a message with the opt-in."""
+    found = _GLOBAL_IN_MESSAGE.search(str(error))
+    name = found.group(1) if found else "an unknown global"
+    return UntrustedCheckpointError(
+        f"refusing to load {path}: its pickle references {name}, which fairseq checkpoints do not "
+        f"contain and loading it would run arbitrary code.  If you trust this file, allow that "
+        f"global explicitly: {TRUST_ENV}={name} (comma-separated for several)."
+    )

@@ -1,0 +1,73 @@
+"""The plugin's generation options, merged into fairseq's ``GenerationConfig``.
+
+fairseq reads every generation option from one dataclass (``GenerationConfig``)
+and hands ``cfg.generation`` to ``task.build_generator``.  The plugin therefore
+adds its options by subclassing that dataclass: :class:`PluginOptions` holds
+the options every decoder shares, and each registered decoder contributes its
+own options dataclass (see ``sequence_generators/registry.py``).
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
+from fairseq.dataclass.configs import GenerationConfig
+
+from fairseq_fastgen.sequence_generators.registry import DECODERS
+
+
+@dataclass
+class PluginOptions(FairseqDataclass):
+    decoder: str = field(
+        default="beam",
+        metadata={"help": "decoding algorithm of fairseq_fastgen; 'beam' is stock fairseq beam search"},
+    )
+    decoder_stats_json: Optional[str] = field(
+        default=None,
+        metadata={"help": "write the decoder's statistics (iterations, model calls, ...) as JSON to this file"},
+    )
+    cluster_projection: Optional[str] = field(
+        default=None,
+        metadata={"help": "cluster file from fastgen-train-clusters: project only onto the tokens of the "
+                          "clusters nearest to the decoder states (every decoder)"},
+    )
+    postprocess_workers: int = field(
+        default=0,
+        metadata={"help": "fairseq-generate: detokenize, score and print in this many background workers "
+                          "while the next batch decodes (0: in the main loop, as stock fairseq)"},
+    )
+    no_shared_encoder_cache: bool = field(
+        default=False,
+        metadata={"help": "keep one copy of the encoder-decoder attention keys/values per beam, as stock "
+                          "fairseq does, instead of one per sentence shared by its beams"},
+    )
+
+
+def build_generation_config():
+    """Return a dataclass: fairseq's GenerationConfig plus every plugin option."""
+    option_classes = [PluginOptions] + [e.options for e in DECODERS.values() if e.options is not None]
+    merged = {}
+    for cls in option_classes:
+        for f in dataclasses.fields(cls):
+            if f.name.startswith("_"):  # FairseqDataclass's private _name
+                continue
+            if f.name in merged:
+                raise TypeError(f"generation option {f.name!r} is declared twice ({cls.__name__})")
+            if f.name in GenerationConfig.__dataclass_fields__:
+                raise TypeError(f"generation option {f.name!r} of {cls.__name__} shadows a fairseq option")
+            merged[f.name] = (f.name, f.type, _copy_field(f))
+    choices = ChoiceEnum(list(DECODERS))
+    help_text = "decoding algorithm: " + "; ".join(
+        f"{e.name}: {e.guarantee}" for e in DECODERS.values()
+    )
+    merged["decoder"] = ("decoder", choices, field(default="beam", metadata={"help": help_text}))
+    return dataclasses.make_dataclass(
+        "FastgenGenerationConfig", list(merged.values()), bases=(GenerationConfig,)
+    )
+
+
+def _copy_field(f):
+    if f.default_factory is not dataclasses.MISSING:
+        return field(default_factory=f.default_factory, metadata=f.metadata)
+    return field(default=f.default, metadata=f.metadata)

@@ -1,0 +1,195 @@
+"""Every change the plugin makes to fairseq, in one place.
+
+fairseq has no extension point for decoding algorithms, generation options or
+checkpoint allow-lists, so the plugin patches a few names when it is imported
+(``--user-dir fairseq_fastgen`` or ``import fairseq_fastgen``).  Each patch
+says why it is needed.  They were written against fairseq 0.12.x (the
+``fairseq-fixed`` 0.12.3.1 fork); :func:`install` warns on any other version.
+
+1. Checkpoint loading: torch >= 2.6 loads with ``weights_only=True``; we allow
+   the globals fairseq checkpoints contain and explain any other refusal.
+2. Generation options: fairseq reads them from one dataclass,
+   ``GenerationConfig``; we substitute a subclass holding ``--decoder`` and
+   every decoder's options, so they appear in ``--help`` and reach
+   ``cfg.generation`` (a separate registry crashes fairseq's config conversion).
+3. ``FairseqTask.build_generator``: builds the decoder named by ``--decoder``.
+4. ``data_utils.batch_by_size``: fairseq drops the last batch when its size is
+   not a multiple of ``--required-batch-size-multiple`` (default 8), so
+   fairseq-generate silently loses sentences; we keep that batch.  And
+   ``FairseqTask.get_batch_iterator`` refuses any batching that loses sentences.
+5. ``fairseq_cli.generate._main`` / ``fairseq_cli.interactive.main``: report
+   the decoders' statistics at the end of a run.
+"""
+
+import dataclasses
+import functools
+import logging
+import pickle
+import sys
+
+import fairseq
+from fairseq import checkpoint_utils
+from fairseq.dataclass import configs as fairseq_configs
+from fairseq.tasks.fairseq_task import FairseqTask
+
+from fairseq_fastgen import checkpoint_safety
+from fairseq_fastgen.config import build_generation_config
+from fairseq_fastgen.sequence_generators.registry import DECODERS, option_value
+
+logger = logging.getLogger(__name__)
+
+TESTED_FAIRSEQ_VERSIONS = ("0.12.2", "0.12.3.1")
+
+_installed = False
+generators_built = []  # every generator built in this process, for the end-of-run statistics
+
+
+def install():
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    if fairseq.__version__ not in TESTED_FAIRSEQ_VERSIONS:
+        logger.warning(
+            "fairseq_fastgen was written for fairseq %s; found %s", " / ".join(TESTED_FAIRSEQ_VERSIONS), fairseq.__version__
+        )
+    _install_checkpoint_loading()
+    _install_generation_config()
+    _install_build_generator()
+    _install_batch_iterator()
+    _install_cli_reports()
+
+
+# ---- 1. checkpoint loading -------------------------------------------------------------
+def _install_checkpoint_loading():
+    checkpoint_safety.allow_fairseq_checkpoint_globals()
+    original = checkpoint_utils.load_checkpoint_to_cpu
+
+    @functools.wraps(original)
+    def load_checkpoint_to_cpu(path, *args, **kwargs):
+        try:
+            return original(path, *args, **kwargs)
+        except pickle.UnpicklingError as error:
+            if "weights_only" not in str(error) and "Unsupported global" not in str(error):
+                raise
+            raise checkpoint_safety.explain_refusal(path, error) from error
+
+    checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
+
+
+# ---- 2. generation options ---------------------------------------------------------------
+def _install_generation_config():
+    from fairseq import options
+    from fairseq.dataclass.initialize import hydra_init
+
+    merged = build_generation_config()
+    fairseq_configs.GenerationConfig = merged
+    options.GenerationConfig = merged
+    generation_field = fairseq_configs.FairseqConfig.__dataclass_fields__["generation"]
+    generation_field.type = merged
+    generation_field.default = merged
+    fairseq_configs.FairseqConfig.__annotations__["generation"] = merged
+    hydra_init()  # hydra stored the schema at fairseq import: store it again with our fields
+
+
+# ---- 3. --decoder ---------------------------------------------------------------------------
+def decoder_name(gen_cfg):
+    name = option_value(gen_cfg, "decoder")
+    return str(getattr(name, "value", name))
+
+
+def _install_build_generator():
+    original = FairseqTask.build_generator
+
+    @functools.wraps(original)
+    def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
+        name = decoder_name(args)
+        entry = DECODERS.get(name)
+        if entry is None:
+            raise ValueError(f"unknown --decoder {name!r}; choose one of: {', '.join(DECODERS)}")
+        if entry.builder is None:
+            generator = original(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
+        else:
+            extra = dict(extra_gen_cls_kwargs or {})
+            extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn
+            generator = entry.builder(models, self.target_dictionary, args, **extra)
+        generator.fastgen_decoder = name
+        generators_built.append(generator)
+        return generator
+
+    FairseqTask.build_generator = build_generator
+
+
+# ---- 4. no dropped sentences ----------------------------------------------------------------
+def _install_batch_iterator():
+    from fairseq.data import data_utils
+
+    original_batch_by_size = data_utils.batch_by_size
+
+    @functools.wraps(original_batch_by_size)
+    def batch_by_size(indices, *args, **kwargs):
+        batches = original_batch_by_size(indices, *args, **kwargs)
+        if kwargs.get("fixed_shapes") is not None:
+            return batches
+        covered = sum(len(b) for b in batches)  # batches split ``indices`` in order
+        if covered < len(indices):
+            batches = list(batches) + [indices[covered:]]
+        return batches
+
+    data_utils.batch_by_size = batch_by_size
+
+    original = FairseqTask.get_batch_iterator
+
+    @functools.wraps(original)
+    def get_batch_iterator(self, dataset, *args, **kwargs):
+        iterator = original(self, dataset, *args, **kwargs)
+        _check_every_index_batched(dataset, iterator, kwargs)
+        return iterator
+
+    FairseqTask.get_batch_iterator = get_batch_iterator
+
+
+def _check_every_index_batched(dataset, iterator, kwargs):
+    """Fail loudly instead of silently translating fewer sentences than given."""
+    if kwargs.get("ignore_invalid_inputs") or kwargs.get("num_shards", 1) > 1:
+        return  # the user asked fairseq to skip, or another rank holds the rest
+    batched = sum(len(b) for b in iterator.frozen_batches)
+    if batched != len(dataset):
+        raise RuntimeError(f"batching lost {len(dataset) - batched} of {len(dataset)} sentences")
+
+
+# ---- 5. end-of-run statistics ------------------------------------------------------------------
+def report_statistics(gen_cfg, stream):
+    plugin_generators = [g for g in generators_built if hasattr(g, "counters")]
+    for generator in plugin_generators:
+        print(generator.counters.summary(), file=stream)
+    path = option_value(gen_cfg, "decoder_stats_json")
+    if path and plugin_generators:
+        plugin_generators[-1].counters.write_json(path)
+
+
+def _install_cli_reports():
+    import fairseq_cli.generate as generate_cli
+    import fairseq_cli.interactive as interactive_cli
+
+    original_generate = generate_cli._main
+
+    @functools.wraps(original_generate)
+    def generate_main(cfg, output_file):
+        generators_built.clear()
+        scorer = original_generate(cfg, output_file)
+        report_statistics(cfg.generation, output_file)
+        return scorer
+
+    generate_cli._main = generate_main
+
+    original_interactive = interactive_cli.main
+
+    @functools.wraps(original_interactive)
+    def interactive_main(cfg):
+        generators_built.clear()
+        result = original_interactive(cfg)
+        report_statistics(cfg.generation, sys.stdout)
+        return result
+
+    interactive_cli.main = interactive_main

@@ -1,0 +1,1 @@
+"""Registered on import of fairseq_fastgen."""

@@ -1,0 +1,209 @@
+"""The plugin's generator: fairseq's generator interface around a search policy.
+
+``FastgenGenerator.generate(models, sample, ...)`` returns, like fairseq's
+SequenceGenerator, one list of hypotheses per sentence of ``sample``, each a
+dict with ``tokens`` (ending in eos), ``score``, ``positional_scores``,
+``attention`` and ``alignment``.  Three roles are kept apart:
+
+* the **scheduler** decides which sentences are decoded in each iteration
+  (all of the batch; or streamed with refills, see ``streaming.py``);
+* the **search policy** decides what survives an iteration (greedy argmax,
+  blockwise verify/accept, beam pruning);
+* the **runner** runs the model (encoder, incremental step, projection).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from fairseq_fastgen.sequence_generators.counters import GenerationCounters
+from fairseq_fastgen.sequence_generators.processors import apply_processors, build_processors, row_max_len
+from fairseq_fastgen.sequence_generators.registry import option_value
+from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.sequence_generators.state import DecodingState
+
+
+@dataclass
+class SourcePool:
+    """The sentences of one ``generate`` call, addressed by their position in it."""
+
+    net_input: Dict[str, Tensor]  # src_tokens (sentences, src_len), src_lengths (sentences,)
+    src_lengths: Tensor  # (sentences,) real length without pad / eos
+    max_len: Tensor  # (sentences,) length limit of each hypothesis
+    prefix_tokens: Optional[Tensor]  # (sentences, prefix_len) or None
+    pad: int  # padding symbol of the source
+
+    @property
+    def size(self) -> int:
+        return self.src_lengths.size(0)
+
+    def subset(self, index: Tensor) -> Dict[str, Tensor]:
+        """net_input of the given sentences, re-padded to their own longest source."""
+        src_tokens = self.net_input["src_tokens"].index_select(0, index)
+        lengths = self.net_input["src_lengths"].index_select(0, index)
+        pad = self.pad
+        width = int(src_tokens.ne(pad).sum(1).max()) if src_tokens.numel() else 0
+        left_padded = bool(src_tokens.size(1) and src_tokens[:, -1].ne(pad).all())
+        src_tokens = src_tokens[:, -width:] if left_padded else src_tokens[:, :width]
+        return {"src_tokens": src_tokens, "src_lengths": lengths}
+
+
+class DecodeContext:
+    """What a policy needs during one ``generate`` call (and where results go)."""
+
+    def __init__(self, runner, processors, pool, eos, lenpen, normalize_scores, nbest, counters):
+        self.runner = runner
+        self.processors = processors
+        self.pool = pool
+        self.eos = eos
+        self.lenpen = lenpen
+        self.normalize_scores = normalize_scores
+        self.nbest = nbest
+        self.counters = counters
+        self.results: List[Optional[List[Dict[str, Tensor]]]] = [None] * pool.size
+
+    # ---- model ----------------------------------------------------------------
+    def start_state(self, sentences: Tensor) -> DecodingState:
+        """Encode the given pool sentences; one row per sentence."""
+        net_input = self.pool.subset(sentences) if sentences.numel() != self.pool.size else self.pool.net_input
+        encoder_out = self.runner.encode(net_input)
+        self.counters.add("encoder_calls")
+        bos = torch.full((sentences.numel(), 1), self.eos, dtype=torch.long, device=sentences.device)
+        return DecodingState(
+            self.runner, bos, sentences.clone(), self.pool.max_len.index_select(0, sentences),
+            encoder_out, self.runner.new_cache(), net_input["src_tokens"].size(1),
+        )
+
+    def next_lprobs(self, state: DecodingState):
+        """Run the model for every row of ``state``; processed lprobs (rows, vocab), attn."""
+        lprobs, attn = self.runner.step(state.tokens, state.encoder_out, state.cache)
+        self.counters.add("model_calls")
+        apply_processors(self.processors, lprobs, state)
+        return lprobs, attn
+
+    # ---- results ----------------------------------------------------------------
+    def hypothesis(self, state: DecodingState, row: int) -> Dict[str, Tensor]:
+        """A finished row (its last token is eos) in fairseq's hypothesis format."""
+        length = state.length
+        cum = state.cum_scores[row]  # (length,)
+        positional = cum.clone()
+        positional[1:] = cum[1:] - cum[:-1]
+        score = cum[-1]
+        if self.normalize_scores:
+            score = score / (length ** self.lenpen)
+        attention = state.attn[row] if state.attn is not None else torch.empty(0)
+        return {
+            "tokens": state.tokens[row, 1:].clone(),
+            "score": score,
+            "attention": attention,
+            "alignment": torch.empty(0),
+            "positional_scores": positional,
+        }
+
+    def finish(self, sentence: int, hypotheses: List[Dict[str, Tensor]]):
+        """Record the final hypotheses of a sentence (best first)."""
+        if self.results[sentence] is not None:
+            raise RuntimeError(f"sentence {sentence} finished twice")
+        ranked = sorted(hypotheses, key=lambda h: float(h["score"]), reverse=True)
+        self.results[sentence] = ranked[: self.nbest]
+        self.counters.add("sentences")
+        self.counters.add("tokens", ranked[0]["tokens"].numel())
+
+
+class StaticScheduler:
+    """All sentences of the call start together and run until each finishes."""
+
+    def run(self, policy, ctx: DecodeContext):
+        sentences = torch.arange(ctx.pool.size, device=ctx.pool.src_lengths.device)
+        state = policy.start(ctx.start_state(sentences), ctx)
+        while state.rows > 0:
+            policy.advance(state, ctx)
+            ctx.counters.add("iterations")
+
+
+class FastgenGenerator(nn.Module):
+    """Base of the plugin's decoders; subclasses set ``name`` and build a policy."""
+
+    name = "?"
+
+    def __init__(self, model, tgt_dict, gen_cfg, policy, scheduler=None, projection=None):
+        super().__init__()
+        self.model = model
+        self.tgt_dict = tgt_dict
+        self.gen_cfg = gen_cfg
+        self.policy = policy
+        self.scheduler = scheduler or StaticScheduler()
+        self.eos = tgt_dict.eos()
+        self.pad = tgt_dict.pad()
+        self.symbols_to_strip_from_output = {self.eos}
+        self.runner = ModelRunner(model, temperature=gen_cfg.temperature, projection=projection)
+        self.counters = self.new_counters()
+        self.nbest = 1
+
+    def new_counters(self):
+        return GenerationCounters(self.name)
+
+    @classmethod
+    def from_config(cls, models, tgt_dict, gen_cfg, **extra):
+        model = single_model(cls.name, models)
+        reject_unsupported(cls.name, gen_cfg, extra)
+        return cls.build(model, tgt_dict, gen_cfg, projection=build_projection(gen_cfg, model))
+
+    @classmethod
+    def build(cls, model, tgt_dict, gen_cfg, projection=None):
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def generate(self, models, sample, prefix_tokens=None, constraints=None, bos_token=None, **kwargs):
+        if constraints is not None:
+            raise ValueError(f"--decoder {self.name} does not support lexical constraints")
+        if bos_token is not None and bos_token != self.eos:
+            raise ValueError(f"--decoder {self.name} starts from eos; bos_token={bos_token} is not supported")
+        self.model.eval()
+        pool = self.make_pool(sample["net_input"], prefix_tokens)
+        ctx = DecodeContext(
+            self.runner, build_processors(self.tgt_dict, self.gen_cfg, prefix_tokens), pool,
+            self.eos, self.gen_cfg.lenpen, not self.gen_cfg.unnormalized, self.nbest, self.counters,
+        )
+        self.scheduler.run(self.policy, ctx)
+        missing = [i for i, r in enumerate(ctx.results) if r is None]
+        if missing:
+            raise RuntimeError(f"--decoder {self.name} lost sentences {missing[:10]} (a bug: please report)")
+        return ctx.results
+
+    def make_pool(self, net_input, prefix_tokens):
+        src_tokens = net_input["src_tokens"]
+        src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
+        max_positions = self.model.max_decoder_positions()
+        return SourcePool(
+            net_input, src_lengths, row_max_len(src_lengths, self.gen_cfg, max_positions), prefix_tokens, self.pad
+        )
+
+
+def single_model(name, models):
+    if len(models) != 1:
+        raise ValueError(f"--decoder {name} decodes with one model; got an ensemble of {len(models)}")
+    return models[0]
+
+
+def reject_unsupported(name, gen_cfg, extra):
+    if extra.get("lm_model") is not None:
+        raise ValueError(f"--decoder {name} does not support shallow fusion (--lm-path); use --decoder beam")
+    if extra.get("prefix_allowed_tokens_fn") is not None:
+        raise ValueError(f"--decoder {name} does not support prefix_allowed_tokens_fn; use --decoder beam")
+    for option in ("sampling", "diverse_beam_groups", "match_source_len"):
+        value = getattr(gen_cfg, option, None)
+        if value and value not in (-1, False):
+            raise ValueError(f"--decoder {name} does not support --{option.replace('_', '-')}; use --decoder beam")
+
+
+def build_projection(gen_cfg, model):
+    path = option_value(gen_cfg, "cluster_projection")
+    if not path:
+        return None
+    from fairseq_fastgen.cluster.projection import load_projection  # noqa: keeps faiss optional
+
+    return load_projection(path, model)

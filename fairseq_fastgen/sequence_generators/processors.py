@@ -1,0 +1,110 @@
+"""Step processors: each edits the next-token log-probabilities of a step.
+
+They reproduce the rules of fairseq's SequenceGenerator so that every plugin
+decoder honours the same generation options: no pad, the unk penalty, min and
+max length, forced prefixes and no-repeat n-gram banning.  A processor gets
+``lprobs`` (rows, vocab) and the :class:`DecodingState` (whose ``tokens`` hold
+bos plus the tokens generated so far) and edits ``lprobs`` in place.
+"""
+
+import math
+
+
+NEG_INF = -math.inf
+
+
+class ForbidPad:
+    def __init__(self, pad):
+        self.pad = pad
+
+    def __call__(self, lprobs, state):
+        lprobs[lprobs != lprobs] = NEG_INF  # as stock: a NaN never wins
+        lprobs[:, self.pad] = NEG_INF
+
+
+class UnkPenalty:
+    def __init__(self, unk, penalty):
+        self.unk, self.penalty = unk, penalty
+
+    def __call__(self, lprobs, state):
+        lprobs[:, self.unk] -= self.penalty
+
+
+class LengthLimits:
+    """eos is banned before ``min_len`` tokens and forced at the row's ``max_len``.
+
+    As in fairseq, the minimum length does not apply while a prefix is forced.
+    """
+
+    def __init__(self, eos, min_len, prefix_len=0):
+        self.eos, self.min_len, self.prefix_len = eos, min_len, prefix_len
+
+    def __call__(self, lprobs, state):
+        step = state.length
+        if self.prefix_len <= step < self.min_len:
+            lprobs[:, self.eos] = NEG_INF
+        at_limit = state.max_len <= step  # (rows,)
+        if at_limit.any():
+            eos_scores = lprobs[at_limit, self.eos].clone()
+            lprobs[at_limit] = NEG_INF
+            lprobs[at_limit, self.eos] = eos_scores
+
+
+class ForcePrefix:
+    """Rows whose sentence has a forced prefix token at this step may only produce it."""
+
+    def __init__(self, prefix_tokens, pad):
+        self.prefix_tokens = prefix_tokens  # (sentences, prefix_len) long
+        self.pad = pad
+
+    def __call__(self, lprobs, state):
+        step = state.length
+        if step >= self.prefix_tokens.size(1):
+            return
+        forced = self.prefix_tokens[state.sentence, step]  # (rows,)
+        rows = (forced.ne(self.pad) & state.max_len.gt(step)).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        kept = lprobs[rows, forced[rows]].clone()
+        lprobs[rows] = NEG_INF
+        lprobs[rows, forced[rows]] = kept
+
+
+class BanRepeatedNgrams:
+    """--no-repeat-ngram-size: torch on CPU, the CuPy kernel on CUDA (see ops/)."""
+
+    def __init__(self, n):
+        from fairseq_fastgen.ops.ngram_ban import ban_repeated_ngrams
+
+        self.n = n
+        self.ban = ban_repeated_ngrams
+
+    def __call__(self, lprobs, state):
+        self.ban(state.tokens, lprobs, step=state.length, n=self.n)
+
+
+def build_processors(tgt_dict, gen_cfg, prefix_tokens=None):
+    """The processors implied by fairseq's generation options, in stock order."""
+    processors = [ForbidPad(tgt_dict.pad())]
+    if gen_cfg.unkpen:
+        processors.append(UnkPenalty(tgt_dict.unk(), gen_cfg.unkpen))
+    has_prefix = prefix_tokens is not None and prefix_tokens.numel() > 0
+    processors.append(LengthLimits(tgt_dict.eos(), gen_cfg.min_len, prefix_tokens.size(1) if has_prefix else 0))
+    if has_prefix:
+        processors.append(ForcePrefix(prefix_tokens, tgt_dict.pad()))
+    if gen_cfg.no_repeat_ngram_size > 0:
+        processors.append(BanRepeatedNgrams(gen_cfg.no_repeat_ngram_size))
+    return processors
+
+
+def apply_processors(processors, lprobs, state):
+    for processor in processors:
+        processor(lprobs, state)
+    return lprobs
+
+
+def row_max_len(src_lengths, gen_cfg, max_positions):
+    """Per-sentence length limit (stock fairseq uses the longest source of the batch;
+    per sentence keeps results independent of batching)."""
+    limit = (gen_cfg.max_len_a * src_lengths.float() + gen_cfg.max_len_b).long()
+    return limit.clamp(max=max_positions - 1)

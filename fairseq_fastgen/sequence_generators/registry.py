@@ -1,0 +1,76 @@
+"""Registry of the decoders selectable with ``--decoder NAME``.
+
+A decoder registers a builder and, optionally, a dataclass of its own options.
+The integration module merges every registered options dataclass into fairseq's
+``GenerationConfig`` so that the options show up in ``--help`` of
+fairseq-generate / fairseq-interactive and arrive in ``cfg.generation``.
+
+The builder is called as ``builder(models, tgt_dict, gen_cfg, **extra)`` where
+``gen_cfg`` is ``cfg.generation`` (an omegaconf node, a Namespace from the hub
+interface, or the merged dataclass) and returns an object with fairseq's
+generator interface: ``generate(models, sample, prefix_tokens=None, **kw)``.
+A builder of ``None`` means "use fairseq's own ``build_generator``".
+"""
+
+from dataclasses import dataclass, fields
+from typing import Callable, Dict, Optional, Type
+
+
+@dataclass(frozen=True)
+class DecoderEntry:
+    name: str
+    builder: Optional[Callable]  # None: stock fairseq SequenceGenerator
+    options: Optional[Type]  # dataclass of decoder-specific options, or None
+    guarantee: str  # one line: what the decoder promises about its output
+
+
+DECODERS: Dict[str, DecoderEntry] = {}
+
+
+def register_decoder(name: str, options: Optional[Type] = None, guarantee: str = ""):
+    """Class decorator: ``@register_decoder("greedy", options=GreedyOptions)``.
+
+    The decorated class must provide ``from_config(models, tgt_dict, gen_cfg, **extra)``.
+    """
+
+    def wrap(cls):
+        register_builder(name, cls.from_config, options, guarantee or (cls.__doc__ or "").strip().split("\n")[0])
+        return cls
+
+    return wrap
+
+
+def register_builder(name: str, builder: Optional[Callable], options: Optional[Type] = None, guarantee: str = ""):
+    if name in DECODERS:
+        raise ValueError(f"decoder {name!r} is already registered")
+    DECODERS[name] = DecoderEntry(name, builder, options, guarantee)
+
+
+def decoder_names():
+    return list(DECODERS)
+
+
+def option_value(gen_cfg, name: str):
+    """Read a plugin option from ``gen_cfg``, falling back to its declared default.
+
+    Generation configs stored in checkpoints (hub interface) or built by other
+    code may lack the plugin's fields; their defaults then apply.
+    """
+    value = getattr(gen_cfg, name, _MISSING)
+    if value is not _MISSING:
+        return value
+    for entry in DECODERS.values():
+        if entry.options is None:
+            continue
+        for f in fields(entry.options):
+            if f.name == name:
+                return f.default
+    from fairseq_fastgen.config import PluginOptions
+
+    for f in fields(PluginOptions):
+        if f.name == name:
+            return f.default
+    raise AttributeError(f"unknown generation option {name!r}")
+
+
+_MISSING = object()

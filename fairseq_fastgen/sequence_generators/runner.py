@@ -1,0 +1,107 @@
+"""The model runner: how one decoding step of a fairseq encoder-decoder runs.
+
+Decoders decide *what* comes next; the runner decides *how* the model is run:
+encoding, one incremental decoder step, the vocabulary projection (full, or
+restricted to a cluster-projected set of columns), and the bookkeeping of the
+encoder output and the incremental cache when rows are reordered or merged.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from fairseq import utils
+
+
+class ModelRunner:
+    def __init__(self, model, temperature: float = 1.0, projection=None):
+        self.model = model
+        self.temperature = temperature
+        # projection(features (rows, n, dim), decoder) -> logits (rows, n, vocab); None: full projection
+        self.projection = projection
+
+    # ---- encoder ------------------------------------------------------------
+    def encode(self, net_input) -> Dict[str, List[Tensor]]:
+        return self.model.encoder.forward_torchscript(net_input)
+
+    def reorder_encoder_out(self, encoder_out, index: Tensor):
+        return self.model.encoder.reorder_encoder_out(encoder_out, index)
+
+    def concat_encoder_out(self, encoder_outs):
+        """Concatenate encoder outputs of several cohorts along the batch dimension.
+
+        Sources of different padded lengths are left-padded to the longest
+        (fairseq's translation task pads sources on the left) and the padding
+        mask marks the added positions.
+        """
+        src_len = max(e["encoder_out"][0].size(0) for e in encoder_outs)
+        outs, masks = [], []
+        for e in encoder_outs:
+            x = e["encoder_out"][0]  # (src_len_i, rows_i, dim)
+            rows, extra = x.size(1), src_len - x.size(0)
+            mask = e["encoder_padding_mask"][0] if e["encoder_padding_mask"] else x.new_zeros((rows, x.size(0)), dtype=torch.bool)
+            outs.append(torch.nn.functional.pad(x, (0, 0, 0, 0, extra, 0)))
+            masks.append(torch.nn.functional.pad(mask, (extra, 0), value=True))
+        return {
+            "encoder_out": [torch.cat(outs, dim=1)],
+            "encoder_padding_mask": [torch.cat(masks, dim=0)],
+            "encoder_embedding": [],
+            "encoder_states": [],
+            "src_tokens": [],
+            "src_lengths": [],
+        }
+
+    # ---- incremental cache -----------------------------------------------------
+    @staticmethod
+    def new_cache() -> Dict[str, Dict[str, Optional[Tensor]]]:
+        return torch.jit.annotate(Dict[str, Dict[str, Optional[Tensor]]], {})
+
+    def reorder_cache(self, cache, index: Tensor):
+        if cache:
+            self.model.decoder.reorder_incremental_state_scripting(cache, index)
+
+    @staticmethod
+    def concat_caches(caches):
+        """Concatenate incremental caches of cohorts at the same target length.
+
+        Encoder-decoder keys/values of different source lengths are left-padded,
+        and their key padding masks extended accordingly.
+        """
+        merged = {}
+        for key in caches[0]:
+            buffers = [c[key] for c in caches]
+            merged[key] = {}
+            for name, first in buffers[0].items():
+                if first is None:
+                    merged[key][name] = None
+                    continue
+                parts = [b[name] for b in buffers]
+                if name == "prev_key_padding_mask":
+                    width = max(p.size(1) for p in parts)
+                    parts = [torch.nn.functional.pad(p, (width - p.size(1), 0), value=True) for p in parts]
+                elif first.dim() == 4:  # (rows, heads, len, head_dim)
+                    width = max(p.size(2) for p in parts)
+                    parts = [torch.nn.functional.pad(p, (0, 0, width - p.size(2), 0)) for p in parts]
+                merged[key][name] = torch.cat(parts, dim=0)
+        return merged
+
+    # ---- one decoder step ------------------------------------------------------
+    def step(self, tokens: Tensor, encoder_out, cache):
+        """Log-probabilities of the next token of every row.
+
+        tokens: (rows, length) the full prefix of every row (the decoder reads only
+        the last position, earlier ones come from ``cache``).
+        Returns lprobs (rows, vocab) float and attn (rows, src_len) or None.
+        """
+        decoder = self.model.decoder
+        features, extra = decoder.extract_features(tokens, encoder_out=encoder_out, incremental_state=cache)
+        features = features[:, -1:, :]  # (rows, 1, dim)
+        logits = decoder.output_layer(features) if self.projection is None else self.projection(features, decoder)
+        if self.temperature != 1.0:
+            logits = logits.div_(self.temperature)
+        lprobs = utils.log_softmax(logits, dim=-1)[:, -1, :]  # (rows, vocab)
+        attn = extra.get("attn", [None])[0] if isinstance(extra, dict) else None
+        if attn is not None:
+            attn = attn[:, -1, :]  # (rows, src_len)
+        return lprobs, attn

@@ -1,0 +1,102 @@
+"""The embedded default: a synthetic corpus, binarized, and a tiny transformer.
+
+Used by ``make demo`` and by the test fixtures.  Every step calls the real
+fairseq command line tools (fairseq-preprocess, fairseq-train), as a user would.
+"""
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List
+
+from fairseq_fastgen.data.synthetic import generate_corpus
+
+PLUGIN_DIR = str(Path(__file__).resolve().parent)  # the --user-dir argument
+SRC, TGT = "en", "fr"
+
+
+@dataclass
+class ToyModelSpec:
+    """A tiny base transformer; the defaults train in well under a minute on 2 cores."""
+
+    layers: int = 2
+    dim: int = 64
+    ffn: int = 128
+    heads: int = 2
+    max_positions: int = 64
+    max_update: int = 300
+    max_tokens: int = 4000
+    lr: float = 0.005
+    warmup: int = 100
+    seed: int = 1
+    arch: str = "transformer"
+    extra_args: List[str] = field(default_factory=list)
+
+    def train_args(self) -> List[str]:
+        return [
+            "--arch", self.arch,
+            "--encoder-layers", str(self.layers), "--decoder-layers", str(self.layers),
+            "--encoder-embed-dim", str(self.dim), "--decoder-embed-dim", str(self.dim),
+            "--encoder-ffn-embed-dim", str(self.ffn), "--decoder-ffn-embed-dim", str(self.ffn),
+            "--encoder-attention-heads", str(self.heads), "--decoder-attention-heads", str(self.heads),
+            "--max-source-positions", str(self.max_positions), "--max-target-positions", str(self.max_positions),
+            "--share-decoder-input-output-embed",
+            "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--clip-norm", "1.0",
+            "--lr", str(self.lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(self.warmup),
+            "--dropout", "0.1", "--max-tokens", str(self.max_tokens), "--max-update", str(self.max_update),
+            "--seed", str(self.seed),
+        ] + list(self.extra_args)
+
+
+def fairseq_command(tool: str) -> List[str]:
+    """Run a fairseq CLI with the interpreter running us (works without PATH set up)."""
+    module = {"preprocess": "fairseq_cli.preprocess", "train": "fairseq_cli.train",
+              "generate": "fairseq_cli.generate", "interactive": "fairseq_cli.interactive"}[tool]
+    return [sys.executable, "-m", module]
+
+
+def run(cmd, log_path=None, show_progress=False):
+    """Run a command; on failure raise with the tail of its output."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if show_progress:
+        completed = subprocess.run(cmd, env=env)
+        output = ""
+    else:
+        completed = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        output = completed.stdout + completed.stderr
+        if log_path:
+            Path(log_path).write_text(output)
+    if completed.returncode != 0:
+        raise RuntimeError(f"command failed ({completed.returncode}): {' '.join(cmd)}\n{output[-3000:]}")
+    return output
+
+
+def make_corpus(raw_dir, n_train=20000, n_valid=500, n_test=500, seed=1):
+    return generate_corpus(raw_dir, n_train=n_train, n_valid=n_valid, n_test=n_test, seed=seed, src=SRC, tgt=TGT)
+
+
+def binarize(raw_dir, bin_dir, joined_dictionary=False):
+    cmd = fairseq_command("preprocess") + [
+        "--source-lang", SRC, "--target-lang", TGT,
+        "--trainpref", f"{raw_dir}/train", "--validpref", f"{raw_dir}/valid", "--testpref", f"{raw_dir}/test",
+        "--destdir", str(bin_dir), "--workers", "1",
+    ]
+    if joined_dictionary:
+        cmd.append("--joined-dictionary")
+    run(cmd, log_path=Path(bin_dir).parent / "preprocess.log")
+    return bin_dir
+
+
+def train(bin_dir, save_dir, spec: ToyModelSpec, show_progress=False, criterion_args=None):
+    criterion_args = criterion_args or ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+    cmd = fairseq_command("train") + [
+        str(bin_dir), "--user-dir", PLUGIN_DIR, "--save-dir", str(save_dir),
+        "--cpu", "--num-workers", "0", "--no-epoch-checkpoints", "--no-last-checkpoints",
+        "--log-format", "simple", "--log-interval", "50",
+    ] + spec.train_args() + criterion_args
+    if not show_progress:
+        cmd.append("--no-progress-bar")
+    run(cmd, log_path=Path(save_dir) / "train.log" if not show_progress else None, show_progress=show_progress)
+    return Path(save_dir) / "checkpoint_best.pt"
