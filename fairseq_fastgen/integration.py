@@ -17,8 +17,10 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    not a multiple of ``--required-batch-size-multiple`` (default 8), so
    fairseq-generate silently loses sentences; we keep that batch.  And
    ``FairseqTask.get_batch_iterator`` refuses any batching that loses sentences.
-5. ``fairseq_cli.generate._main`` / ``fairseq_cli.interactive.main``: report
-   the decoders' statistics at the end of a run.
+5. ``fairseq_cli.generate._main`` / ``fairseq_cli.interactive.main``: let the
+   selected decoder adjust the run (``prepare_cli``: streaming decoders read
+   larger pools), run the plugin's asynchronous generate loop when
+   ``--postprocess-workers`` > 0, and report the decoders' statistics.
 """
 
 import dataclasses
@@ -168,28 +170,55 @@ def report_statistics(gen_cfg, stream):
         plugin_generators[-1].counters.write_json(path)
 
 
+def _prepare_decoder(cfg, tool):
+    entry = DECODERS.get(decoder_name(cfg.generation))
+    if entry is not None and entry.prepare_cli is not None:
+        entry.prepare_cli(cfg, tool)
+
+
+def _cli_modules(name):
+    """The module objects of a fairseq CLI: imported by the console script, and
+    ``__main__`` as well when it runs as ``python -m fairseq_cli.NAME``."""
+    import importlib
+
+    modules = [importlib.import_module(f"fairseq_cli.{name}")]
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) == f"fairseq_cli.{name}":
+        modules.append(main)
+    return modules
+
+
 def _install_cli_reports():
-    import fairseq_cli.generate as generate_cli
-    import fairseq_cli.interactive as interactive_cli
+    for generate_cli in _cli_modules("generate"):
+        generate_cli._main = _wrap_generate_main(generate_cli._main)
+    for interactive_cli in _cli_modules("interactive"):
+        interactive_cli.main = _wrap_interactive_main(interactive_cli.main)
 
-    original_generate = generate_cli._main
 
+def _wrap_generate_main(original_generate):
     @functools.wraps(original_generate)
     def generate_main(cfg, output_file):
         generators_built.clear()
-        scorer = original_generate(cfg, output_file)
+        _prepare_decoder(cfg, "generate")
+        if option_value(cfg.generation, "postprocess_workers") > 0:
+            from fairseq_fastgen.cli.async_generate import async_generate_main
+
+            scorer = async_generate_main(cfg, output_file)
+        else:
+            scorer = original_generate(cfg, output_file)
         report_statistics(cfg.generation, output_file)
         return scorer
 
-    generate_cli._main = generate_main
+    return generate_main
 
-    original_interactive = interactive_cli.main
 
+def _wrap_interactive_main(original_interactive):
     @functools.wraps(original_interactive)
     def interactive_main(cfg):
         generators_built.clear()
+        _prepare_decoder(cfg, "interactive")
         result = original_interactive(cfg)
         report_statistics(cfg.generation, sys.stdout)
         return result
 
-    interactive_cli.main = interactive_main
+    return interactive_main

@@ -4,7 +4,10 @@ Used by ``make demo`` and by the test fixtures.  Every step calls the real
 fairseq command line tools (fairseq-preprocess, fairseq-train), as a user would.
 """
 
+import fcntl
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ class ToyModelSpec:
     heads: int = 2
     max_positions: int = 64
     max_update: int = 300
+    validate_interval: int = 1  # epochs between validations / checkpoint saves
     max_tokens: int = 4000
     lr: float = 0.005
     warmup: int = 100
@@ -47,14 +51,17 @@ class ToyModelSpec:
             "--lr", str(self.lr), "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(self.warmup),
             "--dropout", "0.1", "--max-tokens", str(self.max_tokens), "--max-update", str(self.max_update),
             "--seed", str(self.seed),
+            "--validate-interval", str(self.validate_interval), "--save-interval", str(self.validate_interval),
         ] + list(self.extra_args)
 
 
 def fairseq_command(tool: str) -> List[str]:
-    """Run a fairseq CLI with the interpreter running us (works without PATH set up)."""
-    module = {"preprocess": "fairseq_cli.preprocess", "train": "fairseq_cli.train",
-              "generate": "fairseq_cli.generate", "interactive": "fairseq_cli.interactive"}[tool]
-    return [sys.executable, "-m", module]
+    """The fairseq console script (fairseq-generate, ...) of the running interpreter's
+    environment, so it works without the virtual environment on PATH."""
+    script = Path(sys.executable).parent / f"fairseq-{tool}"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", f"from fairseq_cli.{tool} import cli_main; cli_main()"]
 
 
 def run(cmd, log_path=None, show_progress=False):
@@ -93,10 +100,50 @@ def train(bin_dir, save_dir, spec: ToyModelSpec, show_progress=False, criterion_
     criterion_args = criterion_args or ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
     cmd = fairseq_command("train") + [
         str(bin_dir), "--user-dir", PLUGIN_DIR, "--save-dir", str(save_dir),
-        "--cpu", "--num-workers", "0", "--no-epoch-checkpoints", "--no-last-checkpoints",
+        "--cpu", "--num-workers", "0", "--no-epoch-checkpoints",
         "--log-format", "simple", "--log-interval", "50",
     ] + spec.train_args() + criterion_args
     if not show_progress:
         cmd.append("--no-progress-bar")
     run(cmd, log_path=Path(save_dir) / "train.log" if not show_progress else None, show_progress=show_progress)
-    return Path(save_dir) / "checkpoint_best.pt"
+    return Path(save_dir) / "checkpoint_last.pt"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fairseq_fastgen"))
+
+
+def cached_build(name, key_parts, build):
+    """Build an artifact directory once per content key, shared across processes.
+
+    ``build(tmp_dir)`` fills a fresh directory; it is renamed into place only
+    when complete, and a file lock makes concurrent callers (pytest-xdist
+    workers) wait for the first builder instead of building twice.
+    """
+    digest = hashlib.sha256("\x00".join(str(p) for p in key_parts).encode()).hexdigest()[:16]
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{name}-{digest}"
+    with open(root / f"{name}-{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not final.exists():
+            tmp = root / f"{name}-{digest}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            build(tmp)
+            tmp.rename(final)
+    return final
+
+
+def source_fingerprint(*modules) -> str:
+    """Hash of the source files an artifact depends on (rebuild when they change)."""
+    return hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in modules)).hexdigest()
+
+
+def build_toy_model(out_dir, spec: ToyModelSpec, n_train=4000, n_valid=200, n_test=200):
+    """Corpus, data-bin and a trained checkpoint under ``out_dir``."""
+    out_dir = Path(out_dir)
+    make_corpus(out_dir / "raw", n_train=n_train, n_valid=n_valid, n_test=n_test)
+    binarize(out_dir / "raw", out_dir / "bin")
+    (out_dir / "ckpt").mkdir(exist_ok=True)
+    train(out_dir / "bin", out_dir / "ckpt", spec)

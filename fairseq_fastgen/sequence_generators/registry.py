@@ -22,28 +22,32 @@ class DecoderEntry:
     builder: Optional[Callable]  # None: stock fairseq SequenceGenerator
     options: Optional[Type]  # dataclass of decoder-specific options, or None
     guarantee: str  # one line: what the decoder promises about its output
+    # prepare_cli(cfg, tool) adjusts the full fairseq config before fairseq-generate
+    # ("generate") or fairseq-interactive ("interactive") runs (e.g. streaming pools)
+    prepare_cli: Optional[Callable] = None
 
 
 DECODERS: Dict[str, DecoderEntry] = {}
 
 
-def register_decoder(name: str, options: Optional[Type] = None, guarantee: str = ""):
+def register_decoder(name: str, options: Optional[Type] = None, guarantee: str = "", prepare_cli=None):
     """Class decorator: ``@register_decoder("greedy", options=GreedyOptions)``.
 
     The decorated class must provide ``from_config(models, tgt_dict, gen_cfg, **extra)``.
     """
 
     def wrap(cls):
-        register_builder(name, cls.from_config, options, guarantee or (cls.__doc__ or "").strip().split("\n")[0])
+        summary = guarantee or (cls.__doc__ or "").strip().split("\n")[0]
+        register_builder(name, cls.from_config, options, summary, prepare_cli)
         return cls
 
     return wrap
 
 
-def register_builder(name: str, builder: Optional[Callable], options: Optional[Type] = None, guarantee: str = ""):
+def register_builder(name, builder, options=None, guarantee="", prepare_cli=None):
     if name in DECODERS:
         raise ValueError(f"decoder {name!r} is already registered")
-    DECODERS[name] = DecoderEntry(name, builder, options, guarantee)
+    DECODERS[name] = DecoderEntry(name, builder, options, guarantee, prepare_cli)
 
 
 def decoder_names():

@@ -1,0 +1,46 @@
+"""Session fixtures: the toy corpus and a tiny transformer trained on it.
+
+Built once (cached under ~/.cache/fairseq_fastgen, or $FASTGEN_CACHE, keyed by
+the sources that produce them) and shared by the pytest-xdist workers.
+"""
+
+import inspect
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fairseq_fastgen import toy  # noqa: E402
+from fairseq_fastgen.data import synthetic  # noqa: E402
+
+TOY_SPEC = toy.ToyModelSpec(max_update=200, validate_interval=1000)
+
+
+@dataclass
+class ToyModel:
+    root: Path
+    raw: Path  # raw text: train/valid/test .en/.fr
+    data_bin: Path  # fairseq-preprocess output
+    checkpoint: Path  # trained tiny transformer
+
+
+def toy_model_dir(spec=TOY_SPEC):
+    # rebuilt only when the corpus generator, the build steps or the spec change
+    steps = (toy.build_toy_model, toy.binarize, toy.train, toy.make_corpus, toy.ToyModelSpec.train_args)
+    key = [toy.source_fingerprint(synthetic), *(inspect.getsource(f) for f in steps), repr(spec)]
+    return toy.cached_build("toy-transformer", key, lambda d: toy.build_toy_model(d, spec))
+
+
+@pytest.fixture(scope="session")
+def toy_model() -> ToyModel:
+    root = toy_model_dir()
+    return ToyModel(root, root / "raw", root / "bin", root / "ckpt" / "checkpoint_last.pt")
+
+
+@pytest.fixture(scope="session")
+def plugin_dir() -> str:
+    return toy.PLUGIN_DIR

@@ -1,0 +1,145 @@
+"""Issue 2: the plugin through the real fairseq-generate / fairseq-interactive commands."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fairseq_fastgen import toy
+
+pytestmark = pytest.mark.xdist_group("toy_cli")
+
+
+def generate(toy_model, *args, plugin=True, env=None):
+    cmd = toy.fairseq_command("generate") + [str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu"]
+    if plugin:
+        cmd += ["--user-dir", toy.PLUGIN_DIR]
+    completed = subprocess.run(cmd + list(args), capture_output=True, text=True, env=dict(os.environ, **(env or {})))
+    return completed
+
+
+def hypotheses(output):
+    """{sentence id: (tokens string, positional scores string)} from H- and P- lines."""
+    hyps, scores = {}, {}
+    for line in output.splitlines():
+        if line.startswith("H-"):
+            sid, _, text = line.split("\t")
+            hyps[int(sid[2:])] = text
+        elif line.startswith("P-"):
+            sid, values = line.split("\t")
+            scores[int(sid[2:])] = values
+    return {sid: (hyps[sid], scores.get(sid)) for sid in hyps}
+
+
+@pytest.mark.parametrize("batch_size", [1, 7, 64])
+def test_greedy_is_token_identical_to_stock_beam_1(toy_model, batch_size):
+    common = ["--batch-size", str(batch_size), "--beam", "1"]
+    stock = generate(toy_model, *common, "--required-batch-size-multiple", "1", plugin=False,
+                     env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+    greedy = generate(toy_model, *common, "--decoder", "greedy")
+    assert stock.returncode == 0, stock.stderr[-2000:]
+    assert greedy.returncode == 0, greedy.stderr[-2000:]
+    stock_hyps, greedy_hyps = hypotheses(stock.stdout), hypotheses(greedy.stdout)
+    assert len(stock_hyps) == 200
+    assert sorted(greedy_hyps) == sorted(stock_hyps)
+    differing = [sid for sid in stock_hyps if stock_hyps[sid][0] != greedy_hyps[sid][0]]
+    assert differing == [], f"greedy differs from stock --beam 1 on sentences {differing[:10]}"
+    # the decoder reports its statistics at the end of the run
+    assert re.search(r"decoder greedy: .*sentences=200", greedy.stdout)
+
+
+def test_runs_without_decoder_flag_match_stock(toy_model):
+    stock = generate(toy_model, "--beam", "4", "--batch-size", "16", "--required-batch-size-multiple", "1",
+                     plugin=False, env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+    plugin = generate(toy_model, "--beam", "4", "--batch-size", "16")
+    assert stock.returncode == 0 and plugin.returncode == 0, (stock.stderr + plugin.stderr)[-2000:]
+    assert hypotheses(plugin.stdout) == hypotheses(stock.stdout)
+
+
+def test_unknown_decoder_is_refused_with_choices(toy_model):
+    result = generate(toy_model, "--decoder", "nonsense")
+    assert result.returncode != 0
+    assert "invalid choice: 'nonsense'" in result.stderr
+    assert "greedy" in result.stderr and "beam" in result.stderr
+
+
+def test_help_lists_decoder_and_its_options(plugin_dir):
+    from fairseq_fastgen.sequence_generators import DECODERS
+
+    for tool in ("generate", "interactive"):
+        completed = subprocess.run(toy.fairseq_command(tool) + ["--user-dir", plugin_dir, "--help"],
+                                   capture_output=True, text=True)
+        assert completed.returncode == 0
+        help_text = " ".join(completed.stdout.split())
+        choices = re.search(r"--decoder \{([^}]*)\}", help_text).group(1).split(",")
+        assert sorted(choices) == sorted(DECODERS)
+        for entry in DECODERS.values():
+            if entry.options is None:
+                continue
+            for name in entry.options.__dataclass_fields__:
+                if not name.startswith("_"):
+                    assert "--" + name.replace("_", "-") in help_text, f"{name} missing from {tool} --help"
+
+
+def test_decoder_statistics_reach_json(toy_model, tmp_path):
+    stats = tmp_path / "stats.json"
+    result = generate(toy_model, "--decoder", "greedy", "--beam", "1", "--decoder-stats-json", str(stats))
+    assert result.returncode == 0, result.stderr[-2000:]
+    import json
+
+    data = json.loads(stats.read_text())
+    assert data["decoder"] == "greedy" and data["sentences"] == 200
+    assert data["iterations"] == data["model_calls"]
+
+
+def binarize_test_subset(toy_model, out_dir, n):
+    """A data-bin whose test split holds the first n toy test sentences (same dictionaries)."""
+    raw = Path(out_dir) / "raw"
+    raw.mkdir(parents=True)
+    for lang in (toy.SRC, toy.TGT):
+        lines = (toy_model.raw / f"test.{lang}").read_text().splitlines()[:n]
+        (raw / f"test.{lang}").write_text("\n".join(lines) + "\n")
+    bin_dir = Path(out_dir) / "bin"
+    toy.run(toy.fairseq_command("preprocess") + [
+        "--source-lang", toy.SRC, "--target-lang", toy.TGT, "--testpref", str(raw / "test"),
+        "--srcdict", str(toy_model.data_bin / f"dict.{toy.SRC}.txt"),
+        "--tgtdict", str(toy_model.data_bin / f"dict.{toy.TGT}.txt"), "--destdir", str(bin_dir), "--workers", "1",
+    ])
+    return bin_dir
+
+
+def test_default_batching_keeps_every_sentence(toy_model, tmp_path):
+    bin_dir = binarize_test_subset(toy_model, tmp_path, 100)
+    cmd = toy.fairseq_command("generate") + [str(bin_dir), "--path", str(toy_model.checkpoint), "--cpu",
+                                             "--user-dir", toy.PLUGIN_DIR, "--beam", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    ids = sorted(hypotheses(result.stdout))
+    assert ids == list(range(100))
+
+
+def interactive(toy_model, lines, *args):
+    cmd = toy.fairseq_command("interactive") + [
+        str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--user-dir", toy.PLUGIN_DIR,
+        "--source-lang", toy.SRC, "--target-lang", toy.TGT,
+    ] + list(args)
+    return subprocess.run(cmd, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300)
+
+
+def test_interactive_greedy_answers_every_line_in_order(toy_model):
+    test_lines = (toy_model.raw / "test.en").read_text().splitlines()[:5]
+    lines = [test_lines[0], "", "zzqx qqvv unknownword", test_lines[1], test_lines[2], test_lines[3], test_lines[4]]
+    result = interactive(toy_model, lines, "--decoder", "greedy", "--beam", "1", "--buffer-size", "3",
+                         "--batch-size", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    hyp_ids = [int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line.startswith("H-")]
+    assert hyp_ids == list(range(len(lines)))
+    sources = [line.split("\t", 1)[1] for line in result.stdout.splitlines() if line.startswith("S-")]
+    assert sources[2] == "<unk> <unk> <unk>"
+    assert sources[1] == ""
+    # the same sentences through fairseq-generate's greedy give the same hypotheses
+    solo = interactive(toy_model, [test_lines[0]], "--beam", "1")
+    first = [line for line in result.stdout.splitlines() if line.startswith("H-0")]
+    assert first == [line for line in solo.stdout.splitlines() if line.startswith("H-0")]
