@@ -42,5 +42,10 @@ def toy_model() -> ToyModel:
 
 
 @pytest.fixture(scope="session")
+def toy_spec() -> toy.ToyModelSpec:
+    return TOY_SPEC
+
+
+@pytest.fixture(scope="session")
 def plugin_dir() -> str:
     return toy.PLUGIN_DIR

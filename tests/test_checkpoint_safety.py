@@ -1,0 +1,72 @@
+"""Issue 2: fairseq checkpoints load under torch's weights_only unpickler, others are refused."""
+
+import argparse
+import dataclasses
+import fractions
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+import fairseq_fastgen  # noqa: F401  (installs the allow-list)
+from fairseq_fastgen import toy
+from fairseq_fastgen.checkpoint_safety import TRUST_ENV
+
+pytestmark = pytest.mark.xdist_group("toy_cli")
+
+
+def rewrite_checkpoint(src, dst, **extra_state):
+    state = torch.load(src, weights_only=False)
+    state["extra_state"].update(extra_state)
+    torch.save(state, dst)
+    return dst
+
+
+def generate(toy_model, checkpoint, env=None):
+    cmd = toy.fairseq_command("generate") + [str(toy_model.data_bin), "--path", str(checkpoint), "--cpu",
+                                             "--user-dir", toy.PLUGIN_DIR, "--beam", "1", "--max-sentences", "8",
+                                             "--batch-size", "8", "--quiet"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env)
+
+
+def test_plain_torch_load_of_a_fairseq_checkpoint_is_allowed(toy_model):
+    state = torch.load(toy_model.checkpoint)  # weights_only=True is torch's default
+    model_args = state["cfg"]["model"]  # fairseq pickles the model's args as an argparse.Namespace
+    assert isinstance(model_args, argparse.Namespace) and model_args.arch == "transformer"
+    assert "encoder.embed_tokens.weight" in state["model"]
+
+
+def test_checkpoint_with_numpy_meters_loads(toy_model, tmp_path):
+    """Runs with --eval-bleu pickle numpy arrays and scalars in extra_state.metrics."""
+    meters = {"_bleu_counts_0": np.arange(4, dtype=np.int64), "bleu": np.float64(31.5), "ratio": np.float32(0.9)}
+    checkpoint = rewrite_checkpoint(toy_model.checkpoint, tmp_path / "meters.pt", metrics={"valid": meters})
+    state = torch.load(checkpoint)
+    assert np.array_equal(state["extra_state"]["metrics"]["valid"]["_bleu_counts_0"], np.arange(4))
+    result = generate(toy_model, checkpoint)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_foreign_global_is_refused_with_the_opt_in(toy_model, tmp_path):
+    checkpoint = rewrite_checkpoint(toy_model.checkpoint, tmp_path / "foreign.pt", payload=fractions.Fraction(1, 3))
+    refused = generate(toy_model, checkpoint)
+    assert refused.returncode != 0
+    assert "fractions.Fraction" in refused.stderr and f"{TRUST_ENV}=fractions.Fraction" in refused.stderr
+    trusted = generate(toy_model, checkpoint, env=dict(os.environ, **{TRUST_ENV: "fractions.Fraction"}))
+    assert trusted.returncode == 0, trusted.stderr[-2000:]
+
+
+def test_train_restore_file_loads(toy_model, toy_spec, tmp_path):
+    """fairseq-train --restore-file resumes the toy checkpoint for 3 more updates."""
+    resumed = dataclasses.replace(toy_spec, max_update=toy_spec.max_update + 3)
+    cmd = toy.fairseq_command("train") + [
+        str(toy_model.data_bin), "--user-dir", toy.PLUGIN_DIR, "--save-dir", str(tmp_path), "--cpu",
+        "--num-workers", "0", "--no-epoch-checkpoints", "--no-progress-bar", "--restore-file", str(toy_model.checkpoint),
+        "--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1",
+    ] + resumed.train_args()
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = result.stdout + result.stderr
+    assert f"Loaded checkpoint {toy_model.checkpoint}" in log
+    assert f"num_updates {resumed.max_update}" in log

@@ -1,0 +1,30 @@
+"""Issue 2: decoders are reachable from Python through fairseq's hub interface."""
+
+import pytest
+
+import fairseq_fastgen  # noqa: F401  (registers the decoders)
+from fairseq.models.transformer import TransformerModel
+from fairseq_fastgen import integration
+from fairseq_fastgen.sequence_generators.greedy import GreedyGenerator
+
+
+@pytest.fixture(scope="module")
+def hub(toy_model):
+    model = TransformerModel.from_pretrained(
+        str(toy_model.checkpoint.parent), checkpoint_file=toy_model.checkpoint.name,
+        data_name_or_path=str(toy_model.data_bin), source_lang="en", target_lang="fr",
+    )
+    return model.eval()
+
+
+def test_translate_with_decoder_keyword(toy_model, hub):
+    sentences = (toy_model.raw / "test.en").read_text().splitlines()[:6]
+    stock = hub.translate(sentences, beam=1)
+    greedy = hub.translate(sentences, beam=1, decoder="greedy")
+    assert isinstance(integration.generators_built[-1], GreedyGenerator)
+    assert greedy == stock
+
+
+def test_unknown_decoder_keyword_is_refused(hub):
+    with pytest.raises(ValueError, match=r"unknown --decoder .nope.; choose one of: beam, .*greedy"):
+        hub.translate(["a sentence ."], decoder="nope")
