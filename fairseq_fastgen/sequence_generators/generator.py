@@ -68,7 +68,8 @@ class DecodeContext:
     # ---- model ----------------------------------------------------------------
     def start_state(self, sentences: Tensor) -> DecodingState:
         """Encode the given pool sentences; one row per sentence."""
-        net_input = self.pool.subset(sentences) if sentences.numel() != self.pool.size else self.pool.net_input
+        whole_pool = torch.equal(sentences, torch.arange(self.pool.size, device=sentences.device))
+        net_input = self.pool.net_input if whole_pool else self.pool.subset(sentences)
         encoder_out = self.runner.encode(net_input)
         self.counters.add("encoder_calls")
         bos = torch.full((sentences.numel(), 1), self.eos, dtype=torch.long, device=sentences.device)

@@ -18,7 +18,7 @@ class ForbidPad:
         self.pad = pad
 
     def __call__(self, lprobs, state):
-        lprobs[lprobs != lprobs] = NEG_INF  # as stock: a NaN never wins
+        lprobs.nan_to_num_(nan=NEG_INF, posinf=math.inf, neginf=NEG_INF)  # as stock: a NaN never wins
         lprobs[:, self.pad] = NEG_INF
 
 

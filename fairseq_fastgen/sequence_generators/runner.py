@@ -57,9 +57,19 @@ class ModelRunner:
     def new_cache() -> Dict[str, Dict[str, Optional[Tensor]]]:
         return torch.jit.annotate(Dict[str, Dict[str, Optional[Tensor]]], {})
 
-    def reorder_cache(self, cache, index: Tensor):
-        if cache:
-            self.model.decoder.reorder_incremental_state_scripting(cache, index)
+    @staticmethod
+    def reorder_cache(cache, index: Tensor):
+        """Move every cached tensor (self- and encoder-decoder attention) to ``index``.
+
+        Not fairseq's ``reorder_incremental_state``: it leaves the encoder-decoder
+        keys/values in place whenever the row count is unchanged (stock beam
+        search only reorders beams within a sentence), which mixes up sentences
+        when a policy reorders rows across sentences at a constant count.
+        """
+        for buffers in cache.values():
+            for name, value in buffers.items():
+                if value is not None:
+                    buffers[name] = value.index_select(0, index)
 
     @staticmethod
     def concat_caches(caches):

@@ -1,0 +1,311 @@
+"""Streaming: a scheduler that refills a running batch with new sources.
+
+The scheduler of Yang, Yao, DeNero & Klein (2020), apart from any search
+policy (variable-width beam, fixed-width beam, greedy):
+
+* at most ``capacity`` sources (``--batch-size``) or ``capacity_tokens``
+  source tokens (``--max-tokens``) are active at once;
+* when the active sources fall to ``eps`` of that capacity, the next sources
+  of the pool (in pool order) are encoded and added as a new *cohort*;
+* every cohort is a :class:`DecodingState` whose rows all have the same
+  target length, with its own incremental cache; each iteration advances only
+  the cohort of minimal length, and cohorts that reach the same length are
+  merged (:meth:`DecodingState.concat`).  Sources at different lengths thus
+  never share a model call, and encoder outputs and cached keys/values stay
+  with their rows.
+
+Without a capacity every source of the call starts at once: a static batch
+(``var-batch`` uses that).  Any policy with ``start(state, ctx)`` and
+``advance(state, ctx)`` streams; the exactness below needs a policy that pads
+its rows (``var_beam.py`` does; greedy does not).
+
+Batch-composition-independent numerics
+--------------------------------------
+Streaming puts a sentence in model calls with other companions than a static
+batch does, so its scores are bit-identical only if no kernel's result for
+that sentence depends on its companions.  On the x86 CPU (MKL) used here that
+is not free; measured with torch 2.13:
+
+* ``F.linear`` gives a row the same bits as in any other batch when the row
+  count is a multiple of 4 (fewer rows, or 5-11 rows with 2 threads, take
+  other kernels).  The policies therefore run ``ROW_MULTIPLE``-padded row
+  counts: :func:`padded_selection` repeats a real row, whose copy is marked
+  ``PADDING_SENTENCE`` and dropped at the next selection.
+* The encoder's fused attention (scaled_dot_product_attention) changes the
+  last bits of a sentence when the batch pads it to another length.
+  :class:`CompanionFreeLayout` encodes sources in groups of equal length (no
+  padding) of a multiple of 4 sentences (filled up with repeats).
+* The decoder's attention over the encoder depends on where a source's keys
+  sit: MKL computes q·Kᵀ in blocks of 4 keys, with other kernels for a last
+  partial block and for fewer than 13 keys.  Encoder outputs are therefore
+  laid out *right*-padded (source position i is column i for every sentence)
+  in a width that is a multiple of ``KEY_BLOCK`` and at least
+  ``MIN_KEY_WIDTH``: a sentence's keys then always fall into the same full
+  blocks, whatever the width.  A cohort is as wide as its longest source;
+  merging right-pads the narrower cohort (``CompanionFreeLayout.widen``),
+  where ``DecodingState.concat`` alone would left-pad it.  Hypothesis
+  ``attention`` rows follow this layout: row i is source position i, rows
+  past the source are padding.
+
+The constants are measurements of this CPU's kernels, not laws: elsewhere the
+layout is harmless, and the tests tell whether it suffices.  With it a
+sentence's scores do not depend on which sentences share its batch (``tests/sequence_generators/test_streaming.py`` holds var-stream
+equal to var-batch sentence by sentence).  It costs a few padding rows per
+step and one encoder call per distinct source length.
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from fairseq.dataclass import FairseqDataclass
+
+from fairseq_fastgen.sequence_generators.registry import option_value
+from fairseq_fastgen.sequence_generators.state import DecodingState
+
+ROW_MULTIPLE = 4  # row counts that give every row its batch-independent MKL result
+KEY_BLOCK = 4  # q·Kᵀ columns computed together
+MIN_KEY_WIDTH = 16  # narrower encoder outputs take another q·Kᵀ kernel
+PADDING_SENTENCE = -1  # sentence index of padding rows
+
+
+@dataclass
+class StreamOptions(FairseqDataclass):
+    stream_eps: float = field(
+        default=1 / 6,
+        metadata={"help": "streaming decoders: encode and add new sources when the active ones fall to this "
+                          "fraction of the capacity (epsilon of Yang et al. 2020)"},
+    )
+    stream_capacity: Optional[int] = field(
+        default=None,
+        metadata={"help": "streaming decoders: at most this many active sources; default: --batch-size "
+                          "(fairseq-generate and fairseq-interactive then read larger pools, see --stream-pool); "
+                          "from Python, with neither capacity set, each generate() call is one static batch"},
+    )
+    stream_capacity_tokens: Optional[int] = field(
+        default=None,
+        metadata={"help": "streaming decoders: at most this many active source tokens; default: --max-tokens"},
+    )
+    stream_pool: int = field(
+        default=1024,
+        metadata={"help": "streaming decoders in fairseq-generate: sentences read per generate() call, streamed "
+                          "through the capacity given by --batch-size / --max-tokens with refills (the batch "
+                          "options then set the capacity, not the batches); fairseq-interactive streams each "
+                          "--buffer-size block of input lines"},
+    )
+
+
+def prepare_streaming_cli(cfg, tool):
+    """Registry hook: make fairseq-generate / -interactive hand over pools larger than the capacity.
+
+    The capacity (``--batch-size`` / ``--max-tokens``, or fairseq's defaults)
+    is recorded in ``--stream-capacity`` / ``--stream-capacity-tokens`` unless
+    given; the data iterator then yields whole pools: ``--stream-pool``
+    sentences (fairseq-generate) or each ``--buffer-size`` block of lines
+    (fairseq-interactive).
+    """
+    generation, dataset = cfg.generation, cfg.dataset
+    batch_size, max_tokens = dataset.batch_size, dataset.max_tokens
+    if batch_size is None and max_tokens is None:  # fairseq's own defaults of each tool
+        if tool == "generate":
+            max_tokens = 12000
+        else:
+            batch_size = 1
+    if generation.stream_capacity is None and generation.stream_capacity_tokens is None:
+        generation.stream_capacity = batch_size
+        generation.stream_capacity_tokens = max_tokens
+    dataset.max_tokens = None
+    dataset.batch_size = generation.stream_pool if tool == "generate" else max(1, cfg.interactive.buffer_size)
+
+
+class StreamingScheduler:
+    """Refill-on-demand streaming over cohorts of equal target length."""
+
+    def __init__(self, capacity: Optional[int] = None, capacity_tokens: Optional[int] = None, eps: float = 1 / 6):
+        if capacity is not None and capacity < 1 or capacity_tokens is not None and capacity_tokens < 1:
+            raise ValueError("streaming capacity must be at least 1")
+        if not 0 <= eps <= 1:
+            raise ValueError(f"--stream-eps must be in [0, 1], got {eps}")
+        self.capacity = capacity
+        self.capacity_tokens = capacity_tokens
+        self.eps = eps
+
+    @classmethod
+    def from_config(cls, gen_cfg):
+        return cls(
+            option_value(gen_cfg, "stream_capacity"),
+            option_value(gen_cfg, "stream_capacity_tokens"),
+            option_value(gen_cfg, "stream_eps"),
+        )
+
+    @property
+    def streams(self) -> bool:
+        return self.capacity is not None or self.capacity_tokens is not None
+
+    def run(self, policy, ctx):
+        layout = CompanionFreeLayout(ctx)
+        if self.streams:
+            ctx.counters.add("refills", 0)  # reported even when none was needed
+        next_source = 0  # sources before it (in pool order) have been admitted
+        cohorts: List[DecodingState] = []
+        while True:
+            if next_source < ctx.pool.size and self._wants_refill(cohorts, layout):
+                admitted = self._admit(cohorts, layout, next_source)
+                if admitted:
+                    sentences = torch.arange(next_source, next_source + admitted, device=layout.source_len.device)
+                    cohorts = _merge_equal_lengths(cohorts + [policy.start(layout.encode(ctx, sentences), ctx)], layout)
+                    if next_source:
+                        ctx.counters.add("refills")
+                    next_source += admitted
+            if not cohorts:
+                break
+            cohort = min(cohorts, key=lambda c: c.length)
+            ctx.counters.record_step("candidate_expansions", int(cohort.sentence.ne(PADDING_SENTENCE).sum()))
+            policy.advance(cohort, ctx)
+            ctx.counters.add("iterations")
+            cohorts = _merge_equal_lengths([c for c in cohorts if c.rows > 0], layout)
+
+    # ---- capacity ----------------------------------------------------------------
+    def _load(self, cohorts, layout):
+        """Active sources and their source tokens."""
+        active = layout.source_len.new_zeros(layout.source_len.size(0), dtype=torch.bool)  # (pool,)
+        for cohort in cohorts:
+            active[cohort.sentence[cohort.sentence.ne(PADDING_SENTENCE)]] = True
+        return int(active.sum()), int(layout.source_len[active].sum())
+
+    def _wants_refill(self, cohorts, layout):
+        if not cohorts:
+            return True
+        if not self.streams:
+            return False
+        sentences, tokens = self._load(cohorts, layout)
+        return (self.capacity is None or sentences <= self.eps * self.capacity) and (
+            self.capacity_tokens is None or tokens <= self.eps * self.capacity_tokens
+        )
+
+    def _admit(self, cohorts, layout, next_source):
+        """How many sources, from ``next_source`` on, fit beside the active ones (at least one if none is)."""
+        pending = layout.source_len[next_source:].tolist()
+        if not self.streams:
+            return len(pending)
+        sentences, tokens = self._load(cohorts, layout) if cohorts else (0, 0)
+        admitted = 0
+        for length in pending:
+            fits = (self.capacity is None or sentences + admitted + 1 <= self.capacity) and (
+                self.capacity_tokens is None or tokens + length <= self.capacity_tokens
+            )
+            if not fits and (admitted or sentences):
+                break
+            admitted += 1
+            tokens += length
+        return admitted
+
+
+def _merge_equal_lengths(cohorts, layout):
+    by_length = {}
+    for cohort in cohorts:
+        by_length.setdefault(cohort.length, []).append(cohort)
+    merged = []
+    for group in by_length.values():
+        if len(group) > 1:
+            width = max(c.src_len for c in group)
+            group = [DecodingState.concat([layout.widen(c, width) for c in group])]
+        merged.append(group[0])
+    return merged
+
+
+# ---- batch-composition-independent numerics ---------------------------------------------------
+class CompanionFreeLayout:
+    """Encodes sources so that no sentence's numbers depend on its companions (see the module doc)."""
+
+    def __init__(self, ctx):
+        src_tokens = ctx.pool.net_input["src_tokens"]  # (sentences, src_len)
+        self.source_len = src_tokens.ne(ctx.pool.pad).sum(dim=1)  # (sentences,) tokens incl. eos
+
+    @staticmethod
+    def width_for(longest: int) -> int:
+        return max(MIN_KEY_WIDTH, -(-longest // KEY_BLOCK) * KEY_BLOCK)
+
+    def encode(self, ctx, sentences) -> DecodingState:
+        """One row per sentence, encoder outputs right-padded to the width of the longest source."""
+        states = []
+        lengths = self.source_len.index_select(0, sentences)
+        width = self.width_for(int(lengths.max()))
+        for length in lengths.unique().tolist():
+            group = sentences[lengths.eq(length)]
+            states.append(self._encode_equal_length(ctx, group, length, width))
+        return states[0] if len(states) == 1 else DecodingState.concat(states)
+
+    @staticmethod
+    def widen(state: DecodingState, width: int) -> DecodingState:
+        """Right-pad a cohort's encoder output, cached encoder keys/values and attention to ``width``.
+
+        (``DecodingState.concat`` would left-pad them, moving the keys of the narrower cohort.)
+        """
+        extra = width - state.src_len
+        if extra <= 0:
+            return state
+        encoder_states, padding = state.encoder_out["encoder_out"][0], state.encoder_out["encoder_padding_mask"][0]
+        state.encoder_out = dict(
+            state.encoder_out,
+            encoder_out=[F.pad(encoder_states, (0, 0, 0, 0, 0, extra))],  # (width, rows, dim)
+            encoder_padding_mask=[F.pad(padding, (0, extra), value=True)],  # (rows, width)
+        )
+        for buffers in state.cache.values():
+            key_padding = buffers.get("prev_key_padding_mask")
+            if key_padding is None or key_padding.size(1) != state.src_len:
+                continue  # decoder self-attention: no source positions
+            buffers["prev_key"] = F.pad(buffers["prev_key"], (0, 0, 0, extra))  # (rows, heads, width, head_dim)
+            buffers["prev_value"] = F.pad(buffers["prev_value"], (0, 0, 0, extra))
+            buffers["prev_key_padding_mask"] = F.pad(key_padding, (0, extra), value=True)
+        if state.attn is not None:
+            state.attn = F.pad(state.attn, (0, 0, 0, extra))  # (rows, width, length)
+        state.src_len = width
+        return state
+
+    def _encode_equal_length(self, ctx, group, length, width):
+        batch = group.index_select(0, padded_selection(group.numel(), group.device))
+        encoder_out = ctx.runner.encode(ctx.pool.subset(batch))
+        ctx.counters.add("encoder_calls")
+        states = encoder_out["encoder_out"][0][:, : group.numel()]  # (length, sentences, dim)
+        padding = states.new_ones((group.numel(), width), dtype=torch.bool)  # (sentences, width)
+        padding[:, :length] = False
+        right_padded = {
+            "encoder_out": [F.pad(states, (0, 0, 0, 0, 0, width - length))],  # (width, sentences, dim)
+            "encoder_padding_mask": [padding],
+            "encoder_embedding": [],
+            "encoder_states": [],
+            "src_tokens": [],
+            "src_lengths": [],
+        }
+        bos = torch.full((group.numel(), 1), ctx.eos, dtype=torch.long, device=group.device)
+        return DecodingState(
+            ctx.runner, bos, group.clone(), ctx.pool.max_len.index_select(0, group),
+            right_padded, ctx.runner.new_cache(), width,
+        )
+
+
+def padded_selection(rows: int, device=None) -> torch.Tensor:
+    """Positions 0..rows-1 followed by repeats of position 0 up to a multiple of ROW_MULTIPLE; (padded,)."""
+    padding = (-rows) % ROW_MULTIPLE if rows else 0
+    return torch.cat([torch.arange(rows, device=device), torch.zeros(padding, dtype=torch.long, device=device)])
+
+
+def select_padded(state: DecodingState, index: torch.Tensor) -> torch.Tensor:
+    """Keep the rows ``index`` of ``state`` plus padding rows; returns the positions used, (padded rows,).
+
+    Position p of the result is row ``index[positions[p]]``; rows past ``index.numel()``
+    are padding (sentence ``PADDING_SENTENCE``), which policies ignore.
+    """
+    positions = padded_selection(index.numel(), index.device)
+    state.select(index.index_select(0, positions))
+    state.sentence[index.numel():] = PADDING_SENTENCE
+    return positions
+
+
+def real_rows(state: DecodingState) -> torch.Tensor:
+    """Rows of ``state`` that are not padding; (real rows,)."""
+    return state.sentence.ne(PADDING_SENTENCE).nonzero().squeeze(1)
+
