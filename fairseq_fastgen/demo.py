@@ -19,14 +19,14 @@ from pathlib import Path
 from fairseq_fastgen import toy
 from fairseq_fastgen.sequence_generators import DECODERS
 
-BASE_SPEC = toy.ToyModelSpec(layers=2, dim=128, ffn=256, heads=4, max_positions=128, max_update=900,
+BASE_SPEC = toy.ToyModelSpec(layers=2, dim=128, ffn=256, heads=4, max_positions=128, max_update=600,
                              max_tokens=4096, lr=0.003, warmup=200, validate_interval=4)
 KHEAD_BLOCK_SIZE = 4
 
 
 def khead_spec(base_checkpoint):
     return toy.ToyModelSpec(
-        **{**BASE_SPEC.__dict__, "arch": "transformer_khead", "max_update": 300, "lr": 0.002, "warmup": 50,
+        **{**BASE_SPEC.__dict__, "arch": "transformer_khead", "max_update": 200, "lr": 0.002, "warmup": 50,
            "extra_args": ["--block-size", str(KHEAD_BLOCK_SIZE), "--khead-identity-first", "--freeze-base",
                           "--base-checkpoint", str(base_checkpoint)]}
     )

@@ -111,6 +111,9 @@ def _install_build_generator():
             raise ValueError(f"unknown --decoder {name!r}; choose one of: {', '.join(DECODERS)}")
         if entry.builder is None:
             generator = original(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
+            from fairseq_fastgen.cluster.projection import attach_to_stock_generator
+
+            attach_to_stock_generator(generator, models, args, name)  # stock search calls decoder.forward
         else:
             extra = dict(extra_gen_cls_kwargs or {})
             extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn

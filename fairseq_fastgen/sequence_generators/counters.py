@@ -16,6 +16,7 @@ class GenerationCounters:
         self.decoder_name = decoder_name
         self.counts = Counter()
         self.per_step = {}  # name -> list of per-step values (e.g. expansions per step)
+        self.stats_sources = []  # callables returning more statistics (e.g. the cluster projection's)
 
     def add(self, name, value=1):
         self.counts[name] += int(value)
@@ -31,6 +32,8 @@ class GenerationCounters:
         for name, values in self.per_step.items():
             stats[f"{name}_per_step"] = sum(values) / len(values) if values else 0.0
         stats.update(self.extra_stats())
+        for source in self.stats_sources:
+            stats.update(source())
         return stats
 
     def extra_stats(self):

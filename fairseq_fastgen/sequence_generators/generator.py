@@ -142,6 +142,8 @@ class FastgenGenerator(nn.Module):
         self.symbols_to_strip_from_output = {self.eos}
         self.runner = ModelRunner(model, temperature=gen_cfg.temperature, projection=projection)
         self.counters = self.new_counters()
+        if hasattr(projection, "statistics"):
+            self.counters.stats_sources.append(projection.statistics.as_dict)
         self.nbest = 1
 
     def new_counters(self):

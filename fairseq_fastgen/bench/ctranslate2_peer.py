@@ -1,0 +1,126 @@
+"""CTranslate2 beside fairseq: the same checkpoint, converted once, on the same batches.
+
+Measured only when ``import ctranslate2`` works and the checkpoint converts
+(CTranslate2 converts fairseq's stock transformer architectures); otherwise
+the bench records a note.  The converted model is cached under
+``$FASTGEN_CACHE`` (default ``~/.cache/fairseq_fastgen``), keyed by the
+checkpoint file, the data directory and the CTranslate2 version.  The
+conversion runs in this process, so the plugin's checkpoint allow-list lets
+torch load the checkpoint with ``weights_only=True``.
+"""
+
+import logging
+import pickle
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from fairseq import utils
+
+from fairseq_fastgen import toy
+
+logger = logging.getLogger("fastgen_bench")
+
+# what CTranslate2's converter raises for a checkpoint it cannot convert
+CONVERSION_ERRORS = (ValueError, NotImplementedError, KeyError, AttributeError, RuntimeError, pickle.UnpicklingError)
+
+
+def import_ctranslate2():
+    """(module, None) or (None, note saying why it is not measured)."""
+    try:
+        import ctranslate2
+    except ImportError:
+        return None, "CTranslate2 is not installed (pip install ctranslate2): not measured"
+    return ctranslate2, None
+
+
+def convert(ctranslate2, checkpoint: str, data_dir: str, source_lang=None, target_lang=None) -> Path:
+    from ctranslate2.converters import FairseqConverter
+
+    checkpoint_file = Path(checkpoint).resolve()
+    stat = checkpoint_file.stat()
+    key = [checkpoint_file, stat.st_size, stat.st_mtime_ns, Path(data_dir).resolve(), source_lang, target_lang,
+           ctranslate2.__version__]
+
+    def build(output_dir):
+        converter = FairseqConverter(str(checkpoint_file), data_dir, source_lang=source_lang, target_lang=target_lang)
+        converter.convert(str(output_dir), force=True)
+
+    return toy.cached_build("ctranslate2", key, build)
+
+
+class CTranslate2Peer:
+    """A converted model: one Translator shared by every CTranslate2 configuration."""
+
+    def __init__(self, ctranslate2, model_dir: Path, inputs):
+        device = "cuda" if inputs.use_cuda else "cpu"
+        self.translator = ctranslate2.Translator(
+            str(model_dir), device=device, compute_type="float16" if inputs.cfg.common.fp16 else "default",
+            intra_threads=torch.get_num_threads() if device == "cpu" else 0,
+        )
+        self.inputs = inputs
+        self.model_dir = model_dir
+
+    @classmethod
+    def create(cls, inputs) -> Tuple[Optional["CTranslate2Peer"], Optional[str]]:
+        """(peer, None), or (None, note saying why CTranslate2 is not measured)."""
+        ctranslate2, note = import_ctranslate2()
+        if ctranslate2 is None:
+            return None, note
+        if inputs.use_cuda and ctranslate2.get_cuda_device_count() == 0:
+            return None, "CTranslate2 is installed without CUDA support: not measured on this GPU run"
+        checkpoints = utils.split_paths(inputs.cfg.common_eval.path)
+        if len(checkpoints) != 1:
+            return None, "CTranslate2 converts one checkpoint, not an ensemble: not measured"
+        task_cfg = inputs.cfg.task
+        try:
+            model_dir = convert(
+                ctranslate2, checkpoints[0], utils.split_paths(task_cfg.data)[0],
+                getattr(task_cfg, "source_lang", None), getattr(task_cfg, "target_lang", None),
+            )
+        except CONVERSION_ERRORS as error:
+            return None, f"CTranslate2 could not convert {checkpoints[0]}: {error}: not measured"
+        logger.info("CTranslate2 %s model in %s", ctranslate2.__version__, model_dir)
+        return cls(ctranslate2, model_dir, inputs), None
+
+    def candidate(self, gen_cfg, beam: int) -> "CTranslate2Candidate":
+        return CTranslate2Candidate(self, gen_cfg, beam)
+
+
+class CTranslate2Candidate:
+    """``translate_batch`` on the source tokens of each fairseq batch, with fairseq's search options."""
+
+    def __init__(self, peer: CTranslate2Peer, gen_cfg, beam: int):
+        for option in ("sampling", "prefix_size", "match_source_len", "diverse_beam_groups", "unnormalized"):
+            value = getattr(gen_cfg, option, None)
+            if value and value not in (-1, False):
+                raise ValueError(f"the CTranslate2 comparison does not support --{option.replace('_', '-')}")
+        self.peer = peer
+        self.gen_cfg = gen_cfg
+        self.beam = beam
+        inputs = peer.inputs
+        self.src_dict, self.tgt_dict = inputs.src_dict, inputs.tgt_dict
+        self.max_positions = min(model.max_decoder_positions() for model in inputs.models)
+
+    def decode(self, batches) -> Dict[int, List[int]]:
+        best = {}
+        skipped_symbols = {self.src_dict.pad(), self.src_dict.eos()}
+        for sample in batches:
+            src_tokens = sample["net_input"]["src_tokens"].cpu()  # (sentences, src_len), eos included
+            sources = [[self.src_dict[t] for t in row if t not in skipped_symbols] for row in src_tokens.tolist()]
+            translations = self.peer.translator.translate_batch(
+                sources, beam_size=self.beam, max_batch_size=0, length_penalty=self.gen_cfg.lenpen,
+                min_decoding_length=self.gen_cfg.min_len, max_decoding_length=self._max_len(src_tokens.size(1)),
+                no_repeat_ngram_size=self.gen_cfg.no_repeat_ngram_size, num_hypotheses=1,
+            )
+            for sentence_id, translation in zip(sample["id"].tolist(), translations):
+                tokens = [self.tgt_dict.index(symbol) for symbol in translation.hypotheses[0]]
+                best[sentence_id] = tokens + [self.tgt_dict.eos()]  # fairseq's hypotheses end in eos
+        return best
+
+    def _max_len(self, src_len: int) -> int:
+        """fairseq SequenceGenerator's limit for a batch whose sources are ``src_len`` wide."""
+        return min(int(self.gen_cfg.max_len_a * src_len + self.gen_cfg.max_len_b), self.max_positions - 1)
+
+    def statistics(self) -> dict:
+        return {}

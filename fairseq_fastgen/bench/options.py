@@ -1,0 +1,203 @@
+"""Command line of fastgen-bench and the list of configurations it measures.
+
+The bench's own options (lists of decoders, beam sizes, batch sizes, ...) are
+parsed first; every other argument goes to fairseq's generation parser, so
+DATA, ``--path`` and every fairseq-generate option (``--lenpen``,
+``--max-len-b``, ``--no-repeat-ngram-size``, ``--post-process``, ``--cpu``,
+...) mean what they mean in fairseq-generate.
+"""
+
+import argparse
+import copy
+import shlex
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from fairseq_fastgen.sequence_generators.registry import DECODERS
+
+CTRANSLATE2 = "ctranslate2"  # the peer, measured beside the registered decoders
+FAIRSEQ_DEFAULT_MAX_TOKENS = 12000  # fairseq-generate's batching when neither limit is given
+# decoders that produce one hypothesis per sentence: measured once per batching, at beam 1
+BEAM_ONE_DECODERS = ("greedy", "blockwise")
+# decoders that need a k-head model: they decode with --khead-path when it is given
+KHEAD_DECODERS = ("blockwise",)
+
+USAGE = """fastgen-bench DATA --path CKPT --decoders beam,greedy[,...] [--beam 1,5] [--batch-size 1,64]
+                     [--max-tokens N,...] [--repeat N] [--threads N] [--subset test] [--max-sentences N]
+                     [--khead-path CKPT] [--cluster-projection FILE] [--variant NAME=OPTIONS ...]
+                     [--reference CONFIG] [--output-dir DIR] [--no-ctranslate2] [fairseq-generate options]"""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One measured configuration: a decoder at one beam size and one batching."""
+
+    decoder: str  # a registered decoder, or CTRANSLATE2
+    beam: int
+    batch_size: Optional[int]  # sentences per batch (fairseq's --batch-size), or None
+    max_tokens: Optional[int]  # source tokens per batch (fairseq's --max-tokens), or None
+    cluster_projection: bool = False  # decode with --cluster-projection
+    variant: Optional[str] = None  # name of a --variant: its generation options replace the common ones
+
+    @property
+    def label(self) -> str:
+        parts = [self.decoder, f"b{self.beam}"]
+        if self.batch_size is not None:
+            parts.append(f"bs{self.batch_size}")
+        if self.max_tokens is not None:
+            parts.append(f"mt{self.max_tokens}")
+        if self.cluster_projection:
+            parts.append("cp")
+        if self.variant is not None:
+            parts.append(self.variant)
+        return "/".join(parts)
+
+    @property
+    def batching(self) -> Tuple[Optional[int], Optional[int]]:
+        return self.batch_size, self.max_tokens
+
+
+def int_list(text: str) -> List[int]:
+    try:
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def name_list(text: str) -> List[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastgen-bench", usage=USAGE, allow_abbrev=False,
+        description="Measure decoders side by side on one model and data-bin: speed (median of warm passes), "
+                    "BLEU, decoder statistics, peak memory and identical outputs against a reference "
+                    "configuration. Every argument not listed here goes to fairseq's generation parser "
+                    "(see fairseq-generate --help).",
+    )
+    parser.add_argument("--decoders", type=name_list, default=["beam", "greedy"],
+                        help="comma-separated registered decoders to measure ('beam' is stock fairseq); "
+                             f"registered: {', '.join(DECODERS)}")
+    parser.add_argument("--beam", type=int_list, default=[1, 5],
+                        help="comma-separated beam sizes (greedy and blockwise run at beam 1 only)")
+    parser.add_argument("--batch-size", type=int_list, default=None,
+                        help="comma-separated batch sizes in sentences (fairseq's --batch-size)")
+    parser.add_argument("--max-tokens", type=int_list, default=None,
+                        help="comma-separated batch limits in tokens (fairseq's --max-tokens); with "
+                             f"--batch-size every pair is measured; neither: --max-tokens {FAIRSEQ_DEFAULT_MAX_TOKENS}")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed passes over the data per configuration, after one warm-up pass")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of torch and CTranslate2 (default: torch's default, one per core); "
+                             "on a machine shared with other jobs, 1 avoids threads waiting on each other")
+    parser.add_argument("--subset", default="test", help="data split to decode (fairseq's --gen-subset)")
+    parser.add_argument("--max-sentences", type=int, default=None,
+                        help="decode only the sentences with ids below N (here not fairseq's alias of "
+                             "--batch-size)")
+    parser.add_argument("--khead-path", default=None,
+                        help=f"checkpoint of a k-head model for {', '.join(KHEAD_DECODERS)} (same data-bin)")
+    parser.add_argument("--cluster-projection", default=None,
+                        help="cluster file: every decoder is also measured with the cluster-projected "
+                             "vocabulary (configurations marked /cp)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=OPTIONS",
+                        help="also measure every configuration with these generation options added to the "
+                             "common ones, labelled /NAME; repeatable (e.g. --variant 'copies=--no-shared-"
+                             "encoder-cache' or --variant 'top2=--blockwise-top-k 2')")
+    parser.add_argument("--reference", default=None,
+                        help="configuration the identical-output rate compares against: a label "
+                             "(e.g. beam/b5/bs64), a decoder name (at the same beam and batching), or 'self' "
+                             "(the same decoder without --cluster-projection or --variant); default: stock "
+                             "beam at the same beam size, else the first configuration")
+    parser.add_argument("--output-dir", default="fastgen-bench",
+                        help="directory for results.json and the plots")
+    parser.add_argument("--no-ctranslate2", action="store_true",
+                        help="do not measure CTranslate2 even when it is installed")
+    parser.set_defaults(variants={})  # name -> generation config, filled by parse_command_line
+    return parser
+
+
+def parse_command_line(argv: Optional[List[str]] = None):
+    """Return (bench options, fairseq config).
+
+    ``bench.variants`` maps each --variant name to its own generation config:
+    fairseq's parse of the common arguments plus the variant's options.
+    """
+    parser = bench_parser()
+    bench, fairseq_argv = parser.parse_known_args(argv)
+    unknown = [name for name in bench.decoders if name not in DECODERS]
+    if unknown:
+        parser.error(f"unknown decoder(s) {', '.join(unknown)}; registered: {', '.join(DECODERS)}")
+    if bench.repeat < 1:
+        parser.error("--repeat must be at least 1")
+    if bench.threads is not None and bench.threads < 1:
+        parser.error("--threads must be at least 1")
+    for variant in bench.variant:
+        name, separator, variant_argv = variant.partition("=")
+        if not separator or not name or "/" in name or name in bench.variants:
+            parser.error(f"--variant {variant!r}: expected a new NAME=OPTIONS, NAME without '/'")
+        bench.variants[name] = fairseq_config(fairseq_argv + shlex.split(variant_argv), bench.subset).generation
+    return bench, fairseq_config(fairseq_argv, bench.subset)
+
+
+def fairseq_config(fairseq_argv: List[str], subset: str):
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_generation_parser()
+    args = options.parse_args_and_arch(parser, fairseq_argv + ["--gen-subset", subset])
+    with warnings.catch_warnings():  # hydra's deprecation notices about fairseq's own config files
+        warnings.simplefilter("ignore", UserWarning)
+        return convert_namespace_to_omegaconf(args)
+
+
+def batchings(bench) -> List[Tuple[Optional[int], Optional[int]]]:
+    if bench.batch_size and bench.max_tokens:
+        return [(size, tokens) for size in bench.batch_size for tokens in bench.max_tokens]
+    if bench.batch_size:
+        return [(size, None) for size in bench.batch_size]
+    return [(None, tokens) for tokens in bench.max_tokens or [FAIRSEQ_DEFAULT_MAX_TOKENS]]
+
+
+def configurations(bench, with_ctranslate2: bool) -> List[BenchConfig]:
+    """Every decoder x beam x batching (x projection) requested, without repeats."""
+    projections = [False, True] if bench.cluster_projection else [False]
+    variants = [None] + list(bench.variants)
+    decoders = list(bench.decoders) + ([CTRANSLATE2] if with_ctranslate2 else [])
+    configs = []
+    for batch_size, max_tokens in batchings(bench):
+        for beam in bench.beam:
+            for decoder in decoders:
+                for projected in projections:
+                    for variant in variants:
+                        if decoder == CTRANSLATE2 and (projected or variant is not None):
+                            continue  # the plugin's options do not reach CTranslate2
+                        decoder_beam = 1 if decoder in BEAM_ONE_DECODERS else beam
+                        config = BenchConfig(decoder, decoder_beam, batch_size, max_tokens, projected, variant)
+                        if config not in configs:
+                            configs.append(config)
+    return configs
+
+
+def run_config(cfg, config: BenchConfig, cluster_projection: Optional[str], variants: Optional[Dict] = None):
+    """fairseq's config for one configuration: its options, beam, batching, decoder and projection.
+
+    A decoder's ``prepare_cli`` hook adjusts it as fairseq-generate would (the
+    streaming decoders read whole pools and stream them through the batch size).
+    """
+    run_cfg = copy.deepcopy(cfg)
+    if config.variant is not None:
+        run_cfg.generation = copy.deepcopy(variants[config.variant])
+    run_cfg.dataset.batch_size, run_cfg.dataset.max_tokens = config.batching
+    run_cfg.generation.beam = config.beam
+    run_cfg.generation.decoder = config.decoder
+    if config.cluster_projection:  # otherwise the common options (None) or the variant's own file
+        run_cfg.generation.cluster_projection = cluster_projection
+    entry = DECODERS.get(config.decoder)
+    if entry is not None and entry.prepare_cli is not None:
+        entry.prepare_cli(run_cfg, "generate")
+    return run_cfg

@@ -1,0 +1,162 @@
+"""What the bench writes: a Markdown table, results.json and a BLEU-against-speed plot."""
+
+import json
+import math
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from fairseq_fastgen.bench.measure import ConfigResult
+
+# counters that the table leaves to results.json (sizes of the run, not of the decoder)
+UNTABULATED_STATISTICS = ("decoder", "sentences", "tokens", "projection_seconds", "projection_states")
+PLOT_FILE = "bleu_vs_speed.png"
+
+
+# ---- JSON ------------------------------------------------------------------------------------
+def config_record(result: ConfigResult, hypotheses: Optional[Path]) -> dict:
+    config = result.config
+    record = {
+        "label": config.label,
+        "decoder": config.decoder,
+        "beam": config.beam,
+        "batch_size": config.batch_size,
+        "max_tokens": config.max_tokens,
+        "cluster_projection": config.cluster_projection,
+        "variant": config.variant,
+        "status": "ok" if result.ok else "skipped",
+    }
+    if not result.ok:
+        record["reason"] = result.skipped
+        return record
+    record.update(
+        sentences=len(result.outputs),
+        generated_tokens=result.tokens,
+        seconds=result.seconds,
+        sentences_per_second=result.sentences_per_second(),
+        tokens_per_second=result.tokens_per_second(),
+        bleu=result.bleu,
+        reference=result.reference,
+        identical_rate=result.identical_rate,
+        memory=result.memory,
+        statistics=result.statistics,
+        hypotheses=str(hypotheses),
+    )
+    return record
+
+
+def write_json(path: Path, results: List[ConfigResult], run_info: dict, hypotheses: Dict[str, Path]):
+    records = [config_record(r, hypotheses.get(r.config.label)) for r in results]
+    path.write_text(json.dumps(dict(run_info, configurations=records), indent=2) + "\n")
+
+
+def write_hypotheses(output_dir: Path, results: List[ConfigResult], detokenize) -> Dict[str, Path]:
+    """hypotheses/LABEL.txt per measured configuration: ``id<TAB>detokenized best hypothesis``."""
+    directory = output_dir / "hypotheses"
+    directory.mkdir(exist_ok=True)
+    paths = {}
+    for result in results:
+        if result.ok:
+            path = directory / (result.config.label.replace("/", "_") + ".txt")
+            path.write_text("".join(f"{i}\t{detokenize(result.outputs[i])}\n" for i in sorted(result.outputs)))
+            paths[result.config.label] = path
+    return paths
+
+
+# ---- Markdown ----------------------------------------------------------------------------------
+def _number(value) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def statistics_cell(statistics: dict) -> str:
+    shown = {k: v for k, v in statistics.items() if k not in UNTABULATED_STATISTICS}
+    return ", ".join(f"{k}={_number(v)}" for k, v in shown.items())
+
+
+def memory_cell(memory: dict) -> str:
+    cell = f"{memory['cpu_peak_rss_mib']:.0f} (+{memory['cpu_rss_growth_mib']:.0f})"
+    if "cuda_max_allocated_mib" in memory:
+        cell += f"; CUDA {memory['cuda_max_allocated_mib']:.0f}"
+    return cell
+
+
+def identical_cell(result: ConfigResult) -> str:
+    if result.reference is None:
+        return ""
+    if result.reference == result.config.label:
+        return "(reference)"
+    return f"{100 * result.identical_rate:.1f}% {result.reference}"
+
+
+def markdown_table(results: List[ConfigResult]) -> str:
+    header = ["configuration", "sentences/s median (min-max)", "tokens/s median", "BLEU",
+              "identical to", "peak RSS MiB (+growth)", "decoder statistics"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for result in results:
+        if not result.ok:
+            cells = [result.config.label, f"skipped: {result.skipped}", "", "", "", "", ""]
+        else:
+            sentences, tokens = result.sentences_per_second(), result.tokens_per_second()
+            cells = [
+                result.config.label,
+                f"{sentences['median']:.1f} ({sentences['min']:.1f}-{sentences['max']:.1f})",
+                f"{tokens['median']:.0f}",
+                "" if result.bleu is None else f"{result.bleu:.2f}",
+                identical_cell(result),
+                memory_cell(result.memory),
+                statistics_cell(result.statistics),
+            ]
+        rows.append("| " + " | ".join(cell.replace("|", "/").replace("\n", " ") for cell in cells) + " |")
+    return "\n".join(rows)
+
+
+# ---- plot ----------------------------------------------------------------------------------------
+def pareto_frontier(points):
+    """Indices of the (speed, bleu) points that no other point beats on both (faster first)."""
+    order = sorted(range(len(points)), key=lambda i: (-points[i][0], -points[i][1]))
+    frontier, best_bleu = [], None
+    for i in order:
+        if best_bleu is None or points[i][1] > best_bleu:
+            frontier.append(i)
+            best_bleu = points[i][1]
+    return frontier
+
+
+def plot_bleu_against_speed(path: Path, results: List[ConfigResult], title: str) -> Optional[Path]:
+    """One point per measured configuration (horizontal bar: min-max speed); Pareto frontier marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    plotted = [r for r in results if r.ok and r.bleu is not None]
+    if not plotted:
+        return None
+    speeds = [r.sentences_per_second() for r in plotted]
+    points = [(s["median"], r.bleu) for s, r in zip(speeds, plotted)]
+    frontier = pareto_frontier(points)
+    figure, axes = pyplot.subplots(figsize=(8, 5.5))
+    for index, ((speed, bleu), rate, result) in enumerate(zip(points, speeds, plotted)):
+        on_frontier = index in frontier
+        axes.errorbar(
+            speed, bleu, xerr=[[speed - rate["min"]], [rate["max"] - speed]], fmt="o" if on_frontier else "s",
+            color="tab:red" if on_frontier else "tab:blue", markerfacecolor="tab:red" if on_frontier else "none",
+            capsize=3,
+        )
+        # configurations of equal BLEU (e.g. identical outputs) get their labels stacked, not overprinted
+        same_bleu_before = sum(1 for other in points[:index] if math.isclose(other[1], bleu, abs_tol=0.05))
+        axes.annotate(result.config.label, (speed, bleu), textcoords="offset points",
+                      xytext=(5, 4 + 9 * same_bleu_before), fontsize=7)
+    front = sorted(points[i] for i in frontier)
+    axes.plot([p[0] for p in front], [p[1] for p in front], "--", color="tab:red", label="Pareto frontier")
+    if max(p[0] for p in points) > 10 * min(p[0] for p in points):
+        axes.set_xscale("log")
+    axes.set_xlabel("sentences / s (median of warm passes; bar: min-max)")
+    axes.set_ylabel("BLEU (sacrebleu, detokenized)")
+    axes.set_title(title, fontsize=9)
+    axes.grid(True, alpha=0.3)
+    axes.margins(x=0.15, y=0.15)
+    axes.legend(loc="best")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+    return path

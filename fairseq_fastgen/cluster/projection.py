@@ -1,0 +1,204 @@
+"""Cluster-projected vocabulary at inference (``--cluster-projection FILE``).
+
+At every decoder step each hidden state h picks its nearest centroid
+(argmin over clusters of ||C||^2 - 2 h.C); the active sets of the picked
+clusters, united over the whole batch, give the vocabulary columns that are
+projected (``weight[columns] @ h + bias[columns]``); every other column gets a
+logit of -inf, so the usual softmax normalises over the active tokens only.
+When the union is most of the vocabulary the full projection runs and is
+masked instead; when it is the whole vocabulary the full projection runs
+unchanged, so a file whose active sets cover the vocabulary decodes exactly as
+without it.
+
+The same object serves every decoder: the plugin's decoders call it from the
+model runner (``ModelRunner.step``); fairseq's own beam search (``--decoder
+beam``) calls ``decoder.forward``, so :func:`attach_to_stock_generator` routes
+that decoder's ``output_layer`` through it.
+"""
+
+import math
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, output_projection_of
+from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
+from fairseq_fastgen.sequence_generators.counters import GenerationCounters
+from fairseq_fastgen.sequence_generators.registry import option_value
+
+# Above this fraction of the vocabulary, the full projection followed by the -inf
+# mask is cheaper than gathering the union's rows of the weight (measured on CPU
+# at vocabulary 32k, hidden 512: the gathered projection of 58% of the columns
+# cost as much as the full one).
+DENSE_FRACTION = 0.5
+
+
+class ProjectionStatistics:
+    """Per-step active fraction of the vocabulary and time spent in the projection."""
+
+    def __init__(self):
+        self.steps = 0
+        self.states = 0
+        self.full_vocab_steps = 0  # steps whose union was the whole vocabulary
+        self.active_fraction_sum = 0.0
+        self.active_fraction_max = 0.0
+        self.seconds = 0.0
+
+    def record(self, states: int, active: int, vocab_size: int, seconds: float):
+        fraction = active / vocab_size
+        self.steps += 1
+        self.states += states
+        self.full_vocab_steps += int(active == vocab_size)
+        self.active_fraction_sum += fraction
+        self.active_fraction_max = max(self.active_fraction_max, fraction)
+        self.seconds += seconds
+
+    def as_dict(self) -> Dict[str, float]:
+        return {
+            "projection_steps": self.steps,
+            "projection_states": self.states,
+            "projection_full_vocab_steps": self.full_vocab_steps,
+            "projection_active_fraction_mean": self.active_fraction_sum / self.steps if self.steps else 0.0,
+            "projection_active_fraction_max": self.active_fraction_max,
+            "projection_seconds": self.seconds,
+        }
+
+
+class ClusterProjection:
+    """``projection(features (rows, n, hidden), decoder) -> logits (rows, n, vocab)``."""
+
+    def __init__(self, cluster_file: ClusterFile):
+        self.cluster_file = cluster_file
+        self.vocab_size = cluster_file.fingerprint.vocab_size
+        self.statistics = ProjectionStatistics()
+        self._tensors_by_device = {}
+
+    def __call__(self, features: Tensor, decoder) -> Tensor:
+        start = time.perf_counter()
+        centroids, sqnorms, active_sets = self._tensors_on(features.device)
+        states = features.reshape(-1, features.size(-1))  # (rows * n, hidden)
+        clusters = nearest_clusters(states, centroids, sqnorms)  # (rows * n,)
+        mask, columns = cluster_union_mask(clusters, active_sets, self.vocab_size)  # (vocab,), (active,)
+        logits = project_onto_columns(features, output_projection_of(decoder), mask, columns)
+        if features.is_cuda:
+            torch.cuda.synchronize(features.device)  # time the work, not its launch
+        self.statistics.record(states.size(0), columns.numel(), self.vocab_size, time.perf_counter() - start)
+        return logits
+
+    def _tensors_on(self, device):
+        if device not in self._tensors_by_device:
+            cf = self.cluster_file
+            self._tensors_by_device[device] = (
+                cf.centroids.to(device), cf.centroid_sqnorms.to(device),
+                ClusterActiveSets(cf.offsets.to(device), cf.tokens.to(device)),
+            )
+        return self._tensors_by_device[device]
+
+
+def nearest_clusters(states: Tensor, centroids: Tensor, centroid_sqnorms: Tensor) -> Tensor:
+    """Index of the nearest centroid of every state: argmin_c ||C_c||^2 - 2 h.C_c.
+
+    states (n, hidden) any float dtype, centroids (clusters, hidden) float32,
+    centroid_sqnorms (clusters,). Returns (n,) long. Distances in float32.
+    """
+    scores = torch.addmm(centroid_sqnorms, states.float(), centroids.t(), alpha=-2)  # (n, clusters)
+    return scores.argmin(dim=1)
+
+
+def project_onto_columns(features: Tensor, linear: torch.nn.Linear, mask: Tensor, columns: Tensor) -> Tensor:
+    """Logits (rows, n, vocab) of ``linear`` on the union columns only, -inf elsewhere.
+
+    features (rows, n, hidden); mask (vocab,) bool, true on the union;
+    columns (active,) its ascending token ids.
+    """
+    vocab_size = linear.weight.size(0)
+    if columns.numel() == vocab_size:
+        return linear(features)
+    if columns.numel() > DENSE_FRACTION * vocab_size:
+        # adding a (vocab,) row of 0 / -inf is several times faster than a broadcast masked_fill_
+        outside = torch.zeros_like(mask, dtype=features.dtype).masked_fill_(~mask, -math.inf)  # (vocab,)
+        return linear(features).add_(outside)
+    weight = linear.weight.index_select(0, columns)  # (active, hidden)
+    bias = None if linear.bias is None else linear.bias.index_select(0, columns)  # (active,)
+    reduced = F.linear(features, weight, bias)  # (rows, n, active)
+    logits = features.new_full((*features.shape[:-1], vocab_size), -math.inf)  # (rows, n, vocab)
+    return logits.index_copy_(-1, columns, reduced)
+
+
+def load_projection(path, model) -> ClusterProjection:
+    """Read ``path``, check it against ``model``'s vocabulary projection, and return the projection.
+
+    Raises ClusterFileError for a missing, truncated, corrupted or inconsistent
+    file, or one made for another model.
+    """
+    cluster_file = ClusterFile.load(path)
+    decoder = model.decoder
+    cluster_file.check_model(decoder, path)
+    eos = decoder.dictionary.eos() if getattr(decoder, "dictionary", None) is not None else None
+    try:
+        cluster_file.validate(eos=eos)
+    except ClusterFileError as error:
+        raise ClusterFileError(f"{path}: {error}") from error
+    return ClusterProjection(cluster_file)
+
+
+# ---- fairseq's own beam search (--decoder beam) -----------------------------------------------
+class ProjectedOutputLayer:
+    """Stands in for ``decoder.output_layer`` (an instance attribute shadowing the method)."""
+
+    def __init__(self, projection: ClusterProjection, decoder):
+        self.projection = projection
+        self.decoder = decoder
+
+    def __call__(self, features: Tensor) -> Tensor:
+        return self.projection(features, self.decoder)
+
+
+def attach(decoder, projection: ClusterProjection):
+    """Route ``decoder.forward``'s vocabulary projection through ``projection``."""
+    output_projection_of(decoder)  # refuses decoders whose output_layer is not a plain projection
+    decoder.output_layer = ProjectedOutputLayer(projection, decoder)
+
+
+def detach(decoder):
+    if isinstance(decoder.__dict__.get("output_layer"), ProjectedOutputLayer):
+        del decoder.output_layer
+
+
+def attached_projection(decoder) -> Optional[ClusterProjection]:
+    hook = decoder.__dict__.get("output_layer")
+    return hook.projection if isinstance(hook, ProjectedOutputLayer) else None
+
+
+class ProjectionCounters(GenerationCounters):
+    """Counters of a generator whose only plugin statistics are the projection's."""
+
+    def __init__(self, decoder_name, statistics: ProjectionStatistics):
+        super().__init__(decoder_name)
+        self.statistics = statistics
+
+    def extra_stats(self):
+        return self.statistics.as_dict()
+
+
+def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam") -> Optional[ClusterProjection]:
+    """Make ``--cluster-projection`` apply to fairseq's SequenceGenerator built for ``models``.
+
+    With the option: loads the file, attaches it to the model's decoder and gives
+    ``generator`` a ``counters`` attribute reporting the projection statistics.
+    Without it: removes a projection attached earlier to these models.
+    """
+    path = option_value(gen_cfg, "cluster_projection")
+    if not path:
+        for model in models:
+            detach(model.decoder)
+        return None
+    if len(models) != 1:
+        raise ValueError(f"--cluster-projection holds the clusters of one model; got an ensemble of {len(models)}")
+    projection = load_projection(path, models[0])
+    attach(models[0].decoder, projection)
+    generator.counters = ProjectionCounters(decoder_name, projection.statistics)
+    return projection

@@ -1,0 +1,436 @@
+"""Blockwise parallel decoding (Stern, Shazeer and Uszkoreit, 2018).
+
+A ``transformer_khead`` model proposes, at every position, the next k tokens
+(head i: the token i positions ahead).  Decoding alternates three steps:
+
+* **predict**: the heads at the last accepted position propose a block of k
+  tokens; the first comes from head 1 (p_1), so it is exactly greedy's next token;
+* **verify**: ONE decoder pass feeds the k proposed tokens (each row against its
+  own incremental cache, causal among the new positions) and scores each with
+  p_1: proposal j + 1 is checked against p_1 after proposal j;
+* **accept**: every row keeps the longest verified prefix of its block (at
+  least one token).  The same pass already holds every head's output at the
+  last accepted position: the next block's proposals cost no extra model call.
+
+So after the first (bos) step, each iteration is one model invocation over at
+most k new positions.  The self-attention cache keeps only accepted positions:
+rejected ones are dropped after each pass (``KHeadTransformerDecoder.rollback``).
+
+Acceptance is exact by default: a proposal is accepted iff it is greedy's
+choice (argmax of p_1 after the step processors), so the output is the greedy
+output of head 1.  ``--blockwise-top-k``, ``--blockwise-epsilon`` and
+``--blockwise-min-block`` accept more, approximately (see the options).
+"""
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fairseq import utils
+from fairseq.dataclass import FairseqDataclass
+
+from fairseq_fastgen.sequence_generators.counters import GenerationCounters
+from fairseq_fastgen.sequence_generators.generator import FastgenGenerator
+from fairseq_fastgen.sequence_generators.processors import ForbidPad, LengthLimits, UnkPenalty
+from fairseq_fastgen.sequence_generators.registry import option_value, register_decoder
+from fairseq_fastgen.sequence_generators.state import DecodingState
+
+
+@dataclass
+class BlockwiseOptions(FairseqDataclass):
+    blockwise_block_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "blockwise: tokens proposed per iteration, at most the model's number of heads "
+                          "(default: all of them)"},
+    )
+    blockwise_top_k: int = field(
+        default=0,
+        metadata={"help": "blockwise: accept a proposed token if it is among the N most probable tokens of "
+                          "head 1 (approximate; 0: exact acceptance, identical to greedy)"},
+    )
+    blockwise_epsilon: Optional[float] = field(
+        default=None,
+        metadata={"help": "blockwise: accept a proposed ordinal symbol whose value differs by at most E from "
+                          "head 1's choice (approximate; see --blockwise-ordinal-symbols)"},
+    )
+    blockwise_ordinal_symbols: str = field(
+        default=r"^-?[0-9]+$",
+        metadata={"help": "blockwise: regular expression selecting the target symbols that are numbers "
+                          "(ordinal symbols) for --blockwise-epsilon; their value is the number they spell"},
+    )
+    blockwise_min_block: int = field(
+        default=1,
+        metadata={"help": "blockwise: accept at least this many proposed tokens per iteration, verified or "
+                          "not (approximate when > 1)"},
+    )
+
+
+# ---- acceptance criteria: is a proposed token good enough, given p_1 there? ------------------
+class ExactMatch:
+    """The proposal must be greedy's choice."""
+
+    def accepts(self, proposed: Tensor, lprobs: Tensor, best: Tensor) -> Tensor:
+        """proposed, best: (rows, m); lprobs: (rows, m, vocab) -> (rows, m) bool."""
+        return proposed.eq(best)
+
+
+class TopK:
+    """The proposal must be among the ``k`` most probable tokens of p_1 (and allowed)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def accepts(self, proposed, lprobs, best):
+        top = lprobs.topk(min(self.k, lprobs.size(-1)), dim=-1).indices  # (rows, m, k)
+        allowed = lprobs.gather(2, proposed.unsqueeze(2)).squeeze(2) > -math.inf
+        return top.eq(proposed.unsqueeze(2)).any(dim=2) & allowed
+
+
+class OrdinalDistance:
+    """Both tokens ordinal symbols whose values differ by at most ``epsilon`` (or equal tokens)."""
+
+    def __init__(self, values: Tensor, epsilon: float):
+        self.values = values  # (vocab,) float: the value of each ordinal symbol, nan for the others
+        self.epsilon = epsilon
+
+    def accepts(self, proposed, lprobs, best):
+        values = self.values.to(proposed.device)
+        close = (values[proposed] - values[best]).abs() <= self.epsilon  # nan: False
+        allowed = lprobs.gather(2, proposed.unsqueeze(2)).squeeze(2) > -math.inf
+        return proposed.eq(best) | (close & allowed)
+
+
+def ordinal_values(tgt_dict, pattern: str) -> Tensor:
+    """Value of every target symbol matching ``pattern`` (nan for the others)."""
+    matcher = re.compile(pattern)
+    values = torch.full((len(tgt_dict),), math.nan)
+    for index, symbol in enumerate(tgt_dict.symbols):
+        if matcher.search(symbol):
+            try:
+                values[index] = float(symbol)
+            except ValueError as error:
+                raise ValueError(
+                    f"--blockwise-ordinal-symbols {pattern!r} matches {symbol!r}, which is not a number"
+                ) from error
+    if torch.isnan(values).all():
+        raise ValueError(f"--blockwise-ordinal-symbols {pattern!r} matches no symbol of the target dictionary")
+    return values
+
+
+def build_acceptance(gen_cfg, tgt_dict):
+    top_k = option_value(gen_cfg, "blockwise_top_k")
+    epsilon = option_value(gen_cfg, "blockwise_epsilon")
+    if top_k and epsilon is not None:
+        raise ValueError("--blockwise-top-k and --blockwise-epsilon are alternative acceptance criteria; give one")
+    if top_k < 0:
+        raise ValueError(f"--blockwise-top-k must be >= 0, got {top_k}")
+    if top_k:
+        return TopK(top_k)
+    if epsilon is not None:
+        if epsilon < 0:
+            raise ValueError(f"--blockwise-epsilon must be >= 0, got {epsilon}")
+        return OrdinalDistance(ordinal_values(tgt_dict, option_value(gen_cfg, "blockwise_ordinal_symbols")), epsilon)
+    return ExactMatch()
+
+
+# ---- step processors for rows at different steps --------------------------------------------
+class StepView:
+    """What a step processor reads of rows that are all at the same step."""
+
+    def __init__(self, tokens, sentence, max_len):
+        self.tokens = tokens  # (rows, 1 + step): bos and the tokens before this step
+        self.sentence = sentence  # (rows,)
+        self.max_len = max_len  # (rows,)
+
+    @property
+    def length(self) -> int:
+        return self.tokens.size(1) - 1
+
+
+class RowStepProcessors:
+    """Applies the generator's step processors (processors.py) to rows at different steps.
+
+    Blockwise decoding scores several steps per row at once, and rows have
+    accepted different numbers of tokens.  Processors that read only the scores
+    run once on everything; the length limits run vectorized over per-row
+    steps; any other processor (forced prefix, n-gram ban, ...) runs once per
+    distinct step on the rows at that step, exactly as in greedy decoding.
+    """
+
+    def __init__(self, processors):
+        self.processors = processors
+
+    def __call__(self, lprobs, steps, history, row_of, sentence, max_len):
+        """Edit ``lprobs`` (N, vocab) in place.
+
+        steps: (N,) the step of each lprobs row; history: (rows, width) bos and
+        tokens of each row (up to at least ``steps``); row_of: (N,) the history
+        row of each lprobs row; sentence, max_len: (rows,).
+        """
+        for processor in self.processors:
+            if isinstance(processor, (ForbidPad, UnkPenalty)):  # read nothing but lprobs
+                processor(lprobs, None)
+            elif isinstance(processor, LengthLimits):
+                self.length_limits(processor, lprobs, steps, max_len[row_of])
+            else:
+                for step in steps.unique().tolist():
+                    at_step = steps.eq(step).nonzero().squeeze(1)
+                    rows = row_of[at_step]
+                    scores = lprobs[at_step]
+                    processor(scores, StepView(history[rows, : step + 1], sentence[rows], max_len[rows]))
+                    lprobs[at_step] = scores
+
+    @staticmethod
+    def length_limits(limits: LengthLimits, lprobs, steps, max_len):
+        """``LengthLimits`` with one step per row."""
+        too_short = (steps >= limits.prefix_len) & (steps < limits.min_len)
+        lprobs[too_short, limits.eos] = -math.inf
+        at_limit = max_len <= steps
+        if at_limit.any():
+            eos_scores = lprobs[at_limit, limits.eos].clone()
+            lprobs[at_limit] = -math.inf
+            lprobs[at_limit, limits.eos] = eos_scores
+
+
+# ---- per-row state ---------------------------------------------------------------------------
+class BlockwiseState:
+    """Every per-row tensor of blockwise decoding; rows hold different numbers of tokens.
+
+    Token ``t`` (0-based) of a row sits in column ``1 + t`` of ``tokens``
+    (column 0 is bos); columns past the row's ``length`` hold padding.
+    """
+
+    def __init__(self, start: DecodingState, pad: int):
+        rows, capacity = start.rows, int(start.max_len.max()) + 1  # at most max_len tokens and eos
+        self.runner = start.runner
+        self.tokens = start.tokens.new_full((rows, 1 + capacity), pad)  # (rows, 1 + capacity)
+        self.tokens[:, 0] = start.tokens[:, 0]
+        self.length = start.tokens.new_zeros(rows)  # (rows,) accepted tokens
+        self.cum_scores = start.cum_scores.new_zeros((rows, capacity))  # (rows, capacity)
+        self.score = start.cum_scores.new_zeros(rows)  # (rows,) sum of the accepted tokens' lprobs
+        self.attn: Optional[Tensor] = None  # (rows, src_len, capacity)
+        self.sentence, self.max_len = start.sentence, start.max_len  # (rows,) each
+        self.encoder_out, self.cache, self.src_len = start.encoder_out, start.cache, start.src_len
+        # the next block: proposals (rows, block) from the heads at the last accepted
+        # position; the first is greedy's next token, with its lprob and attention
+        self.proposals: Optional[Tensor] = None
+        self.first_lprob: Optional[Tensor] = None  # (rows,)
+        self.first_attn: Optional[Tensor] = None  # (rows, src_len)
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.size(0)
+
+    def accept(self, block, token_lprobs, token_attn, accepted):
+        """Append to each row the tokens of ``block`` (rows, n) where ``accepted``
+        (rows, n; a prefix of each row) holds; ``token_lprobs`` (rows, n) and
+        ``token_attn`` (rows, n, src_len) or None belong to the block's tokens."""
+        rows, offsets = accepted.nonzero(as_tuple=True)  # (accepted tokens,) each
+        columns = self.length[rows] + offsets
+        running, cumulative = self.score, []
+        for offset in range(block.size(1)):  # one float addition per token, as greedy
+            running = running + token_lprobs[:, offset]
+            cumulative.append(running)
+        cumulative = torch.stack(cumulative, dim=1)  # (rows, n)
+        count = accepted.sum(dim=1)  # (rows,)
+        self.tokens[rows, 1 + columns] = block[rows, offsets]
+        self.cum_scores[rows, columns] = cumulative[rows, offsets]
+        self.score = cumulative.gather(1, (count - 1).unsqueeze(1)).squeeze(1)
+        if token_attn is not None:
+            if self.attn is None:
+                self.attn = token_attn.new_zeros((self.rows, token_attn.size(2), self.cum_scores.size(1)))
+            self.attn[rows, :, columns] = token_attn[rows, offsets]
+        self.length = self.length + count
+
+    def select(self, index: Tensor):
+        """Keep (and reorder to) the rows in ``index``."""
+        for name in ("tokens", "length", "cum_scores", "score", "attn", "sentence", "max_len",
+                     "proposals", "first_lprob", "first_attn"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, value.index_select(0, index))
+        self.encoder_out = self.runner.reorder_encoder_out(self.encoder_out, index)
+        self.runner.reorder_cache(self.cache, index)
+
+    def finished_row(self, row: int) -> DecodingState:
+        """Row ``row`` as a one-row DecodingState, for ``DecodeContext.hypothesis``."""
+        length = int(self.length[row])
+        view = DecodingState(
+            self.runner, self.tokens[row:row + 1, : 1 + length], self.sentence[row:row + 1],
+            self.max_len[row:row + 1], None, None, self.src_len,
+        )
+        view.cum_scores = self.cum_scores[row:row + 1, :length]
+        if self.attn is not None:
+            view.attn = self.attn[row:row + 1, :, :length]
+        return view
+
+
+# ---- the search policy -----------------------------------------------------------------------
+class BlockwisePolicy:
+    """Predict / verify / accept; one model invocation per iteration after the first step."""
+
+    def __init__(self, decoder, block_size, acceptance, min_block, pad):
+        self.decoder = decoder  # KHeadTransformerDecoder
+        self.block_size = block_size
+        self.acceptance = acceptance
+        self.min_block = min_block
+        self.pad = pad
+
+    def start(self, state: DecodingState, ctx) -> BlockwiseState:
+        """Run the bos position; its heads propose the first block."""
+        blockwise = BlockwiseState(state, self.pad)
+        positions = state.tokens.new_zeros((state.rows, 1))
+        features, attn = self.run_block(blockwise, state.tokens, positions, ctx)  # (rows, 1, dim)
+        heads = self.decoder.heads(features[:, 0])[:, : self.block_size]  # (rows, block, dim)
+        first_lprobs = self.log_probs(heads[:, 0], ctx)  # (rows, vocab)
+        rules = RowStepProcessors(ctx.processors)
+        rows = torch.arange(blockwise.rows, device=positions.device)
+        rules(first_lprobs, blockwise.length, blockwise.tokens, rows, blockwise.sentence, blockwise.max_len)
+        self.propose(blockwise, ctx, first_lprobs, None if attn is None else attn[:, 0], heads[:, 1:])
+        return blockwise
+
+    def advance(self, state: BlockwiseState, ctx):
+        rows = torch.arange(state.rows, device=state.tokens.device)
+        remaining = int((state.max_len + 1 - state.length).max())  # tokens a row may still take, eos included
+        block = state.proposals[:, : min(self.block_size, remaining)]  # (rows, n)
+        n = block.size(1)
+        offsets = torch.arange(n, device=block.device)
+        positions = (state.length.unsqueeze(1) + 1 + offsets).clamp(max=self.decoder.max_positions() - 1)
+        features, attn = self.run_block(state, block, positions, ctx)  # (rows, n, dim), (rows, n, src_len)
+        ctx.counters.add("row_iterations", state.rows)
+        heads = self.decoder.heads(features)[:, :, : self.block_size]  # (rows, n, block, dim)
+
+        # verify: p_1 after block token j scores block token j + 1
+        lprobs = self.log_probs(heads[:, :, 0], ctx)  # (rows, n, vocab)
+        history = torch.cat([state.tokens, block.new_full((state.rows, n), self.pad)], dim=1)
+        history[rows.unsqueeze(1), 1 + state.length.unsqueeze(1) + offsets] = block
+        steps = (state.length.unsqueeze(1) + 1 + offsets).view(-1)  # (rows * n,)
+        flat = lprobs.view(-1, lprobs.size(-1))
+        row_of = rows.repeat_interleave(n)  # (rows * n,)
+        RowStepProcessors(ctx.processors)(flat, steps, history, row_of, state.sentence, state.max_len)
+        best = lprobs.topk(1, dim=-1).indices.squeeze(2)  # (rows, n): greedy's choice after each block token
+        accepted = self.accepted_prefix(block, lprobs, best, ctx.eos)  # (rows, n)
+        count = accepted.sum(dim=1)  # (rows,) >= 1
+
+        token_lprobs = torch.cat(
+            [state.first_lprob.unsqueeze(1), lprobs[:, :-1].gather(2, block[:, 1:].unsqueeze(2)).squeeze(2)], dim=1
+        )  # (rows, n)
+        token_attn = None if attn is None else torch.cat([state.first_attn.unsqueeze(1), attn[:, :-1]], dim=1)
+        state.accept(block, token_lprobs, token_attn, accepted)
+        self.decoder.rollback(state.cache, accepted)
+
+        last = count - 1  # the last accepted position proposes the next block
+        finished = block[rows, last].eq(ctx.eos)
+        for row in finished.nonzero().squeeze(1).tolist():
+            ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state.finished_row(row), 0)])
+        alive = (~finished).nonzero().squeeze(1)
+        if alive.numel() < state.rows:
+            state.select(alive)
+            last = last[alive]
+        if state.rows == 0:
+            return
+        first_lprobs = lprobs[alive, last]  # (rows, vocab), already processed
+        first_attn = None if attn is None else attn[alive, last]
+        self.propose(state, ctx, first_lprobs, first_attn, heads[alive, last, 1:])
+
+    def accepted_prefix(self, block, lprobs, best, eos) -> Tensor:
+        """(rows, n) bool: the tokens of each row's block that are accepted (a prefix)."""
+        n = block.size(1)
+        verified = self.acceptance.accepts(block[:, 1:], lprobs[:, :-1], best[:, :-1])  # (rows, n - 1)
+        ok = torch.cat([verified.new_ones((block.size(0), 1)), verified], dim=1)
+        ok |= torch.arange(n, device=block.device).lt(self.min_block).unsqueeze(0)
+        is_eos = block.eq(eos)
+        ok &= (is_eos.cumsum(dim=1) - is_eos.long()).eq(0)  # nothing after an eos
+        return ok.long().cumprod(dim=1).bool()
+
+    def propose(self, state: BlockwiseState, ctx, first_lprobs, first_attn, later_heads):
+        """Set the next block: greedy's token from ``first_lprobs`` (rows, vocab),
+        processed) then one token per later head (rows, block - 1, dim), each
+        processed with the proposals before it as context."""
+        rows = torch.arange(state.rows, device=state.tokens.device)
+        first_lprob, first = first_lprobs.topk(1, dim=-1)  # (rows, 1) each
+        history = torch.cat([state.tokens, state.tokens.new_full((state.rows, self.block_size), self.pad)], dim=1)
+        history[rows, 1 + state.length] = first.squeeze(1)
+        if self.block_size > 1:
+            later_lprobs = self.log_probs(later_heads, ctx)  # (rows, block - 1, vocab)
+            rules = RowStepProcessors(ctx.processors)
+            for head in range(1, self.block_size):
+                scores = later_lprobs[:, head - 1]
+                rules(scores, state.length + head, history, rows, state.sentence, state.max_len)
+                history[rows, 1 + state.length + head] = scores.topk(1, dim=-1).indices.squeeze(1)
+        columns = 1 + state.length.unsqueeze(1) + torch.arange(self.block_size, device=rows.device)
+        state.proposals = history[rows.unsqueeze(1), columns]  # (rows, block)
+        state.first_lprob = first_lprob.squeeze(1)
+        state.first_attn = first_attn
+
+    # ---- the model ---------------------------------------------------------------------------
+    def run_block(self, state, tokens, positions, ctx):
+        features, attn = self.decoder.forward_block(tokens, positions, state.encoder_out, state.cache)
+        ctx.counters.add("model_calls")
+        return features, attn
+
+    @staticmethod
+    def log_probs(features, ctx):
+        """Log-probabilities (..., vocab) of head features (..., dim), as the runner computes them."""
+        runner = ctx.runner
+        squeeze = features.dim() == 2
+        features = features.unsqueeze(1) if squeeze else features  # (rows, n, dim)
+        decoder = runner.model.decoder
+        logits = decoder.output_layer(features) if runner.projection is None else runner.projection(features, decoder)
+        if runner.temperature != 1.0:
+            logits = logits.div_(runner.temperature)
+        lprobs = utils.log_softmax(logits, dim=-1)
+        return lprobs[:, 0] if squeeze else lprobs
+
+
+class BlockwiseCounters(GenerationCounters):
+    """Adds ``mean_accepted_block_size``: tokens per row and iteration."""
+
+    def extra_stats(self):
+        row_iterations = self.counts["row_iterations"]
+        return {"mean_accepted_block_size": self.counts["tokens"] / row_iterations} if row_iterations else {}
+
+
+@register_decoder(
+    "blockwise", options=BlockwiseOptions,
+    guarantee="blockwise parallel decoding of a transformer_khead model; exact acceptance (default) is "
+              "token-identical to greedy decoding with head 1, --blockwise-top-k/-epsilon/-min-block approximate",
+)
+class BlockwiseGenerator(FastgenGenerator):
+    """Blockwise parallel decoding with a k-head model (see the module docstring)."""
+
+    name = "blockwise"
+
+    def new_counters(self):
+        return BlockwiseCounters(self.name)
+
+    @classmethod
+    def build(cls, model, tgt_dict, gen_cfg, projection=None):
+        if gen_cfg.beam > 1:
+            raise ValueError(
+                f"--decoder blockwise decodes one hypothesis per sentence (greedy with head 1); got --beam "
+                f"{gen_cfg.beam} (fairseq's default is 5): pass --beam 1"
+            )
+        if gen_cfg.nbest > 1:
+            raise ValueError(f"--decoder blockwise produces one hypothesis per sentence; got --nbest {gen_cfg.nbest}")
+        decoder = model.decoder
+        if not hasattr(decoder, "forward_block"):
+            raise ValueError(
+                f"--decoder blockwise needs a k-head model (--arch transformer_khead); this checkpoint's decoder is "
+                f"{type(decoder).__name__}"
+            )
+        block_size = option_value(gen_cfg, "blockwise_block_size") or decoder.block_size
+        if not 1 <= block_size <= decoder.block_size:
+            raise ValueError(
+                f"--blockwise-block-size {block_size}: the model has {decoder.block_size} heads (--block-size of "
+                f"transformer_khead); give 1 .. {decoder.block_size}"
+            )
+        min_block = option_value(gen_cfg, "blockwise_min_block")
+        if min_block < 1:
+            raise ValueError(f"--blockwise-min-block must be >= 1, got {min_block}")
+        policy = BlockwisePolicy(decoder, block_size, build_acceptance(gen_cfg, tgt_dict), min_block, tgt_dict.pad())
+        return cls(model, tgt_dict, gen_cfg, policy, projection=projection)

@@ -1,0 +1,129 @@
+"""Which configurations fastgen-bench measures, which it compares, and the Pareto frontier of its plot."""
+
+from types import SimpleNamespace
+
+from fairseq_fastgen.bench import options
+from fairseq_fastgen.bench.measure import ConfigResult
+from fairseq_fastgen.bench.options import BenchConfig
+from fairseq_fastgen.bench.report import pareto_frontier
+from fairseq_fastgen.bench.scoring import identical_rate, pick_reference
+from fairseq_fastgen.sequence_generators.registry import DECODERS, register_builder
+
+
+def bench_args(**given):
+    return options.bench_parser().parse_args([f"--{k.replace('_', '-')}={v}" for k, v in given.items()])
+
+
+def test_every_decoder_beam_and_batching_once_and_greedy_only_at_beam_1():
+    configs = options.configurations(bench_args(decoders="beam,greedy", beam="1,5", batch_size="1,64"), False)
+    assert [c.label for c in configs] == [
+        "beam/b1/bs1", "greedy/b1/bs1", "beam/b5/bs1",
+        "beam/b1/bs64", "greedy/b1/bs64", "beam/b5/bs64",
+    ]
+
+
+def test_ctranslate2_and_the_cluster_projection_add_configurations():
+    configs = options.configurations(
+        bench_args(decoders="beam", beam="4", max_tokens="500,900", cluster_projection="clusters.pt"), True
+    )
+    assert [c.label for c in configs] == [
+        "beam/b4/mt500", "beam/b4/mt500/cp", "ctranslate2/b4/mt500",
+        "beam/b4/mt900", "beam/b4/mt900/cp", "ctranslate2/b4/mt900",
+    ]
+
+
+def test_variants_multiply_the_plugin_configurations_but_not_ctranslate2():
+    args = bench_args(decoders="greedy", batch_size="8")
+    args.variants = {"short": object(), "long": object()}
+    configs = options.configurations(args, True)
+    assert [c.label for c in configs] == [
+        "greedy/b1/bs8", "greedy/b1/bs8/short", "greedy/b1/bs8/long", "ctranslate2/b1/bs8", "ctranslate2/b5/bs8",
+    ]
+
+
+def test_fairseq_batching_default_and_pairs_of_limits():
+    assert options.batchings(bench_args()) == [(None, options.FAIRSEQ_DEFAULT_MAX_TOKENS)]
+    assert options.batchings(bench_args(batch_size="8,16", max_tokens="100")) == [(8, 100), (16, 100)]
+
+
+def measured(label_parts, outputs):
+    decoder, beam, batch_size = label_parts
+    return ConfigResult(BenchConfig(decoder, beam, batch_size, None), outputs=outputs)
+
+
+def test_reference_is_stock_beam_at_the_same_beam_and_batching():
+    results = [
+        measured(("beam", 1, 8), {0: [4, 2], 1: [5, 2]}),
+        measured(("beam", 5, 8), {0: [4, 2], 1: [6, 2]}),
+        measured(("beam", 1, 64), {0: [4, 2], 1: [5, 2]}),
+        measured(("greedy", 1, 64), {0: [4, 2], 1: [7, 2]}),
+        measured(("var-batch", 5, 64), {0: [4, 2], 1: [6, 2]}),
+    ]
+    assert pick_reference(results[3], results, None) is results[2]
+    assert pick_reference(results[4], results, None) is results[1]  # same beam beats same batching
+    assert pick_reference(results[4], results, "greedy") is results[3]
+    assert pick_reference(results[4], results, "beam/b1/bs8") is results[0]
+    assert pick_reference(results[4], results, "no-such") is None
+    assert identical_rate(results[3], results[2]) == 0.5
+    assert identical_rate(results[4], results[1]) == 1.0
+
+
+def test_reference_self_is_the_same_decoder_without_projection_or_variant():
+    def config(decoder, projected=False, variant=None):
+        return ConfigResult(BenchConfig(decoder, 5, 64, None, projected, variant), outputs={0: [4, 2]})
+
+    results = [config("beam"), config("var-batch"), config("var-batch", projected=True),
+               config("var-batch", variant="delta3"), config("var-batch", projected=True, variant="delta3")]
+    for result in results[1:]:
+        assert pick_reference(result, results, "self") is results[1]
+    assert pick_reference(results[0], results, "self") is results[0]
+    assert pick_reference(results[2], results, None) is results[0]
+
+
+def test_reference_without_stock_beam_is_the_first_configuration():
+    results = [measured(("greedy", 1, 8), {0: [4, 2]}), measured(("var-batch", 5, 8), {0: [4, 2]})]
+    assert pick_reference(results[1], results, None) is results[0]
+
+
+def test_pareto_frontier_keeps_points_no_other_point_beats_on_speed_and_bleu():
+    points = [(10.0, 20.0), (5.0, 25.0), (8.0, 19.0), (1.0, 24.0), (12.0, 15.0), (5.0, 22.0)]
+    assert sorted(pareto_frontier(points)) == [0, 1, 4]
+
+
+def shared_config():
+    return SimpleNamespace(
+        dataset=SimpleNamespace(batch_size=None, max_tokens=None),
+        generation=SimpleNamespace(beam=5, decoder="beam", cluster_projection=None),
+    )
+
+
+def test_run_config_sets_the_configuration_without_touching_the_shared_one():
+    cfg = shared_config()
+    run_cfg = options.run_config(cfg, BenchConfig("greedy", 1, 16, None, cluster_projection=True), "c.pt")
+    assert (run_cfg.dataset.batch_size, run_cfg.dataset.max_tokens) == (16, None)
+    assert (run_cfg.generation.beam, run_cfg.generation.decoder, run_cfg.generation.cluster_projection) == (
+        1, "greedy", "c.pt")
+    assert (cfg.generation.beam, cfg.generation.decoder, cfg.dataset.batch_size) == (5, "beam", None)
+
+
+def test_a_variant_brings_its_own_generation_options():
+    cfg = shared_config()
+    variant_generation = SimpleNamespace(beam=5, decoder="beam", cluster_projection="c16.pt", max_len_b=3)
+    run_cfg = options.run_config(cfg, BenchConfig("greedy", 1, 16, None, variant="c16"), None,
+                                 {"c16": variant_generation})
+    assert (run_cfg.generation.beam, run_cfg.generation.max_len_b, run_cfg.generation.cluster_projection) == (
+        1, 3, "c16.pt")
+    assert variant_generation.beam == 5 and cfg.generation.cluster_projection is None
+
+
+def test_run_config_lets_the_decoder_prepare_the_run_as_fairseq_generate_does():
+    def read_pools(cfg, tool):  # like the streaming decoders: the batch size becomes the capacity
+        assert tool == "generate"
+        cfg.generation.capacity, cfg.dataset.batch_size = cfg.dataset.batch_size, 1024
+
+    register_builder("bench-test-pools", None, prepare_cli=read_pools)
+    try:
+        run_cfg = options.run_config(shared_config(), BenchConfig("bench-test-pools", 5, 16, None), None)
+    finally:
+        del DECODERS["bench-test-pools"]
+    assert (run_cfg.generation.capacity, run_cfg.dataset.batch_size) == (16, 1024)

@@ -1,0 +1,129 @@
+"""--cluster-projection in every decoder that runs a plain transformer.
+
+A file whose active sets cover the whole vocabulary must leave every
+decoder's output unchanged (tokens and scores, sentence by sentence), and the
+projection must really have run.  Decoders are taken from the registry, so
+those added later are covered once registered.
+"""
+
+import copy
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from fairseq.dataclass.configs import GenerationConfig  # the plugin's merged class
+from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
+from fairseq_fastgen.cluster.projection import attached_projection, detach, nearest_clusters
+from fairseq_fastgen.sequence_generators import DECODERS
+
+K_HEAD_DECODERS = {"blockwise"}  # need a transformer_khead model: tested on the toy k-head model below
+EXPECTED_PLAIN_DECODERS = ["beam", "greedy", "var-batch", "var-stream", "fixed-stream"]
+PLAIN_DECODERS = sorted(set(EXPECTED_PLAIN_DECODERS) | set(DECODERS) - K_HEAD_DECODERS)
+SENTENCES = 24
+
+
+@pytest.fixture(scope="module")
+def model(toy):
+    """A private copy: decoding may attach a projection to its decoder."""
+    return copy.deepcopy(toy.model)
+
+
+def batches(task, batch_size):
+    iterator = task.get_batch_iterator(
+        dataset=task.dataset("test"), max_sentences=batch_size, required_batch_size_multiple=1,
+        disable_iterator_cache=True,  # fairseq would reuse the batches of an earlier call
+    ).next_epoch_itr(shuffle=False)
+    taken = 0
+    for sample in iterator:
+        if taken >= SENTENCES:
+            break
+        taken += sample["nsentences"]
+        yield sample
+
+
+def decode(task, model, decoder, beam, batch_size=12, **options):
+    """(sentence id -> best hypothesis, the projection that ran or None)."""
+    gen_cfg = OmegaConf.structured(GenerationConfig(beam=beam, decoder=decoder, **options))
+    generator = task.build_generator([model], gen_cfg)
+    results = {}
+    try:
+        for sample in batches(task, batch_size):
+            hypotheses = task.inference_step(generator, [model], sample)
+            for sentence_id, hyps in zip(sample["id"].tolist(), hypotheses):
+                results[sentence_id] = hyps[0]
+        runner = getattr(generator, "runner", None)
+        projection = getattr(runner, "projection", None) or attached_projection(model.decoder)
+    finally:
+        detach(model.decoder)
+    return results, projection
+
+
+def assert_unchanged_by_whole_vocabulary_file(task, model, path, decoder, beam):
+    plain, no_projection = decode(task, model, decoder, beam)
+    projected, projection = decode(task, model, decoder, beam, cluster_projection=str(path))
+    assert no_projection is None
+    assert projection is not None, f"--decoder {decoder} ignored --cluster-projection"
+    stats = projection.statistics.as_dict()
+    assert stats["projection_steps"] > 0 and stats["projection_active_fraction_mean"] == 1.0
+    assert sorted(projected) == sorted(plain) and len(plain) >= SENTENCES
+    for sentence_id, expected in plain.items():
+        got = projected[sentence_id]
+        assert torch.equal(got["tokens"], expected["tokens"]), sentence_id
+        assert torch.equal(got["score"], expected["score"]), sentence_id
+        assert torch.equal(got["positional_scores"], expected["positional_scores"]), sentence_id
+    return stats
+
+
+@pytest.mark.parametrize("decoder", PLAIN_DECODERS)
+def test_whole_vocabulary_file_changes_nothing(toy, model, full_coverage_path, decoder):
+    if decoder not in DECODERS:
+        pytest.skip(f"--decoder {decoder} is not registered (yet)")
+    assert_unchanged_by_whole_vocabulary_file(toy.task, model, full_coverage_path, decoder, 1 if decoder == "greedy" else 4)
+
+
+def test_whole_vocabulary_file_changes_nothing_in_blockwise(khead, khead_full_coverage_path):
+    if "blockwise" not in DECODERS:
+        pytest.skip("--decoder blockwise is not registered (yet)")
+    stats = assert_unchanged_by_whole_vocabulary_file(khead.task, copy.deepcopy(khead.model), khead_full_coverage_path,
+                                                      "blockwise", 1)
+    assert stats["projection_states"] > stats["projection_steps"]  # the k heads' states are projected together
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "beam"])
+def test_bad_file_is_refused_when_the_generator_is_built(toy, model, tmp_path, decoder):
+    path = tmp_path / "clusters.pt"
+    path.write_bytes(b"not a cluster file")
+    with pytest.raises(ClusterFileError, match="truncated or corrupted"):
+        decode(toy.task, model, decoder, 1, cluster_projection=str(path))
+
+
+def test_greedy_picks_the_best_token_of_its_cluster(toy, model, trained_cluster_path):
+    """At batch size 1 the union is the active set of the state's own cluster:
+    every greedy token is the argmax of the full logits over that set."""
+    results, projection = decode(toy.task, model, "greedy", 1, batch_size=1,
+                                 cluster_projection=str(trained_cluster_path))
+    cluster_file = ClusterFile.load(trained_cluster_path)
+    assert projection.statistics.as_dict()["projection_active_fraction_max"] < 1.0
+    eos = toy.task.target_dictionary.eos()
+    dataset = toy.task.dataset("test")
+    with torch.no_grad():
+        for sentence_id, hypothesis in results.items():
+            tokens = hypothesis["tokens"]  # (length,) ending in eos
+            source = dataset[sentence_id]["source"].unsqueeze(0)
+            prev = torch.cat([torch.tensor([eos]), tokens[:-1]]).unsqueeze(0)
+            features, _ = model(source, torch.tensor([source.size(1)]), prev, features_only=True)
+            states = features[0]  # (length, hidden)
+            clusters = nearest_clusters(states, cluster_file.centroids, cluster_file.centroid_sqnorms)
+            logits = model.decoder.output_layer(states)  # (length, vocab)
+            if tokens.numel() >= model.max_decoder_positions() - 1:
+                tokens = tokens[:-1]  # eos forced at the length limit
+            for position, (cluster, token) in enumerate(zip(clusters.tolist(), tokens.tolist())):
+                allowed = cluster_file.cluster_tokens(cluster)
+                assert token in allowed.tolist(), (sentence_id, position)
+                best = allowed[logits[position, allowed].argmax()]
+                assert token == int(best), (sentence_id, position)
+
+
+def test_fingerprint_matches_the_model(toy, trained_cluster_path):
+    assert ClusterFile.load(trained_cluster_path).fingerprint == ModelFingerprint.of_decoder(toy.model.decoder)

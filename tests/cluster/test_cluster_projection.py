@@ -1,0 +1,130 @@
+"""The cluster projection equals a direct computation: nearest centroid by
+brute-force distance, union of the chosen clusters' sets as a Python set,
+full logits where the union holds a token, -inf elsewhere."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
+from fairseq_fastgen.cluster.projection import (
+    DENSE_FRACTION, ClusterProjection, attach, attached_projection, detach,
+)
+
+VOCAB, HIDDEN, CLUSTERS = 80, 8, 6
+
+
+def random_case(choice, rows, steps, bias, seed, smallest_set=3):
+    """A projection layer, a cluster file (set sizes from ``smallest_set`` up),
+    and features near the centroids given by ``choice`` (so the nearest
+    cluster of every state is known)."""
+    generator = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(HIDDEN, VOCAB, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(VOCAB, HIDDEN, generator=generator))
+        if bias:
+            linear.bias.copy_(torch.randn(VOCAB, generator=generator))
+    centroids = torch.randn(CLUSTERS, HIDDEN, generator=generator) * 4
+    token_lists = [torch.randperm(VOCAB, generator=generator)[: smallest_set + 2 * c].tolist()
+                   for c in range(CLUSTERS)]
+    states = rows * steps
+    nearest = {
+        "random": lambda: torch.randint(0, CLUSTERS, (states,), generator=generator),
+        "all-same": lambda: torch.full((states,), 2),
+        "all-different": lambda: torch.randperm(CLUSTERS, generator=generator)[:states],
+    }[choice]()
+    features = centroids[nearest] + 0.01 * torch.randn(states, HIDDEN, generator=generator)
+    fingerprint = ModelFingerprint(VOCAB, HIDDEN, "not checked here")
+    cluster_file = ClusterFile.build(centroids, token_lists, fingerprint, top_k=1, states=0)
+    return linear, cluster_file, token_lists, features.view(rows, steps, HIDDEN)
+
+
+def direct_logits(features, linear, centroids, token_lists):
+    states = features.reshape(-1, HIDDEN)
+    chosen = [int(((centroids - state) ** 2).sum(dim=1).argmin()) for state in states]
+    union = set()
+    for cluster in chosen:
+        union.update(token_lists[cluster])
+    full = features @ linear.weight.t() + (linear.bias if linear.bias is not None else 0)
+    in_union = torch.tensor([token in union for token in range(VOCAB)])
+    return torch.where(in_union, full, torch.full_like(full, -math.inf)), len(union)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("choice, rows, steps, smallest_set, dense", [
+    ("random", 5, 1, 3, False), ("random", 3, 2, 3, False), ("all-same", 7, 1, 3, False),
+    ("all-different", CLUSTERS, 1, 3, False), ("all-different", 2, 3, 3, False),
+    ("all-different", 2, 1, 45, True), ("all-same", 4, 1, 45, True),  # union above DENSE_FRACTION
+])
+def test_projection_equals_direct_computation(choice, rows, steps, smallest_set, dense, bias):
+    linear, cluster_file, token_lists, features = random_case(choice, rows, steps, bias, rows * 10 + steps, smallest_set)
+    projection = ClusterProjection(cluster_file)
+    logits = projection(features, SimpleNamespace(output_projection=linear))
+    expected, active = direct_logits(features, linear, cluster_file.centroids, token_lists)
+    assert (active > DENSE_FRACTION * VOCAB) == dense and active < VOCAB
+    assert logits.shape == (rows, steps, VOCAB)
+    assert torch.equal(torch.isinf(logits), torch.isinf(expected))
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    if choice == "all-same":
+        assert active == len(token_lists[2])
+    stats = projection.statistics.as_dict()
+    assert stats["projection_steps"] == 1 and stats["projection_states"] == rows * steps
+    assert stats["projection_active_fraction_max"] == pytest.approx(active / VOCAB)
+
+
+def test_statistics_over_steps():
+    linear, cluster_file, token_lists, _ = random_case("random", 1, 1, False, seed=3)
+    projection = ClusterProjection(cluster_file)
+    decoder = SimpleNamespace(output_projection=linear)
+    for cluster in (0, 5, 5):
+        projection(cluster_file.centroids[cluster].view(1, 1, HIDDEN), decoder)
+    stats = projection.statistics.as_dict()
+    fractions = [len(token_lists[c]) / VOCAB for c in (0, 5, 5)]
+    assert stats["projection_steps"] == 3
+    assert stats["projection_active_fraction_mean"] == pytest.approx(sum(fractions) / 3)
+    assert stats["projection_active_fraction_max"] == pytest.approx(max(fractions))
+    assert stats["projection_full_vocab_steps"] == 0
+    assert stats["projection_seconds"] > 0
+
+
+def test_whole_vocabulary_union_is_the_full_projection(toy):
+    """On the toy decoder's real projection: bit-identical logits."""
+    decoder = toy.model.decoder
+    fingerprint = ModelFingerprint.of_decoder(decoder)
+    every_token = list(range(fingerprint.vocab_size))
+    centroids = torch.randn(3, fingerprint.hidden_size, generator=torch.Generator().manual_seed(0))
+    projection = ClusterProjection(ClusterFile.build(centroids, [every_token] * 3, fingerprint, top_k=1, states=0))
+    features = torch.randn(9, 1, fingerprint.hidden_size, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(projection(features, decoder), decoder.output_layer(features))
+    assert projection.statistics.as_dict()["projection_full_vocab_steps"] == 1
+
+
+def test_attach_routes_decoder_forward(toy):
+    """--decoder beam calls decoder.forward: the attached projection replaces its output layer, and detach restores it."""
+    decoder = toy.model.decoder
+    fingerprint = ModelFingerprint.of_decoder(decoder)
+    eos = toy.task.target_dictionary.eos()
+    centroids = torch.randn(2, fingerprint.hidden_size, generator=torch.Generator().manual_seed(0))
+    projection = ClusterProjection(ClusterFile.build(centroids, [[eos, 7, 9], [eos, 8]], fingerprint, top_k=1, states=0))
+    sample = toy.task.dataset("test")[0]
+    src = sample["source"].unsqueeze(0)
+    prev = torch.cat([torch.tensor([eos]), sample["target"][:-1]]).unsqueeze(0)
+    with torch.no_grad():
+        encoder_out = toy.model.encoder(src, torch.tensor([src.size(1)]))
+        plain, _ = decoder(prev, encoder_out=encoder_out)
+        attach(decoder, projection)
+        try:
+            assert attached_projection(decoder) is projection
+            projected, _ = decoder(prev, encoder_out=encoder_out)
+        finally:
+            detach(decoder)
+        restored, _ = decoder(prev, encoder_out=encoder_out)
+    assert attached_projection(decoder) is None
+    assert torch.equal(restored, plain)
+    active = projected[0].isfinite().all(dim=0)  # (vocab,) the union over the sentence's states
+    assert set(active.nonzero().squeeze(1).tolist()) <= {eos, 7, 8, 9}
+    torch.testing.assert_close(projected[..., active], plain[..., active])
+    assert projection.statistics.as_dict()["projection_states"] == prev.size(1)

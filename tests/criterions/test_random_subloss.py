@@ -1,0 +1,148 @@
+"""random_subloss: each head's loss equals stock label smoothing on its shifted
+targets; random mode trains one head per minibatch, mean mode all of them."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fairseq_fastgen  # noqa: F401  (registers model and criterion)
+from fairseq import metrics
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion
+from fairseq_fastgen.criterions.random_subloss import RandomSublossCriterion, shifted_target
+from tests.models.khead_toy import build_in_process, randomized_heads
+
+BLOCK = 3
+SMOOTHING = 0.1
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def khead(toy_model):
+    """An untrained 3-head toy model (head layer randomized) and a validation batch."""
+    model, task = randomized_heads(toy_model.data_bin, BLOCK)
+    task.load_dataset("valid")
+    batches = task.get_batch_iterator(dataset=task.dataset("valid"), max_sentences=8).next_epoch_itr(shuffle=False)
+    return model, task, next(iter(batches))
+
+
+def criterion(task, mode):
+    return RandomSublossCriterion(task, label_smoothing=SMOOTHING, subloss_mode=mode, sentence_avg=False)
+
+
+class OneHead(nn.Module):
+    """The model seen through one head: its logits as the model output."""
+
+    def __init__(self, model, head):
+        super().__init__()
+        self.model, self.head = model, head
+
+    def forward(self, **net_input):
+        _, extra = self.model(**net_input)
+        return extra["khead_logits"][:, :, self.head], extra
+
+    def get_normalized_probs(self, net_output, log_probs, sample=None):
+        return self.model.get_normalized_probs(net_output, log_probs, sample)
+
+    def get_targets(self, sample, net_output):
+        return sample["target"]
+
+
+def shifted_by_hand(target, head, pad):
+    """Each row's real tokens from position ``head`` on, padded to the same width."""
+    rows = []
+    for row in target.tolist():
+        real = [t for t in row if t != pad]
+        rows.append(real[head:] + [pad] * (len(row) - len(real[head:])))
+    return torch.tensor(rows)
+
+
+def test_shifted_target_pads_past_the_end():
+    pad = 1
+    target = torch.tensor([[5, 6, 7, 2, 1], [8, 2, 1, 1, 1]])
+    assert shifted_target(target, 0, pad).tolist() == target.tolist()
+    assert shifted_target(target, 1, pad).tolist() == [[6, 7, 2, 1, 1], [2, 1, 1, 1, 1]]
+    assert shifted_target(target, 2, pad).tolist() == [[7, 2, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert shifted_target(target, 6, pad).tolist() == [[1] * 5] * 2
+
+
+@torch.no_grad()
+def test_every_head_loss_is_stock_label_smoothing_on_its_shifted_target(khead):
+    model, task, sample = khead
+    model.eval()
+    _, _, logged = criterion(task, "mean").eval()(model, sample)
+    stock = LabelSmoothedCrossEntropyCriterion(
+        task, sentence_avg=False, label_smoothing=SMOOTHING, report_accuracy=True
+    )
+    pad = task.target_dictionary.pad()
+    for head in range(BLOCK):
+        shifted = dict(sample, target=shifted_by_hand(sample["target"], head, pad))
+        loss, _, expected = stock(OneHead(model, head), shifted)
+        assert math.isclose(float(logged[f"loss_h{head + 1}"]), float(loss), rel_tol=1e-5)
+        assert logged[f"correct_h{head + 1}"] == int(expected["n_correct"])
+        assert logged[f"ntokens_h{head + 1}"] == int(expected["total"])
+    assert logged["ntokens_h1"] > logged["ntokens_h2"] > logged["ntokens_h3"]  # later heads: fewer targets
+
+
+def per_head_losses(logged):
+    return [float(logged[f"loss_h{head + 1}"]) for head in range(BLOCK)]
+
+
+def test_random_mode_trains_one_head_per_minibatch_and_validates_the_mean(khead):
+    model, task, sample = khead
+    model.train()
+    chosen = set()
+    random_mode = criterion(task, "random").train()
+    for seed in range(30):  # until every head was chosen
+        if chosen == set(range(BLOCK)):
+            break
+        torch.manual_seed(seed)
+        loss, _, logged = random_mode(model, sample)
+        # dropout makes every call different: compare with this call's own per-head losses
+        losses = per_head_losses(logged)
+        matches = [head for head, value in enumerate(losses) if math.isclose(float(loss), value, rel_tol=1e-6)]
+        assert len(matches) == 1
+        chosen.add(matches[0])
+    assert chosen == set(range(BLOCK))
+
+    model.eval()
+    with torch.no_grad():
+        for mode in ("random", "mean"):
+            loss, _, logged = criterion(task, mode).eval()(model, sample)
+            assert math.isclose(float(loss), sum(per_head_losses(logged)) / BLOCK, rel_tol=1e-6)
+
+
+def test_random_mode_reaches_every_parameter(khead):
+    """Data parallel training needs a gradient for every trained parameter at every step."""
+    model, task, sample = khead
+    model.train()
+    model.zero_grad()
+    loss, _, _ = criterion(task, "random").train()(model, sample)
+    loss.backward()
+    assert [name for name, p in model.named_parameters() if p.grad is None] == []
+    model.zero_grad()
+
+
+def test_frozen_identity_head_is_never_chosen(toy_model):
+    model, task = build_in_process(toy_model.data_bin, "--block-size", "3", "--khead-identity-first", "--freeze-base")
+    assert model.decoder.trainable_heads() == [1, 2]
+    unfrozen, _ = build_in_process(toy_model.data_bin, "--block-size", "3", "--khead-identity-first")
+    assert unfrozen.decoder.trainable_heads() == [0, 1, 2]
+
+
+def test_logged_metrics_name_every_head():
+    logs = [
+        {"loss": 6.0, "nll_loss": 5.0, "ntokens": 10, "sample_size": 10, "nsentences": 2,
+         "loss_h1": 4.0, "ntokens_h1": 10, "correct_h1": 5, "loss_h2": 8.0, "ntokens_h2": 8, "correct_h2": 1},
+        {"loss": 3.0, "nll_loss": 2.0, "ntokens": 5, "sample_size": 5, "nsentences": 1,
+         "loss_h1": 2.0, "ntokens_h1": 5, "correct_h1": 4, "loss_h2": 4.0, "ntokens_h2": 4, "correct_h2": 3},
+    ]
+    with metrics.aggregate() as aggregated:
+        RandomSublossCriterion.reduce_metrics(logs)
+    values = aggregated.get_smoothed_values()
+    assert values["acc_h1"] == pytest.approx(100 * 9 / 15, abs=0.01)
+    assert values["acc_h2"] == pytest.approx(100 * 4 / 12, abs=0.01)
+    assert values["loss_h2"] == pytest.approx(12 / 12 / math.log(2), abs=1e-3)
+    assert values["loss"] == pytest.approx(9 / 15 / math.log(2), abs=1e-3)

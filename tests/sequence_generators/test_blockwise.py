@@ -1,0 +1,276 @@
+"""--decoder blockwise: exact acceptance is token-identical to greedy decoding with
+head 1, sentence by sentence, on the toy k-head checkpoints (k = 2 and 4); one
+model invocation per iteration; approximate criteria; refusals; the real CLIs."""
+
+import json
+import math
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+import fairseq_fastgen  # noqa: F401  (plugin: --decoder, models)
+from fairseq import checkpoint_utils
+from fairseq.data import Dictionary
+from fairseq.dataclass.configs import GenerationConfig
+from fairseq_fastgen import toy
+from fairseq_fastgen.sequence_generators.blockwise import OrdinalDistance, RowStepProcessors, ordinal_values
+from fairseq_fastgen.sequence_generators.processors import BanRepeatedNgrams, ForcePrefix, LengthLimits
+from fairseq_fastgen.sequence_generators.state import DecodingState
+
+pytestmark = [pytest.mark.xdist_group("toy_khead"), pytest.mark.usefixtures("one_thread")]
+
+SHORT = {"max_len_a": 0, "max_len_b": 6}  # most sentences are cut at 6 tokens
+SOURCE_LENGTH = {"max_len_a": 1, "max_len_b": 0}  # about half of the toy outputs reach this limit
+
+
+@pytest.fixture(scope="module")
+def loaded(request):
+    """loaded(k) -> (model, task) of the toy k-head checkpoint, test split loaded."""
+    models = {}
+
+    def load(block_size):
+        if block_size not in models:
+            khead = request.getfixturevalue(f"khead_k{block_size}")
+            ensemble, _, task = checkpoint_utils.load_model_ensemble_and_task(
+                [str(khead.checkpoint)], arg_overrides={"data": str(khead.data_bin)}
+            )
+            task.load_dataset("test")
+            models[block_size] = (ensemble[0].eval(), task)
+        return models[block_size]
+
+    return load
+
+
+def decode(model, task, batch_size, prefix_size=0, **options):
+    """{sentence id: (tokens, positional scores)} and the generator."""
+    generator = task.build_generator([model], GenerationConfig(beam=1, **options))
+    return run_generator(generator, model, task, batch_size, prefix_size), generator
+
+
+def run_generator(generator, model, task, batch_size, prefix_size=0):
+    batches = task.get_batch_iterator(  # a fresh iterator: fairseq reuses a task's first one, whatever its batch size
+        dataset=task.dataset("test"), max_sentences=batch_size, disable_iterator_cache=True
+    ).next_epoch_itr(shuffle=False)
+    outputs = {}
+    for sample in batches:
+        prefix = sample["target"][:, :prefix_size] if prefix_size else None
+        for sentence, hyps in zip(sample["id"].tolist(), generator.generate([model], sample, prefix_tokens=prefix)):
+            assert len(hyps) == 1
+            outputs[sentence] = (hyps[0]["tokens"].tolist(), hyps[0]["positional_scores"])
+    return outputs
+
+
+def assert_statistics(stats, outputs, batches):
+    """One model call per iteration (plus the first step of each batch); mean
+    accepted block size = tokens / (rows x iterations)."""
+    assert stats["encoder_calls"] == batches
+    assert stats["model_calls"] == stats["iterations"] + batches
+    tokens = sum(len(tokens) for tokens, _ in outputs.values())
+    assert stats["tokens"] == tokens
+    assert stats["mean_accepted_block_size"] == pytest.approx(tokens / stats["row_iterations"])
+    assert 1 < stats["mean_accepted_block_size"] <= 4  # blocks did help
+    if batches == len(outputs):  # one sentence per batch: rows x iterations = iterations
+        assert stats["mean_accepted_block_size"] == pytest.approx(tokens / stats["iterations"])
+
+
+def record_blocks(generator):
+    """Wrap the policy's acceptance to record every (block, accepted) pair."""
+    records, accepted_prefix = [], generator.policy.accepted_prefix
+
+    def recording(block, lprobs, best, eos):
+        accepted = accepted_prefix(block, lprobs, best, eos)
+        records.append((block.clone(), accepted.clone()))
+        return accepted
+
+    generator.policy.accepted_prefix = recording
+    return records
+
+
+def assert_same_tokens(expected, got):
+    assert sorted(got) == sorted(expected) and len(expected) == 200
+    differing = [s for s in expected if got[s][0] != expected[s][0]]
+    assert differing == [], f"blockwise differs from greedy on sentences {differing[:10]}"
+    for sentence in expected:
+        assert torch.allclose(got[sentence][1], expected[sentence][1], atol=1e-4)
+
+
+@pytest.mark.parametrize("batch_size", [1, 5, 64])
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_exact_blockwise_equals_greedy_sentence_by_sentence(loaded, block_size, batch_size):
+    model, task = loaded(block_size)
+    greedy, _ = decode(model, task, batch_size, decoder="greedy", **SOURCE_LENGTH)
+    generator = task.build_generator([model], GenerationConfig(beam=1, decoder="blockwise", **SOURCE_LENGTH))
+    records = record_blocks(generator)
+    blockwise = run_generator(generator, model, task, batch_size)
+    assert_same_tokens(greedy, blockwise)
+    assert_statistics(generator.counters.as_dict(), blockwise, batches=math.ceil(200 / batch_size))
+
+    # among them: sentences cut at their length limit, and sentences whose eos was accepted inside a block
+    limits = {s: len(task.dataset("test")[s]["source"]) - 1 for s in blockwise}
+    assert sum(len(tokens) == limits[s] + 1 for s, (tokens, _) in blockwise.items()) >= 20
+    eos = task.target_dictionary.eos()
+    ends_inside = [row for block, accepted in records for row in range(block.size(0))
+                   if accepted[row].sum() > 1 and block[row, int(accepted[row].sum()) - 1] == eos]
+    assert len(ends_inside) > 0
+
+
+def test_prefix_and_no_repeat_ngram_rules_apply_as_in_greedy(loaded):
+    model, task = loaded(4)
+    options = {"no_repeat_ngram_size": 2, "min_len": 3, "unkpen": 0.5}
+    greedy, _ = decode(model, task, 64, prefix_size=2, decoder="greedy", **options)
+    blockwise, _ = decode(model, task, 64, prefix_size=2, decoder="blockwise", **options)
+    assert_same_tokens(greedy, blockwise)
+    targets = {int(task.dataset("test")[i]["id"]): task.dataset("test")[i]["target"][:2].tolist() for i in range(200)}
+    assert all(tokens[:2] == targets[s] for s, (tokens, _) in blockwise.items())
+
+
+def greedy_rank_limit_holds(model, task, outputs, top_k, sentences=60):
+    """Every output token of the first ``sentences`` is among the top_k of p_1 given
+    the output before it (pad excluded)."""
+    dataset = task.dataset("test")
+    eos, pad = task.target_dictionary.eos(), task.target_dictionary.pad()
+    with torch.no_grad():
+        for sentence in range(sentences):
+            tokens = outputs[sentence][0]
+            item = dataset[sentence]
+            src = item["source"].unsqueeze(0)
+            prev = torch.tensor([[eos] + tokens[:-1]])
+            lprobs = model.get_normalized_probs(model(src, torch.tensor([src.size(1)]), prev), log_probs=True)[0]
+            lprobs[:, pad] = -math.inf
+            lprobs[0, eos] = -math.inf  # --min-len 1
+            kth = lprobs.topk(top_k, dim=-1).values[:, -1]  # (len,)
+            chosen = lprobs.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+            if not bool((chosen >= kth - 1e-4).all()):
+                return False
+    return True
+
+
+def test_top_k_acceptance_accepts_more_and_stays_in_the_top_k(loaded):
+    model, task = loaded(4)
+    exact, exact_generator = decode(model, task, 64, decoder="blockwise")
+    approximate, generator = decode(model, task, 64, decoder="blockwise", blockwise_top_k=3)
+    mean_block = generator.counters.as_dict()["mean_accepted_block_size"]
+    assert mean_block > exact_generator.counters.as_dict()["mean_accepted_block_size"]
+    assert any(approximate[s][0] != exact[s][0] for s in exact)
+    assert greedy_rank_limit_holds(model, task, approximate, 3)
+    assert not greedy_rank_limit_holds(model, task, approximate, 1)
+
+
+def test_min_block_accepts_at_least_that_many_tokens(loaded):
+    model, task = loaded(4)
+    outputs, generator = decode(model, task, 1, decoder="blockwise", blockwise_min_block=3, **SHORT)
+    iterations = generator.counters.counts["iterations"]
+    assert iterations <= sum(math.ceil(len(tokens) / 3) for tokens, _ in outputs.values())
+
+
+def test_ordinal_distance_accepts_close_numbers_only():
+    dictionary = Dictionary()
+    for symbol in ("3", "4", "7", "cat", "dog", "-1"):
+        dictionary.add_symbol(symbol)
+    values = ordinal_values(dictionary, r"^-?[0-9]+$")
+    ids = {symbol: dictionary.index(symbol) for symbol in ("3", "4", "7", "cat", "dog", "-1")}
+    assert values[ids["-1"]] == -1 and math.isnan(values[ids["cat"]])
+    accept = OrdinalDistance(values, epsilon=1)
+    proposed = torch.tensor([[ids["3"], ids["3"], ids["cat"], ids["dog"], ids["-1"]]])
+    best = torch.tensor([[ids["4"], ids["7"], ids["cat"], ids["cat"], ids["3"]]])
+    lprobs = torch.zeros(1, 5, len(dictionary))
+    assert accept.accepts(proposed, lprobs, best).tolist() == [[True, False, True, False, False]]
+    lprobs[0, 0, ids["3"]] = -math.inf  # a banned token is never accepted
+    assert accept.accepts(proposed, lprobs, best).tolist() == [[False, False, True, False, False]]
+    with pytest.raises(ValueError, match="not a number"):
+        ordinal_values(dictionary, r"^[a-z3]+$")
+
+
+def test_row_step_processors_equal_the_processors_at_each_rows_step():
+    """Rows at different steps, processed together == each row processed alone."""
+    generator = torch.Generator().manual_seed(0)
+    rows, vocab, eos, pad = 6, 12, 2, 1
+    history = torch.randint(4, 8, (rows, 10), generator=generator)  # few symbols: repeated bigrams
+    history[:, 0] = eos
+    steps = torch.tensor([0, 1, 2, 4, 6, 8])
+    max_len = torch.tensor([5, 5, 2, 4, 9, 9])
+    prefix = torch.tensor([[5, 6, 7], [pad, 4, pad], [6, 6, 6], [4, 4, 4], [5, 5, 5], [7, 7, 7]])
+    processors = [LengthLimits(eos, min_len=2, prefix_len=1), ForcePrefix(prefix, pad), BanRepeatedNgrams(2)]
+    lprobs = torch.randn(rows, vocab, generator=generator).log_softmax(dim=-1)
+    together = lprobs.clone()
+    sentence = torch.arange(rows)
+    RowStepProcessors(processors)(together, steps, history, sentence, sentence, max_len)
+    for row in range(rows):
+        step = int(steps[row])
+        alone = lprobs[row:row + 1].clone()
+        state = DecodingState(None, history[row:row + 1, : step + 1], sentence[row:row + 1], max_len[row:row + 1],
+                              None, None, 0)
+        for processor in processors:
+            processor(alone, state)
+        assert torch.equal(together[row], alone[0]), row
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+def build(model, task, **options):
+    return task.build_generator([model], GenerationConfig(decoder="blockwise", **options))
+
+
+def test_a_model_without_heads_is_refused(toy_model):
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(toy_model.checkpoint)], arg_overrides={"data": str(toy_model.data_bin)})
+    with pytest.raises(ValueError, match="transformer_khead"):
+        build(models[0], task, beam=1)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"beam": 5}, "--beam 1"),
+    ({"beam": 1, "nbest": 2}, "--nbest 2"),
+    ({"beam": 1, "blockwise_block_size": 5}, "the model has 4 heads"),
+    ({"beam": 1, "blockwise_top_k": 2, "blockwise_epsilon": 1.0}, "give one"),
+    ({"beam": 1, "blockwise_min_block": 0}, "min-block must be >= 1"),
+    ({"beam": 1, "blockwise_epsilon": 1.0}, "matches no symbol"),
+])
+def test_bad_options_are_refused(loaded, options, message):
+    model, task = loaded(4)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build(model, task, **options)
+
+
+def test_a_smaller_block_uses_the_first_heads(loaded):
+    model, task = loaded(4)
+    greedy, _ = decode(model, task, 64, decoder="greedy", **SHORT)
+    two, generator = decode(model, task, 64, decoder="blockwise", blockwise_block_size=2, **SHORT)
+    assert_same_tokens(greedy, two)
+    assert generator.policy.block_size == 2
+
+
+# ---- the real command line tools ---------------------------------------------------------------
+def run(tool, khead, *args, stdin=None):
+    cmd = toy.fairseq_command(tool) + [str(khead.data_bin), "--path", str(khead.checkpoint), "--user-dir",
+                                       toy.PLUGIN_DIR, "--cpu", "--beam", "1"] + list(args)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    completed = subprocess.run(cmd, capture_output=True, text=True, input=stdin, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed.stdout
+
+
+def hypotheses(output):
+    return {int(line.split("\t")[0][2:]): line.split("\t")[2] for line in output.splitlines() if line.startswith("H-")}
+
+
+def test_fairseq_generate_and_interactive(khead_k4, tmp_path):
+    stats_path = tmp_path / "stats.json"
+    blockwise = run("generate", khead_k4, "--decoder", "blockwise", "--batch-size", "64",
+                    "--decoder-stats-json", str(stats_path))
+    greedy = run("generate", khead_k4, "--decoder", "greedy", "--batch-size", "64")
+    assert hypotheses(blockwise) == hypotheses(greedy)
+    assert len(hypotheses(greedy)) == 200
+    assert re.search(r"decoder blockwise: .*model_calls=\d+.*mean_accepted_block_size=[\d.]+", blockwise)
+    stats = json.loads(stats_path.read_text())
+    assert stats["model_calls"] <= stats["iterations"] + math.ceil(200 / 64)
+    assert stats["mean_accepted_block_size"] == pytest.approx(stats["tokens"] / stats["row_iterations"])
+
+    sources = [line for line in (khead_k4.data_bin.parent / "raw" / "test.en").read_text().splitlines()[:5]]
+    interactive = run("interactive", khead_k4, "--decoder", "blockwise", "--source-lang", "en", "--target-lang", "fr",
+                      stdin="\n".join(sources) + "\n")
+    expected = hypotheses(greedy)
+    dataset_order = [expected[s] for s in range(5)]
+    assert [hypotheses(interactive)[i] for i in range(5)] == dataset_order
