@@ -2,9 +2,9 @@
 
 Since torch 2.6 ``torch.load`` refuses every global it does not know, and every
 fairseq checkpoint pickles a few (``argparse.Namespace`` for legacy args, numpy
-arrays and scalars for the meters of ``--eval-bleu`` runs).  Rather than turning
-the protection off for all files (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``), the
-plugin allows exactly the globals fairseq's own training writes.  Any other
+arrays and scalars for the meters of ``--eval-bleu`` runs).  The plugin never
+disables that protection globally; it allows exactly the globals fairseq's own
+training writes.  Any other
 global is still refused, with a message naming it and the explicit opt-in:
 ``FASTGEN_TRUSTED_GLOBALS=module.Name[,module.Other]``.
 """
