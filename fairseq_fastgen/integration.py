@@ -204,10 +204,8 @@ def _wrap_generate_main(original_generate):
         generators_built.clear()
         _prepare_decoder(cfg, "generate")
         if option_value(cfg.generation, "postprocess_workers") > 0:
-            try:
-                from fairseq_fastgen.cli.async_generate import async_generate_main
-            except ModuleNotFoundError as missing:
-                raise ValueError("--postprocess-workers is not available in this version yet; use 0") from missing
+            from fairseq_fastgen.cli.async_generate import async_generate_main
+
             scorer = async_generate_main(cfg, output_file)
         else:
             scorer = original_generate(cfg, output_file)

@@ -1,0 +1,1 @@
+"""The plugin's own command line loops (reached through the fairseq-* commands, see integration.py)."""
