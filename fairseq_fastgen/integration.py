@@ -13,6 +13,11 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    every decoder's options, so they appear in ``--help`` and reach
    ``cfg.generation`` (a separate registry crashes fairseq's config conversion).
 3. ``FairseqTask.build_generator``: builds the decoder named by ``--decoder``.
+   For ``--decoder beam`` it builds fairseq's own generator and then applies,
+   to that instance only, the cluster projection and the FastSeq optimizations
+   (:func:`fairseq_fastgen.fastseq.optimize_stock_generator`: encoder cache
+   shared by the beams unless ``--no-shared-encoder-cache``, n-gram banning
+   that works on CPU).
 4. ``data_utils.batch_by_size``: fairseq drops the last batch when its size is
    not a multiple of ``--required-batch-size-multiple`` (default 8), so
    fairseq-generate silently loses sentences; we keep that batch.  And
@@ -114,6 +119,9 @@ def _install_build_generator():
             from fairseq_fastgen.cluster.projection import attach_to_stock_generator
 
             attach_to_stock_generator(generator, models, args, name)  # stock search calls decoder.forward
+            from fairseq_fastgen.fastseq import optimize_stock_generator
+
+            optimize_stock_generator(generator, args)  # shared encoder cache, working n-gram banning
         else:
             extra = dict(extra_gen_cls_kwargs or {})
             extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn

@@ -1,0 +1,40 @@
+"""The FastSeq optimizations (Yan et al., 2021) applied to stock fairseq generation.
+
+* :mod:`.shared_cache`: encoder output and encoder-decoder attention
+  keys/values kept once per sentence and shared by its beams
+  (off with ``--no-shared-encoder-cache``);
+* :mod:`.ngram`: ``--no-repeat-ngram-size`` with the plugin's op (stock
+  fairseq's CPU path bans nothing);
+* asynchronous post-processing lives with the command line, in
+  :mod:`fairseq_fastgen.cli.async_generate` (``--postprocess-workers N``).
+"""
+
+from fairseq_fastgen.fastseq.ngram import RepeatedNgramBlocker, use_fastgen_ngram_blocking
+from fairseq_fastgen.fastseq.shared_cache import (
+    SharedEncoderAttention,
+    encoder_attention_cache_bytes,
+    share_encoder_cache,
+    shares_encoder_cache,
+    supports_shared_cache,
+)
+from fairseq_fastgen.sequence_generators.registry import option_value
+
+__all__ = [
+    "RepeatedNgramBlocker",
+    "SharedEncoderAttention",
+    "encoder_attention_cache_bytes",
+    "optimize_stock_generator",
+    "share_encoder_cache",
+    "shares_encoder_cache",
+    "supports_shared_cache",
+    "use_fastgen_ngram_blocking",
+]
+
+
+def optimize_stock_generator(generator, gen_cfg):
+    """Apply the optimizations to a generator built by fairseq itself (``--decoder beam``);
+    returns it.  Generators without a beam search or a supported model are left as they are."""
+    if not option_value(gen_cfg, "no_shared_encoder_cache"):
+        share_encoder_cache(generator)
+    use_fastgen_ngram_blocking(generator)
+    return generator
