@@ -40,7 +40,8 @@ class PluginOptions(FairseqDataclass):
     no_shared_encoder_cache: bool = field(
         default=False,
         metadata={"help": "keep one copy of the encoder-decoder attention keys/values per beam, as stock "
-                          "fairseq does, instead of one per sentence shared by its beams"},
+                          "fairseq does, instead of one per sentence shared by its beams; for language models "
+                          "(transformer_lm), also decode and cache the prompt per beam"},
     )
 
 

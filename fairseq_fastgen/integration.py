@@ -26,6 +26,11 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    selected decoder adjust the run (``prepare_cli``: streaming decoders read
    larger pools), run the plugin's asynchronous generate loop when
    ``--postprocess-workers`` > 0, and report the decoders' statistics.
+6. ``numpy.compat``: fairseq 0.12 reads ``np.compat.long`` (removed in numpy 2)
+   when it builds a language model's dataset (``TokenBlockDataset``, eos break
+   mode: fairseq-interactive and the hub interface of ``transformer_lm``) and a
+   bucketed ``LanguagePairDataset``; we provide that one name (int64) when numpy
+   lacks it.
 """
 
 import dataclasses
@@ -65,6 +70,7 @@ def install():
     _install_build_generator()
     _install_batch_iterator()
     _install_cli_reports()
+    _install_numpy_compat()
 
 
 # ---- 1. checkpoint loading -------------------------------------------------------------
@@ -233,3 +239,13 @@ def _wrap_interactive_main(original_interactive):
         return result
 
     return interactive_main
+
+
+# ---- 6. numpy 2 -------------------------------------------------------------------------------
+def _install_numpy_compat():
+    import types
+
+    import numpy
+
+    if not hasattr(numpy, "compat"):
+        numpy.compat = types.SimpleNamespace(long=numpy.int64)

@@ -3,6 +3,10 @@
 * :mod:`.shared_cache`: encoder output and encoder-decoder attention
   keys/values kept once per sentence and shared by its beams
   (off with ``--no-shared-encoder-cache``);
+* :mod:`.shared_prompt`: for decoder-only ``transformer_lm`` generation, the
+  prompt decoded once per sentence and its self-attention keys/values kept
+  once per sentence, shared by its beams (off with the same
+  ``--no-shared-encoder-cache``, which switches off both shared caches);
 * :mod:`.ngram`: ``--no-repeat-ngram-size`` with the plugin's op (stock
   fairseq's CPU path bans nothing);
 * asynchronous post-processing lives with the command line, in
@@ -17,24 +21,39 @@ from fairseq_fastgen.fastseq.shared_cache import (
     shares_encoder_cache,
     supports_shared_cache,
 )
+from fairseq_fastgen.fastseq.shared_prompt import (
+    SharedPromptAttention,
+    prompt_cache_bytes,
+    share_prompt_cache,
+    shares_prompt_cache,
+    supports_shared_prompt,
+)
 from fairseq_fastgen.sequence_generators.registry import option_value
 
 __all__ = [
     "RepeatedNgramBlocker",
     "SharedEncoderAttention",
+    "SharedPromptAttention",
     "encoder_attention_cache_bytes",
     "optimize_stock_generator",
+    "prompt_cache_bytes",
     "share_encoder_cache",
+    "share_prompt_cache",
     "shares_encoder_cache",
+    "shares_prompt_cache",
     "supports_shared_cache",
+    "supports_shared_prompt",
     "use_fastgen_ngram_blocking",
 ]
 
 
 def optimize_stock_generator(generator, gen_cfg):
     """Apply the optimizations to a generator built by fairseq itself (``--decoder beam``);
-    returns it.  Generators without a beam search or a supported model are left as they are."""
+    returns it.  Generators without a beam search or a supported model are left as they are.
+    ``--no-shared-encoder-cache`` switches off both shared caches: the encoder's
+    (encoder-decoder models) and the prompt's (decoder-only language models)."""
     if not option_value(gen_cfg, "no_shared_encoder_cache"):
         share_encoder_cache(generator)
+        share_prompt_cache(generator)
     use_fastgen_ngram_blocking(generator)
     return generator
