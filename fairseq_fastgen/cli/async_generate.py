@@ -73,7 +73,7 @@ def async_generate_main(cfg, output_file):
     with WorkerPool(option_value(cfg.generation, "postprocess_workers"), formatter) as pool:  # forks now
         run = GenerationRun.load(cfg, task)
         scorer = scoring.build_scorer(cfg.scoring, run.tgt_dict)
-        writer = OrderedWriter(output_file, scorer)
+        writer = OrderedWriter(output_file, scorer, run.tgt_dict)
         gen_timer, wps_meter = StopwatchMeter(), TimeMeter()
         num_sentences = 0
         for sample in run.progress:
@@ -260,8 +260,9 @@ class ScoreInput:
 
     target_str: str
     hypo_str: str  # detokenized
-    target_tokens: np.ndarray  # int32; re-encoded from the strings after BPE removal or unk replacement
-    hypo_tokens: np.ndarray
+    # int32 ids; None after BPE removal or unk replacement: the main process then encodes the strings
+    target_tokens: Optional[np.ndarray]
+    hypo_tokens: Optional[np.ndarray]
 
 
 @dataclass
@@ -369,10 +370,9 @@ class BatchFormatter:
 
     def _score_input(self, target_str, target_tokens, detok_hypo_str, hypo_tokens):
         if self.rescore_tokens:
-            # ids of words new to the dictionary differ from the main process's, but they are
-            # added in the same order for the pair, so the two sentences match exactly as there
-            target_tokens = self.tgt_dict.encode_line(target_str, add_if_not_exist=True)
-            hypo_tokens = self.tgt_dict.encode_line(detok_hypo_str, add_if_not_exist=True)
+            # fairseq re-encodes the strings, adding unseen words to the dictionary in sentence order;
+            # its BLEU hashes n-grams of those ids, so only the main process, in that order, gives its ids
+            return ScoreInput(target_str, detok_hypo_str, None, None)
         return ScoreInput(target_str, detok_hypo_str, target_tokens.numpy(), hypo_tokens.numpy())
 
     def _hypothesis_lines(self, sample_id, hypo, hypo_str, detok_hypo_str, alignment, src_str):
@@ -501,8 +501,8 @@ def _work(formatter: BatchFormatter, jobs, results):
 class OrderedWriter:
     """Prints batches and feeds the scorer in decoding order (in the main process)."""
 
-    def __init__(self, output_file, scorer):
-        self.output_file, self.scorer = output_file, scorer
+    def __init__(self, output_file, scorer, tgt_dict):
+        self.output_file, self.scorer, self.tgt_dict = output_file, scorer, tgt_dict
         self.has_target = True  # as fairseq: the last sentence's, True when none was decoded
         self.next_index = 0
         self.waiting: Dict[int, BatchOutput] = {}  # finished out of order
@@ -521,5 +521,9 @@ class OrderedWriter:
         for item in batch.score_inputs:
             if hasattr(self.scorer, "add_string"):
                 self.scorer.add_string(item.target_str, item.hypo_str)
+            elif item.target_tokens is None:  # as fairseq-generate: target first, new words added in order
+                target_tokens = self.tgt_dict.encode_line(item.target_str, add_if_not_exist=True)
+                hypo_tokens = self.tgt_dict.encode_line(item.hypo_str, add_if_not_exist=True)
+                self.scorer.add(target_tokens, hypo_tokens)
             else:
                 self.scorer.add(torch.from_numpy(item.target_tokens), torch.from_numpy(item.hypo_tokens))

@@ -131,3 +131,42 @@ def test_worker_error_stops_the_run_with_that_error(toy_model):
     sources = [line for line in completed.stdout.splitlines() if line.startswith("S-")]
     hypotheses = [line for line in completed.stdout.splitlines() if line.startswith("P-")]
     assert len(sources) == len(hypotheses) and len(sources) % 8 == 0 and len(sources) < 200
+
+
+class RecordingScorer:
+    def __init__(self):
+        self.pairs = []
+
+    def add(self, ref, pred):
+        self.pairs.append((ref.tolist(), pred.tolist()))
+
+
+def test_scorer_ids_are_those_of_stock_whatever_order_batches_finish():
+    """fairseq's BLEU re-encodes the detokenized strings, adding unseen words to the target dictionary in
+    sentence order, and hashes n-grams of those ids: the ids fed to the scorer must be stock's, so the
+    main process encodes them in decoding order even when workers finish batches out of order."""
+    import io
+
+    from fairseq.data import Dictionary
+
+    from fairseq_fastgen.cli.async_generate import BatchOutput, OrderedWriter, ScoreInput
+
+    dictionary = Dictionary()
+    for word in ["a", "dog", "runs"]:
+        dictionary.add_symbol(word)
+    sentences = [("a dog runs", "a cat runs"), ("the cat sleeps", "a dog sleeps"), ("the cat", "a bird")]
+    expected_dictionary = Dictionary()
+    for word in ["a", "dog", "runs"]:
+        expected_dictionary.add_symbol(word)
+    expected = [(expected_dictionary.encode_line(t, add_if_not_exist=True).tolist(),
+                 expected_dictionary.encode_line(h, add_if_not_exist=True).tolist()) for t, h in sentences]
+
+    scorer, output = RecordingScorer(), io.StringIO()
+    writer = OrderedWriter(output, scorer, dictionary)
+    batches = [BatchOutput(index, f"line {index}\n", [ScoreInput(t, h, None, None)], True)
+               for index, (t, h) in enumerate(sentences)]
+    writer.write_ready([batches[2]])  # the last batch finishes first
+    writer.write_ready([batches[1], batches[0]])
+    assert output.getvalue() == "line 0\nline 1\nline 2\n"
+    assert scorer.pairs == expected
+    assert dictionary.symbols == expected_dictionary.symbols
