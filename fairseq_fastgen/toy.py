@@ -64,17 +64,30 @@ def fairseq_command(tool: str) -> List[str]:
     return [sys.executable, "-c", f"from fairseq_cli.{tool} import cli_main; cli_main()"]
 
 
+PROGRESS_MARKERS = (" | train_inner | ", " | train | ", " | valid | ", "done training")  # fairseq-train's progress lines
+
+
 def run(cmd, log_path=None, show_progress=False):
-    """Run a command; on failure raise with the tail of its output."""
+    """Run a command; on failure raise with the tail of its output.
+
+    With ``show_progress`` the command's progress lines (fairseq-train's
+    training and validation statistics) are echoed as they come, without
+    fairseq's configuration and model dumps."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if show_progress:
-        completed = subprocess.run(cmd, env=env)
-        output = ""
+        lines = []
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+            for line in process.stdout:
+                lines.append(line)
+                if any(marker in line for marker in PROGRESS_MARKERS):
+                    print("   " + line.split(" | ", 1)[-1].rstrip(), flush=True)
+        completed = subprocess.CompletedProcess(cmd, process.returncode)
+        output = "".join(lines)
     else:
         completed = subprocess.run(cmd, env=env, capture_output=True, text=True)
         output = completed.stdout + completed.stderr
-        if log_path:
-            Path(log_path).write_text(output)
+    if log_path:
+        Path(log_path).write_text(output)
     if completed.returncode != 0:
         raise RuntimeError(f"command failed ({completed.returncode}): {' '.join(cmd)}\n{output[-3000:]}")
     return output
@@ -105,7 +118,7 @@ def train(bin_dir, save_dir, spec: ToyModelSpec, show_progress=False, criterion_
     ] + spec.train_args() + criterion_args
     if not show_progress:
         cmd.append("--no-progress-bar")
-    run(cmd, log_path=Path(save_dir) / "train.log" if not show_progress else None, show_progress=show_progress)
+    run(cmd, log_path=Path(save_dir) / "train.log", show_progress=show_progress)
     return Path(save_dir) / "checkpoint_last.pt"
 
 
