@@ -94,8 +94,7 @@ def measure(model, task, args, states, top_tokens, centroids, k, test_features, 
             row[f"projection_speedup_rows{rows}"] = full / projected
         for (beam, batch), plain in baseline.items():
             projection.statistics = ProjectionStatistics()
-            with attached(model.decoder, projection):
-                result = translate(model, task, args, beam, batch)
+            result = translate(model, task, args, beam, batch, projection=projection)
             name = f"beam{beam}_batch{batch}"
             same = sum(plain["outputs"][i] == out for i, out in result["outputs"].items())
             row[f"{name}_identical"] = same / len(plain["outputs"])
@@ -122,8 +121,7 @@ def speed_ratio(model, task, args, projection, beam, batch):
     ratios = []
     for _ in range(args.timing_pairs):
         full = translate(model, task, args, beam, batch, args.timing_sentences)["seconds"]
-        with attached(model.decoder, projection):
-            projected = translate(model, task, args, beam, batch, args.timing_sentences)["seconds"]
+        projected = translate(model, task, args, beam, batch, args.timing_sentences, projection)["seconds"]
         ratios.append(full / projected)
     return statistics.median(ratios)
 
@@ -164,9 +162,12 @@ def batches(task, split, batch_size):
     ).next_epoch_itr(shuffle=False)
 
 
-def translate(model, task, args, beam, batch_size, sentences=0):
+def translate(model, task, args, beam, batch_size, sentences=0, projection=None):
     """fairseq's beam search over the batches holding the first ``sentences`` of the
-    test split (0: all): outputs by sentence id, BLEU, seconds."""
+    test split (0: all), with ``projection`` attached when given: outputs by sentence id, BLEU, seconds.
+
+    The projection is attached after the generator is built: the plugin's
+    build_generator detaches any projection when ``--cluster-projection`` is not set."""
     import sacrebleu
     from omegaconf import OmegaConf
     from fairseq import utils
@@ -174,15 +175,17 @@ def translate(model, task, args, beam, batch_size, sentences=0):
 
     generator = task.build_generator([model], OmegaConf.structured(GenerationConfig(beam=beam)))
     dictionary = task.target_dictionary
-    outputs, references, start = {}, {}, time.perf_counter()
-    for sample in batches(task, args.test_split, batch_size):
-        if sentences and len(outputs) >= sentences:
-            break
-        for sentence_id, hyps, target in zip(sample["id"].tolist(), task.inference_step(generator, [model], sample),
-                                             sample["target"]):
-            outputs[sentence_id] = dictionary.string(hyps[0]["tokens"])
-            references[sentence_id] = dictionary.string(utils.strip_pad(target, dictionary.pad()))
-    seconds = time.perf_counter() - start
+    outputs, references = {}, {}
+    with attached(model.decoder, projection) if projection is not None else contextlib.nullcontext():
+        start = time.perf_counter()
+        for sample in batches(task, args.test_split, batch_size):
+            if sentences and len(outputs) >= sentences:
+                break
+            hypotheses = task.inference_step(generator, [model], sample)
+            for sentence_id, hyps, target in zip(sample["id"].tolist(), hypotheses, sample["target"]):
+                outputs[sentence_id] = dictionary.string(hyps[0]["tokens"])
+                references[sentence_id] = dictionary.string(utils.strip_pad(target, dictionary.pad()))
+        seconds = time.perf_counter() - start
     ids = sorted(outputs)
     bleu = sacrebleu.corpus_bleu([outputs[i] for i in ids], [[references[i] for i in ids]]).score
     return {"outputs": outputs, "bleu": bleu, "seconds": seconds, "sentences_per_second": len(ids) / seconds}
