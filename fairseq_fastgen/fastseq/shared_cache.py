@@ -255,10 +255,10 @@ def share_encoder_cache(generator) -> bool:
     behaviour for every call that is not shared), so other generators built on
     the same models are unaffected.
     """
-    ensemble = getattr(generator, "model", None)
-    beams = getattr(generator, "beam_size", 1)
-    if not isinstance(generator, SequenceGenerator) or not isinstance(ensemble, EnsembleModel) or beams < 2:
+    found = stock_beam_ensemble(generator)
+    if found is None:
         return False
+    ensemble, beams = found
     if shares_encoder_cache(generator):
         return True
     if not ensemble.has_incremental_states() or not all(supports_shared_cache(m) for m in ensemble.models):
@@ -279,13 +279,27 @@ def shares_encoder_cache(generator) -> bool:
     return isinstance(getattr(reorder, "__self__", None), _BeamSharing)
 
 
-def encoder_attention_cache_bytes(models, incremental_states: List[IncrementalState]) -> int:
-    """Bytes held by the encoder-decoder attention caches (keys, values, padding masks)
-    of ``models`` in ``incremental_states`` (one state per model, as SequenceGenerator keeps them)."""
+def stock_beam_ensemble(generator):
+    """``(ensemble, beams)`` of a stock SequenceGenerator (or subclass) searching with 2 or more beams, else None."""
+    ensemble = getattr(generator, "model", None)
+    beams = getattr(generator, "beam_size", 1)
+    if not isinstance(generator, SequenceGenerator) or not isinstance(ensemble, EnsembleModel) or beams < 2:
+        return None
+    return ensemble, beams
+
+
+def attention_cache_bytes(modules_of, models, incremental_states: List[IncrementalState]) -> int:
+    """Bytes held in ``incremental_states`` (one state per model, as SequenceGenerator keeps them)
+    by the caches of the attention modules ``modules_of(model)`` returns."""
     total = 0
     for model, state in zip(models, incremental_states):
-        for module in encoder_attention_modules(model):
+        for module in modules_of(model):
             for tensor in module._get_input_buffer(state).values():
                 if tensor is not None:
                     total += tensor.numel() * tensor.element_size()
     return total
+
+
+def encoder_attention_cache_bytes(models, incremental_states: List[IncrementalState]) -> int:
+    """Bytes held by the encoder-decoder attention caches (keys, values, padding masks)."""
+    return attention_cache_bytes(encoder_attention_modules, models, incremental_states)

@@ -61,6 +61,8 @@ from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
+from fairseq_fastgen.fastseq.shared_cache import attention_cache_bytes, stock_beam_ensemble
+
 IncrementalState = Dict[str, Dict[str, Optional[torch.Tensor]]]
 
 SHARED_SEARCHES = (search.BeamSearch, search.Sampling)
@@ -309,10 +311,10 @@ def share_prompt_cache(generator) -> bool:
     (same parameters, stock behaviour for every call whose cache has no prefix
     part), so other generators built on the same models are unaffected.
     """
-    ensemble = getattr(generator, "model", None)
-    beams = getattr(generator, "beam_size", 1)
-    if not isinstance(generator, SequenceGenerator) or not isinstance(ensemble, EnsembleModel) or beams < 2:
+    found = stock_beam_ensemble(generator)
+    if found is None:
         return False
+    ensemble, beams = found
     if shares_prompt_cache(generator):
         return True
     if type(generator.search) not in SHARED_SEARCHES:
@@ -340,10 +342,4 @@ def prompt_cache_bytes(models, incremental_states: List[IncrementalState]) -> in
     """Bytes held by the self-attention caches (keys, values, padding masks; prefix and
     per-beam parts) of ``models`` in ``incremental_states`` (one state per model, as
     SequenceGenerator keeps them)."""
-    total = 0
-    for model, state in zip(models, incremental_states):
-        for module in self_attention_modules(model):
-            for tensor in module._get_input_buffer(state).values():
-                if tensor is not None:
-                    total += tensor.numel() * tensor.element_size()
-    return total
+    return attention_cache_bytes(self_attention_modules, models, incremental_states)
