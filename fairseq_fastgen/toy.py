@@ -67,6 +67,12 @@ def fairseq_command(tool: str) -> List[str]:
 PROGRESS_MARKERS = (" | train_inner | ", " | train | ", " | valid | ", "done training")  # fairseq-train's progress lines
 
 
+def stock_fairseq_command(tool: str) -> List[str]:
+    """Stock fairseq's ``fairseq-TOOL`` without the plugin, loading checkpoints with only fairseq's
+    globals allowed (torch's weights_only protection stays on; see fairseq_fastgen/stock_fairseq.py)."""
+    return [sys.executable, str(Path(__file__).with_name("stock_fairseq.py")), tool]
+
+
 def run(cmd, log_path=None, show_progress=False):
     """Run a command; on failure raise with the tail of its output.
 

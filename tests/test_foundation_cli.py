@@ -13,7 +13,8 @@ pytestmark = pytest.mark.xdist_group("toy_cli")
 
 
 def generate(toy_model, *args, plugin=True, env=None):
-    cmd = toy.fairseq_command("generate") + [str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu"]
+    program = toy.fairseq_command("generate") if plugin else toy.stock_fairseq_command("generate")
+    cmd = program + [str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu"]
     if plugin:
         cmd += ["--user-dir", toy.PLUGIN_DIR]
     completed = subprocess.run(cmd + list(args), capture_output=True, text=True, env=dict(os.environ, **(env or {})))
@@ -36,8 +37,7 @@ def hypotheses(output):
 @pytest.mark.parametrize("batch_size", [1, 7, 64])
 def test_greedy_is_token_identical_to_stock_beam_1(toy_model, batch_size):
     common = ["--batch-size", str(batch_size), "--beam", "1"]
-    stock = generate(toy_model, *common, "--required-batch-size-multiple", "1", plugin=False,
-                     env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+    stock = generate(toy_model, *common, "--required-batch-size-multiple", "1", plugin=False)
     greedy = generate(toy_model, *common, "--decoder", "greedy")
     assert stock.returncode == 0, stock.stderr[-2000:]
     assert greedy.returncode == 0, greedy.stderr[-2000:]
@@ -52,7 +52,7 @@ def test_greedy_is_token_identical_to_stock_beam_1(toy_model, batch_size):
 
 def test_runs_without_decoder_flag_match_stock(toy_model):
     stock = generate(toy_model, "--beam", "4", "--batch-size", "16", "--required-batch-size-multiple", "1",
-                     plugin=False, env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+                     plugin=False)
     plugin = generate(toy_model, "--beam", "4", "--batch-size", "16")
     assert stock.returncode == 0 and plugin.returncode == 0, (stock.stderr + plugin.stderr)[-2000:]
     assert hypotheses(plugin.stdout) == hypotheses(stock.stdout)

@@ -61,12 +61,11 @@ class Measurement:
 
 
 def run_generate(data_bin, checkpoint, variant: Variant, common: List[str], threads: int) -> Measurement:
-    command = toy.fairseq_command("generate") + [str(data_bin), "--path", str(checkpoint), "--cpu"] + common
+    program = toy.fairseq_command("generate") if variant.plugin else toy.stock_fairseq_command("generate")
+    command = program + [str(data_bin), "--path", str(checkpoint), "--cpu"] + common
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     if variant.plugin:
         command += ["--user-dir", toy.PLUGIN_DIR]
-    else:
-        env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
         start = time.perf_counter()
         process = subprocess.Popen(command + variant.options, stdout=stdout, stderr=stderr, env=env, text=True)

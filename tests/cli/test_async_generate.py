@@ -59,13 +59,14 @@ def sentencepiece_toy():
 
 def generate(data_bin, checkpoint, *args, plugin=True, program=None):
     """Run fairseq-generate (or ``program``, a python source taking its arguments); returns the completed process."""
-    command = [sys.executable, "-c", program] if program else toy.fairseq_command("generate")
+    if program:
+        command = [sys.executable, "-c", program]
+    else:
+        command = toy.fairseq_command("generate") if plugin else toy.stock_fairseq_command("generate")
     command += [str(data_bin), "--path", str(checkpoint), "--cpu", "--required-batch-size-multiple", "1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # both sides alike; the test machines' cores are shared
     if plugin:
         command += ["--user-dir", toy.PLUGIN_DIR]
-    else:
-        env["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
     return subprocess.run(command + list(args), capture_output=True, text=True, env=env)
 
 
