@@ -7,10 +7,13 @@ smoothed as in ``label_smoothed_cross_entropy``.
 
 The minimized loss is, per minibatch, one head's loss chosen uniformly at random
 (``--subloss-mode random``, Stern et al.'s unbiased estimate of the mean) or
-the mean over the heads (``--subloss-mode mean``).  In random mode the other
-heads enter with weight zero, so every parameter is part of the graph (data
-parallel training needs that) and their losses are still logged.  Validation
-always reports the mean, plus ``loss_h<i>`` / ``acc_h<i>`` for every head.
+the mean over the heads (``--subloss-mode mean``).  In random mode only the
+chosen head is projected onto the vocabulary (the projection is most of a
+k-head model's training cost), and ``loss_h<i>`` / ``acc_h<i>`` of training
+average each head over the minibatches that trained it; every head's features
+still enter the loss with weight zero, so every parameter is part of the graph
+(data parallel training needs that).  Validation always projects every head and
+reports the mean, plus ``loss_h<i>`` / ``acc_h<i>`` for every head.
 """
 
 import math
@@ -48,16 +51,22 @@ class RandomSublossCriterion(FairseqCriterion):
         self.sentence_avg = sentence_avg
 
     def forward(self, model, sample, reduce=True):
-        net_output = model(**sample["net_input"])
-        head_logits = net_output[1].get("khead_logits") if isinstance(net_output[1], dict) else None
-        if head_logits is None:
+        first_logits, extra = model(**sample["net_input"])  # (batch, tgt_len, vocab)
+        features = extra.get("khead_features") if isinstance(extra, dict) else None
+        if features is None:
             raise ValueError("--criterion random_subloss needs a k-head model (--arch transformer_khead)")
-        target = model.get_targets(sample, net_output)  # (batch, tgt_len)
-        block_size = head_logits.size(2)
+        target = model.get_targets(sample, (first_logits, extra))  # (batch, tgt_len)
+        block_size = features.size(2)  # features: (batch, tgt_len, k, dim)
+        chosen = self.chosen_head(model) if self.training and self.mode == "random" else None
         losses, nll_losses, logging_output = [], [], {}
         for head in range(block_size):
+            zero = torch.zeros((), device=target.device)
+            logging_output.update({f"loss_h{head + 1}": zero, f"ntokens_h{head + 1}": 0, f"correct_h{head + 1}": 0})
+            if chosen is not None and head != chosen:
+                continue
             head_target = shifted_target(target, head, self.padding_idx)
-            lprobs = model.get_normalized_probs((head_logits[:, :, head], None), log_probs=True)  # (batch, len, vocab)
+            logits = first_logits if head == 0 else model.decoder.output_layer(features[:, :, head])
+            lprobs = model.get_normalized_probs((logits, None), log_probs=True)  # (batch, len, vocab)
             loss, nll_loss = label_smoothed_nll_loss(
                 lprobs.view(-1, lprobs.size(-1)), head_target.view(-1), self.epsilon, ignore_index=self.padding_idx
             )
@@ -68,9 +77,10 @@ class RandomSublossCriterion(FairseqCriterion):
             logging_output[f"ntokens_h{head + 1}"] = int(real.sum())
             logging_output[f"correct_h{head + 1}"] = int((lprobs.argmax(dim=-1).eq(head_target) & real).sum())
 
-        weights = self.head_weights(model, block_size, target.device)  # (k,)
-        loss = (torch.stack(losses) * weights).sum()
-        nll_loss = (torch.stack(nll_losses) * weights).sum()
+        loss = torch.stack(losses).mean()
+        nll_loss = torch.stack(nll_losses).mean()
+        if chosen is not None:  # the other heads' parameters join the graph with gradient zero
+            loss = loss + 0.0 * features.sum()
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
         logging_output.update(
             loss=loss.data, nll_loss=nll_loss.data, ntokens=sample["ntokens"],
@@ -78,15 +88,11 @@ class RandomSublossCriterion(FairseqCriterion):
         )
         return loss, sample_size, logging_output
 
-    def head_weights(self, model, block_size, device):
-        """One-hot on a random trainable head (training, random mode), else uniform."""
-        if self.training and self.mode == "random":
-            candidates = model.decoder.trainable_heads()
-            chosen = candidates[int(torch.randint(len(candidates), ()))]
-            weights = torch.zeros(block_size, device=device)
-            weights[chosen] = 1.0
-            return weights
-        return torch.full((block_size,), 1.0 / block_size, device=device)
+    @staticmethod
+    def chosen_head(model) -> int:
+        """A head chosen uniformly among those whose output depends on a trained parameter."""
+        candidates = model.decoder.trainable_heads()
+        return candidates[int(torch.randint(len(candidates), ()))]
 
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:

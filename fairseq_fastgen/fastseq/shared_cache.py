@@ -46,16 +46,12 @@ from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 IncrementalState = Dict[str, Dict[str, Optional[torch.Tensor]]]
 
 
-class SharedEncoderAttention(MultiheadAttention):
-    """fairseq's MultiheadAttention that also attends beams to keys/values held once per sentence.
+class BeamSharedAttention(MultiheadAttention):
+    """fairseq's MultiheadAttention with a second path for keys/values held once per sentence.
 
-    The shared path runs while a sharing generator decodes (it sets fairseq's
-    ``beam_size`` to M for the duration of its calls), for one incremental
-    step of encoder-decoder attention whose keys/values (the encoder output at
-    the first step, the cache afterwards) have one row per sentence: queries
-    (1, B*M, C), the M beams of a sentence adjacent as SequenceGenerator keeps
-    them; keys/values of B sentences.  Every other call is the parent's,
-    unchanged.
+    :meth:`shared_step` returns the attention output (and weights) of the calls
+    a subclass serves from its per-sentence keys/values, and None for every
+    other call, which is then the parent's, unchanged.
     """
 
     def forward(
@@ -71,15 +67,41 @@ class SharedEncoderAttention(MultiheadAttention):
         before_softmax=False,
         need_head_weights=False,
     ):
+        shared = self.shared_step(
+            query, key, key_padding_mask, incremental_state, static_kv, attn_mask, before_softmax,
+            need_weights or need_head_weights, need_head_weights,
+        )
+        if shared is not None:
+            return shared
+        return super().forward(
+            query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
+            attn_mask, before_softmax, need_head_weights,
+        )
+
+    def shared_step(self, query, key, key_padding_mask, incremental_state, static_kv, attn_mask, before_softmax,
+                    need_weights, need_head_weights):
+        raise NotImplementedError
+
+
+class SharedEncoderAttention(BeamSharedAttention):
+    """Encoder-decoder attention whose beams attend to keys/values held once per sentence.
+
+    The shared path runs while a sharing generator decodes (it sets fairseq's
+    ``beam_size`` to M for the duration of its calls), for one incremental
+    step of encoder-decoder attention whose keys/values (the encoder output at
+    the first step, the cache afterwards) have one row per sentence: queries
+    (1, B*M, C), the M beams of a sentence adjacent as SequenceGenerator keeps
+    them; keys/values of B sentences.  Every other call is the parent's,
+    unchanged.
+    """
+
+    def shared_step(self, query, key, key_padding_mask, incremental_state, static_kv, attn_mask, before_softmax,
+                    need_weights, need_head_weights):
         sentences = self._shared_sentences(query, key, incremental_state, static_kv, attn_mask, before_softmax)
         if sentences is None:
-            return super().forward(
-                query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
-                attn_mask, before_softmax, need_head_weights,
-            )
+            return None
         return self._attend_shared(
-            query, key, key_padding_mask, incremental_state, sentences, need_weights or need_head_weights,
-            need_head_weights,
+            query, key, key_padding_mask, incremental_state, sentences, need_weights, need_head_weights,
         )
 
     def _shared_sentences(self, query, key, incremental_state, static_kv, attn_mask, before_softmax):

@@ -61,15 +61,15 @@ from fairseq.modules import MultiheadAttention
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
-from fairseq_fastgen.fastseq.shared_cache import attention_cache_bytes, stock_beam_ensemble
+from fairseq_fastgen.fastseq.shared_cache import BeamSharedAttention, attention_cache_bytes, stock_beam_ensemble
 
 IncrementalState = Dict[str, Dict[str, Optional[torch.Tensor]]]
 
 SHARED_SEARCHES = (search.BeamSearch, search.Sampling)
 
 
-class SharedPromptAttention(MultiheadAttention):
-    """fairseq's self-attention that also attends beams to prompt keys/values held once per sentence.
+class SharedPromptAttention(BeamSharedAttention):
+    """Self-attention whose beams attend to prompt keys/values held once per sentence.
 
     The shared path runs for an incremental step whose cache has a prefix part
     (``prefix_key``, ``prefix_value``, ``prefix_key_padding_mask``: one row per
@@ -79,30 +79,16 @@ class SharedPromptAttention(MultiheadAttention):
     Every other call is the parent's, unchanged.
     """
 
-    def forward(
-        self,
-        query,
-        key,
-        value,
-        key_padding_mask=None,
-        incremental_state=None,
-        need_weights=True,
-        static_kv=False,
-        attn_mask=None,
-        before_softmax=False,
-        need_head_weights=False,
-    ):
+    def shared_step(self, query, key, key_padding_mask, incremental_state, static_kv, attn_mask, before_softmax,
+                    need_weights, need_head_weights):
         if incremental_state is None or "prefix_key" not in self._get_input_buffer(incremental_state):
-            return super().forward(
-                query, key, value, key_padding_mask, incremental_state, need_weights, static_kv,
-                attn_mask, before_softmax, need_head_weights,
-            )
+            return None
         # the decoder passes a padding mask only when it feeds pad, which SequenceGenerator never does
         prefix_padding = self._get_input_buffer(incremental_state).get("prefix_key_padding_mask")
         masked = key_padding_mask is not None or prefix_padding is not None
         if query.size(0) != 1 or masked or attn_mask is not None or before_softmax:
             raise NotImplementedError("shared prompt attention serves one incremental step without masks")
-        return self._attend_with_prefix(query, incremental_state, need_weights or need_head_weights, need_head_weights)
+        return self._attend_with_prefix(query, incremental_state, need_weights, need_head_weights)
 
     def _attend_with_prefix(self, query, incremental_state, need_weights, need_head_weights):
         _, rows, embed_dim = query.size()  # query: (1, sentences * beams, embed_dim)

@@ -11,9 +11,10 @@ the model's own output projection, giving the logits of p_1 .. p_k.
 Everywhere fairseq expects a transformer, the model behaves as one whose output
 is p_1: ``extract_features`` returns the head-1 features and ``forward`` the
 head-1 logits, so stock beam search, ``--decoder greedy`` and the cluster
-projection use p_1.  ``forward`` also returns the logits of every head in its
-extra dict (``khead_logits``, (batch, tgt_len, k, vocab)) for the
-``random_subloss`` criterion, and :meth:`KHeadTransformerDecoder.forward_block`
+projection use p_1.  ``forward`` also returns the features of every head in its
+extra dict (``khead_features``, (batch, tgt_len, k, dim)); the
+``random_subloss`` criterion projects only the heads it trains
+(``output_layer`` of a slice gives that head's logits), and :meth:`KHeadTransformerDecoder.forward_block`
 runs several new positions per row against an incremental cache (blockwise
 decoding's verification pass).
 """
@@ -167,16 +168,17 @@ class KHeadTransformerDecoder(TransformerDecoderBase):
         return_all_hiddens: bool = False,
     ):
         """p_1 logits (batch, tgt_len, vocab); with a full sequence (training,
-        scoring) also ``extra["khead_logits"]`` (batch, tgt_len, k, vocab)."""
+        scoring) also ``extra["khead_features"]`` (batch, tgt_len, k, dim), the
+        input of the output projection for every head."""
         x, extra = super().extract_features(
             prev_output_tokens, encoder_out, incremental_state, full_context_alignment, alignment_layer, alignment_heads
         )
         if incremental_state is not None or features_only:  # one step of a stock generator
             first = self.heads.first(x)
             return (first if features_only else self.output_layer(first)), extra
-        logits = self.output_layer(self.heads(x))  # (batch, tgt_len, k, vocab)
-        extra["khead_logits"] = logits
-        return logits[:, :, 0], extra
+        features = self.heads(x)  # (batch, tgt_len, k, dim)
+        extra["khead_features"] = features
+        return self.output_layer(features[:, :, 0]), extra
 
     def trainable_heads(self) -> List[int]:
         """Indices of the heads whose output depends on a parameter being trained."""

@@ -49,7 +49,7 @@ def test_forward_gives_head_one_and_every_head(tiny):
     model, task = tiny
     src, lengths, prev = random_batch(task)
     logits, extra = model(src, lengths, prev)
-    heads = extra["khead_logits"]
+    heads = model.decoder.output_layer(extra["khead_features"])  # (rows, len, k, vocab)
     assert heads.shape == (4, 9, BLOCK, len(task.target_dictionary))
     assert torch.equal(logits, heads[:, :, 0])
 
@@ -75,7 +75,7 @@ def test_forward_gives_head_one_and_every_head(tiny):
 def test_heads_start_as_the_base_prediction_and_identity_first_keeps_it(toy_model):
     model, task = build_in_process(toy_model.data_bin, "--block-size", "4")
     src, lengths, prev = random_batch(task, seed=1)
-    heads = model(src, lengths, prev)[1]["khead_logits"]
+    heads = model.decoder.output_layer(model(src, lengths, prev)[1]["khead_features"])
     for head in range(1, 4):  # fc2 starts at zero: every head is the base output
         assert torch.equal(heads[:, :, head], heads[:, :, 0])
 
@@ -84,8 +84,9 @@ def test_heads_start_as_the_base_prediction_and_identity_first_keeps_it(toy_mode
     torch.nn.init.normal_(identity.decoder.heads.fc2.weight)
     logits, extra = identity(src, lengths, prev)
     x = base_features(identity.decoder, prev, identity.encoder(src, lengths))
-    assert torch.equal(extra["khead_logits"][:, :, 0], identity.decoder.output_layer(x.unsqueeze(2))[:, :, 0])
-    assert not torch.allclose(extra["khead_logits"][:, :, 1], logits, atol=1e-3)
+    heads = identity.decoder.output_layer(extra["khead_features"])
+    assert torch.equal(heads[:, :, 0], identity.decoder.output_layer(x.unsqueeze(2))[:, :, 0])
+    assert not torch.allclose(heads[:, :, 1], logits, atol=1e-3)
 
 
 @torch.no_grad()

@@ -1,0 +1,159 @@
+"""Table 1 of the blockwise paper on Multi30k, and fastgen-distill's throughput (not part of the product).
+
+Usage (from the repository root, after ``benchmarks/multi30k.py`` built the base model):
+
+    .venv/bin/python benchmarks/multi30k_distill.py --out bench_out/multi30k --bench-dir bench/distill
+
+Steps, each skipped when its output exists (so a rerun resumes):
+
+1. ``fastgen-distill``: the base model's beam-5 translations of the training split,
+   as the data-bin OUT/distilled (2 worker processes);
+2. throughput: the validation split distilled with 1 and with 2 worker processes;
+3. students on top of the base model for every k of ``--k`` and every cell of the
+   paper's table: regular or distilled training data (``--task translation_distill
+   --distill-mix distilled``) x frozen base (``--freeze-base``) or fine-tuned (the
+   whole model trains); all with ``--khead-identity-first`` and ``random_subloss``.
+   k = 1 frozen is the base model itself; k = 1 fine-tuned is the base trained for
+   the same number of updates more;
+4. ``fastgen-bench`` on the test split for each model (greedy and blockwise, beam 1,
+   batch 64), then the table: BLEU and mean accepted block size per cell.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from multi30k import base_spec, step  # noqa: E402  (the base model's settings)
+
+from fairseq_fastgen import toy  # noqa: E402
+
+DATA_KINDS = ("regular", "distilled")
+REGIMES = ("frozen", "finetuned")
+
+
+def console_script(name):
+    return str(Path(sys.executable).parent / name)
+
+
+def distill(bin_dir, teacher, output_dir, split, workers, log_path):
+    """Run fastgen-distill (one torch thread per worker) and return its summary."""
+    command = [console_script("fastgen-distill"), str(bin_dir), "--path", str(teacher), "--split", split,
+               "--output-dir", str(output_dir), "--workers", str(workers), "--beam", "5", "--batch-size", "64",
+               "--cpu"]
+    with open(log_path, "w") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return json.loads((Path(output_dir) / f"distill.{split}.json").read_text())
+
+
+def student_spec(args, base, k, regime, data_kind, distilled_dir):
+    spec = base_spec(args)
+    extra = spec.extra_args + ["--block-size", str(k), "--khead-identity-first", "--base-checkpoint", str(base)]
+    if regime == "frozen":
+        extra.append("--freeze-base")
+    if data_kind == "distilled":
+        extra += ["--task", "translation_distill", "--distilled-data", str(distilled_dir), "--distill-mix", "distilled"]
+    lr = args.frozen_lr if regime == "frozen" else args.finetune_lr
+    return toy.ToyModelSpec(**{**spec.__dict__, "arch": "transformer_khead", "max_update": args.student_updates,
+                               "lr": lr, "warmup": 100, "validate_interval": 1000, "extra_args": extra})
+
+
+def cells(ks):
+    """(k, regime, data kind) of every student to train; k = 1 frozen is the base itself."""
+    return [(k, regime, data_kind) for k in ks for regime in REGIMES for data_kind in DATA_KINDS
+            if not (k == 1 and regime == "frozen")]
+
+
+def bench_command(bin_dir, checkpoint, output_dir):
+    return [console_script("fastgen-bench"), str(bin_dir), "--path", str(checkpoint), "--cpu", "--threads", "2",
+            "--post-process", "sentencepiece", "--decoders", "greedy,blockwise", "--beam", "1",
+            "--batch-size", "64", "--repeat", "1", "--reference", "greedy", "--no-ctranslate2",
+            "--output-dir", str(output_dir)]
+
+
+def cell_text(results_path):
+    """'BLEU / mean accepted block size' of blockwise decoding; greedy (block 1) for a stock transformer."""
+    if not results_path.exists():
+        return "not run"
+    configs = {config["decoder"]: config for config in json.loads(results_path.read_text())["configurations"]}
+    blockwise = configs.get("blockwise")
+    if blockwise is None or blockwise.get("status") != "ok":
+        return f"{configs['greedy']['bleu']:.2f} / 1.00 (greedy)"
+    return (f"{blockwise['bleu']:.2f} / {blockwise['statistics']['mean_accepted_block_size']:.2f}"
+            f" ({100 * blockwise['identical_rate']:.0f}% = greedy)")
+
+
+def print_table(ks, bench_dir):
+    columns = [(data_kind, regime) for regime in REGIMES for data_kind in DATA_KINDS]
+    print("| k | " + " | ".join(f"{data_kind}, {regime}" for data_kind, regime in columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for k in ks:
+        texts = []
+        for data_kind, regime in columns:
+            name = "k1-base" if (k == 1 and regime == "frozen") else f"k{k}-{regime}-{data_kind}"
+            texts.append(cell_text(bench_dir / name / "results.json"))
+        print(f"| {k} | " + " | ".join(texts) + " |")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench_out/multi30k", help="working directory of benchmarks/multi30k.py")
+    parser.add_argument("--bench-dir", default="bench/distill", help="fastgen-bench outputs")
+    parser.add_argument("--k", default="1,2,4,8", help="comma-separated block sizes")
+    parser.add_argument("--student-updates", type=int, default=300)
+    parser.add_argument("--frozen-lr", type=float, default=0.002)
+    parser.add_argument("--finetune-lr", type=float, default=0.0005)
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--stop-after", choices=["distill", "throughput", "students", "bench"], default="bench")
+    # the base model's shape: as benchmarks/multi30k.py built it
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=0.002)
+    parser.add_argument("--warmup", type=int, default=400)
+    parser.add_argument("--max-update", type=int, default=1200)
+    parser.add_argument("--validate-interval", type=int, default=3)
+    args = parser.parse_args(argv)
+    out, bench_dir = Path(args.out), Path(args.bench_dir)
+    bin_dir, base, distilled = out / "bin", out / "base" / "checkpoint_best.pt", out / "distilled"
+    ks = [int(k) for k in args.k.split(",")]
+    stages = ["distill", "throughput", "students", "bench"]
+    wanted = stages[: stages.index(args.stop_after) + 1]
+    bench_dir.mkdir(parents=True, exist_ok=True)
+
+    step("fastgen-distill train (2 workers)", distilled / "distill.train.json",
+         lambda: distill(bin_dir, base, distilled, "train", 2, bench_dir / "distill-train.log"))
+    if "throughput" in wanted:
+        for workers in (1, 2):
+            target = out / f"distill-valid-{workers}w"
+            step(f"fastgen-distill valid ({workers} worker(s))", target / "distill.valid.json",
+                 lambda workers=workers, target=target: distill(bin_dir, base, target, "valid", workers,
+                                                                bench_dir / f"distill-valid-{workers}w.log"))
+        for workers in (1, 2):
+            summary = json.loads((out / f"distill-valid-{workers}w" / "distill.valid.json").read_text())
+            print(f"   valid, {workers} worker(s): {json.dumps(summary)}", flush=True)
+    if "students" in wanted:
+        for k, regime, data_kind in cells(ks):
+            save_dir = out / "table1" / f"k{k}-{regime}-{data_kind}"
+            step(f"student k={k} {regime} {data_kind}", save_dir / "checkpoint_last.pt",
+                 lambda k=k, regime=regime, data_kind=data_kind, save_dir=save_dir: toy.train(
+                     bin_dir, save_dir, student_spec(args, base, k, regime, data_kind, distilled), show_progress=True,
+                     criterion_args=["--criterion", "random_subloss", "--label-smoothing", "0.1"]))
+    if "bench" in wanted:
+        models = [("k1-base", base)] + [(f"k{k}-{regime}-{data_kind}",
+                                         out / "table1" / f"k{k}-{regime}-{data_kind}" / "checkpoint_last.pt")
+                                        for k, regime, data_kind in cells(ks)]
+        for name, checkpoint in models:
+            step(f"fastgen-bench {name}", bench_dir / name / "results.json",
+                 lambda checkpoint=checkpoint, name=name: subprocess.run(
+                     bench_command(bin_dir, checkpoint, bench_dir / name), check=True,
+                     stdout=open(bench_dir / f"{name}.log", "w"), stderr=subprocess.STDOUT))
+        print_table(ks, bench_dir)
+
+
+if __name__ == "__main__":
+    main()
