@@ -14,7 +14,7 @@ Steps, each skipped when its output exists (so a rerun resumes):
    --distill-mix distilled``) x frozen base (``--freeze-base``) or fine-tuned (the
    whole model trains); all with ``--khead-identity-first`` and ``random_subloss``.
    k = 1 frozen is the base model itself; k = 1 fine-tuned is the base trained for
-   the same number of updates more;
+   as many updates more as the other fine-tuned students;
 4. ``fastgen-bench`` on the test split for each model (greedy and blockwise, beam 1,
    batch 64), then the table: BLEU and mean accepted block size per cell.
 """
@@ -58,14 +58,17 @@ def student_spec(args, base, k, regime, data_kind, distilled_dir):
         extra.append("--freeze-base")
     if data_kind == "distilled":
         extra += ["--task", "translation_distill", "--distilled-data", str(distilled_dir), "--distill-mix", "distilled"]
-    lr = args.frozen_lr if regime == "frozen" else args.finetune_lr
-    return toy.ToyModelSpec(**{**spec.__dict__, "arch": "transformer_khead", "max_update": args.student_updates,
-                               "lr": lr, "warmup": 100, "validate_interval": 1000, "extra_args": extra})
+    if regime == "frozen":
+        lr, updates = args.frozen_lr, args.student_updates
+    else:
+        lr, updates = args.finetune_lr, args.finetune_updates
+    return toy.ToyModelSpec(**{**spec.__dict__, "arch": "transformer_khead", "max_update": updates, "lr": lr,
+                               "warmup": 100, "validate_interval": 1000, "extra_args": extra})
 
 
 def cells(ks):
     """(k, regime, data kind) of every student to train; k = 1 frozen is the base itself."""
-    return [(k, regime, data_kind) for k in ks for regime in REGIMES for data_kind in DATA_KINDS
+    return [(k, regime, data_kind) for regime in REGIMES for k in ks for data_kind in DATA_KINDS
             if not (k == 1 and regime == "frozen")]
 
 
@@ -92,7 +95,7 @@ def print_table(ks, bench_dir):
     columns = [(data_kind, regime) for regime in REGIMES for data_kind in DATA_KINDS]
     print("| k | " + " | ".join(f"{data_kind}, {regime}" for data_kind, regime in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
-    for k in ks:
+    for k in sorted(ks):
         texts = []
         for data_kind, regime in columns:
             name = "k1-base" if (k == 1 and regime == "frozen") else f"k{k}-{regime}-{data_kind}"
@@ -105,7 +108,8 @@ def main(argv=None):
     parser.add_argument("--out", default="bench_out/multi30k", help="working directory of benchmarks/multi30k.py")
     parser.add_argument("--bench-dir", default="bench/distill", help="fastgen-bench outputs")
     parser.add_argument("--k", default="1,2,4,8", help="comma-separated block sizes")
-    parser.add_argument("--student-updates", type=int, default=300)
+    parser.add_argument("--student-updates", type=int, default=300, help="updates of a frozen-base student")
+    parser.add_argument("--finetune-updates", type=int, default=200, help="updates of a fine-tuned student")
     parser.add_argument("--frozen-lr", type=float, default=0.002)
     parser.add_argument("--finetune-lr", type=float, default=0.0005)
     parser.add_argument("--max-tokens", type=int, default=4096)
@@ -135,7 +139,9 @@ def main(argv=None):
                                                                 bench_dir / f"distill-valid-{workers}w.log"))
         for workers in (1, 2):
             summary = json.loads((out / f"distill-valid-{workers}w" / "distill.valid.json").read_text())
-            print(f"   valid, {workers} worker(s): {json.dumps(summary)}", flush=True)
+            print(f"   valid, {workers} worker(s): {summary['sentences']} sentences, {summary['sentences_per_second']:.1f} "
+                  f"sentences/s decoding, {summary['wall_seconds']:.1f} s wall, teacher BLEU {summary['teacher_bleu']:.2f}",
+                  flush=True)
     if "students" in wanted:
         for k, regime, data_kind in cells(ks):
             save_dir = out / "table1" / f"k{k}-{regime}-{data_kind}"
@@ -148,6 +154,9 @@ def main(argv=None):
                                          out / "table1" / f"k{k}-{regime}-{data_kind}" / "checkpoint_last.pt")
                                         for k, regime, data_kind in cells(ks)]
         for name, checkpoint in models:
+            if not checkpoint.exists():
+                print(f"== fastgen-bench {name}: no model yet ({checkpoint})", flush=True)
+                continue
             step(f"fastgen-bench {name}", bench_dir / name / "results.json",
                  lambda checkpoint=checkpoint, name=name: subprocess.run(
                      bench_command(bin_dir, checkpoint, bench_dir / name), check=True,

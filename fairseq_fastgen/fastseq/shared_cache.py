@@ -201,20 +201,32 @@ def supports_shared_cache(model) -> bool:
     """
     if not isinstance(model, TransformerModelBase) or hasattr(model, "set_beam_size"):
         return False
-    decoder = model.decoder
+    layers = stock_decoder_layers(model.decoder)
+    return layers is not None and all(plain_attention(layer.encoder_attn, SharedEncoderAttention) for layer in layers)
+
+
+def stock_decoder_layers(decoder) -> Optional[List[TransformerDecoderLayerBase]]:
+    """The layers of a decoder that runs them as the stock transformer decoder does
+    (its own feature extraction and layer forward, no cross-self-attention), else None."""
     if not isinstance(decoder, TransformerDecoderBase) or decoder.cross_self_attention:
-        return False
+        return None
     if type(decoder).extract_features_scriptable is not TransformerDecoderBase.extract_features_scriptable:
-        return False
-    for layer in decoder.layers:
+        return None
+    layers = list(decoder.layers)
+    for layer in layers:
         if not isinstance(layer, TransformerDecoderLayerBase) or type(layer).forward is not TransformerDecoderLayerBase.forward:
-            return False
-        attention = layer.encoder_attn
-        if attention is None or type(attention) not in (MultiheadAttention, SharedEncoderAttention):
-            return False
-        if attention.bias_k is not None or attention.add_zero_attn or attention.use_xformers:
-            return False
-    return True
+            return None
+    return layers
+
+
+def plain_attention(attention, shared_class) -> bool:
+    """Whether ``attention`` is stock multi-head attention (or already ``shared_class``)
+    without the variants a shared path does not serve (extra bias key/value, zero
+    attention, xformers, ONNX tracing)."""
+    if attention is None or type(attention) not in (MultiheadAttention, shared_class):
+        return False
+    return not (attention.bias_k is not None or attention.add_zero_attn or attention.use_xformers
+                or attention.onnx_trace)
 
 
 def encoder_attention_modules(model) -> List[MultiheadAttention]:

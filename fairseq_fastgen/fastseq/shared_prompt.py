@@ -55,13 +55,17 @@ from typing import Dict, List, Optional
 
 import torch
 from fairseq import search, utils
-from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.models.transformer_lm import TransformerLanguageModel
 from fairseq.modules import MultiheadAttention
-from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
-from fairseq_fastgen.fastseq.shared_cache import BeamSharedAttention, attention_cache_bytes, stock_beam_ensemble
+from fairseq_fastgen.fastseq.shared_cache import (
+    BeamSharedAttention,
+    attention_cache_bytes,
+    plain_attention,
+    stock_beam_ensemble,
+    stock_decoder_layers,
+)
 
 IncrementalState = Dict[str, Dict[str, Optional[torch.Tensor]]]
 
@@ -183,20 +187,10 @@ def supports_shared_prompt(model) -> bool:
     """
     if not isinstance(model, TransformerLanguageModel) or hasattr(model, "encoder"):
         return False
-    decoder = model.decoder
-    if not isinstance(decoder, TransformerDecoderBase) or decoder.cross_self_attention:
-        return False
-    if type(decoder).extract_features_scriptable is not TransformerDecoderBase.extract_features_scriptable:
-        return False
-    for layer in decoder.layers:
-        if not isinstance(layer, TransformerDecoderLayerBase) or type(layer).forward is not TransformerDecoderLayerBase.forward:
-            return False
-        attention = layer.self_attn
-        if layer.encoder_attn is not None or type(attention) not in (MultiheadAttention, SharedPromptAttention):
-            return False
-        if attention.bias_k is not None or attention.add_zero_attn or attention.use_xformers or attention.onnx_trace:
-            return False
-    return True
+    layers = stock_decoder_layers(model.decoder)
+    return layers is not None and all(
+        layer.encoder_attn is None and plain_attention(layer.self_attn, SharedPromptAttention) for layer in layers
+    )
 
 
 def self_attention_modules(model) -> List[MultiheadAttention]:
