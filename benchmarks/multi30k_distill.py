@@ -72,8 +72,8 @@ def cells(ks):
             if not (k == 1 and regime == "frozen")]
 
 
-def bench_command(bin_dir, checkpoint, output_dir):
-    return [console_script("fastgen-bench"), str(bin_dir), "--path", str(checkpoint), "--cpu", "--threads", "2",
+def bench_command(bin_dir, checkpoint, output_dir, threads):
+    return [console_script("fastgen-bench"), str(bin_dir), "--path", str(checkpoint), "--cpu", "--threads", str(threads),
             "--post-process", "sentencepiece", "--decoders", "greedy,blockwise", "--beam", "1",
             "--batch-size", "64", "--repeat", "1", "--reference", "greedy", "--no-ctranslate2",
             "--output-dir", str(output_dir)]
@@ -113,7 +113,12 @@ def main(argv=None):
     parser.add_argument("--frozen-lr", type=float, default=0.002)
     parser.add_argument("--finetune-lr", type=float, default=0.0005)
     parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--stop-after", choices=["distill", "throughput", "students", "bench"], default="bench")
+    parser.add_argument("--students", default=None,
+                        help="comma-separated students to train, in this order (e.g. k8-frozen-regular,"
+                             "k4-finetuned-distilled); default: every cell, frozen ones first")
+    parser.add_argument("--stages", default="distill,throughput,students,bench",
+                        help="comma-separated stages to run (distill, throughput, students, bench)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of fastgen-bench")
     # the base model's shape: as benchmarks/multi30k.py built it
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--dim", type=int, default=256)
@@ -125,12 +130,12 @@ def main(argv=None):
     out, bench_dir = Path(args.out), Path(args.bench_dir)
     bin_dir, base, distilled = out / "bin", out / "base" / "checkpoint_best.pt", out / "distilled"
     ks = [int(k) for k in args.k.split(",")]
-    stages = ["distill", "throughput", "students", "bench"]
-    wanted = stages[: stages.index(args.stop_after) + 1]
+    wanted = args.stages.split(",")
     bench_dir.mkdir(parents=True, exist_ok=True)
 
-    step("fastgen-distill train (2 workers)", distilled / "distill.train.json",
-         lambda: distill(bin_dir, base, distilled, "train", 2, bench_dir / "distill-train.log"))
+    if "distill" in wanted:
+        step("fastgen-distill train (2 workers)", distilled / "distill.train.json",
+             lambda: distill(bin_dir, base, distilled, "train", 2, bench_dir / "distill-train.log"))
     if "throughput" in wanted:
         for workers in (1, 2):
             target = out / f"distill-valid-{workers}w"
@@ -142,8 +147,15 @@ def main(argv=None):
             print(f"   valid, {workers} worker(s): {summary['sentences']} sentences, {summary['sentences_per_second']:.1f} "
                   f"sentences/s decoding, {summary['wall_seconds']:.1f} s wall, teacher BLEU {summary['teacher_bleu']:.2f}",
                   flush=True)
+    students = cells(ks)
+    if args.students:
+        names = {f"k{k}-{regime}-{data_kind}": (k, regime, data_kind) for k, regime, data_kind in students}
+        unknown = [name for name in args.students.split(",") if name not in names]
+        if unknown:
+            parser.error(f"--students: unknown {', '.join(unknown)}; known: {', '.join(names)}")
+        students = [names[name] for name in args.students.split(",")]
     if "students" in wanted:
-        for k, regime, data_kind in cells(ks):
+        for k, regime, data_kind in students:
             save_dir = out / "table1" / f"k{k}-{regime}-{data_kind}"
             step(f"student k={k} {regime} {data_kind}", save_dir / "checkpoint_last.pt",
                  lambda k=k, regime=regime, data_kind=data_kind, save_dir=save_dir: toy.train(
@@ -159,7 +171,7 @@ def main(argv=None):
                 continue
             step(f"fastgen-bench {name}", bench_dir / name / "results.json",
                  lambda checkpoint=checkpoint, name=name: subprocess.run(
-                     bench_command(bin_dir, checkpoint, bench_dir / name), check=True,
+                     bench_command(bin_dir, checkpoint, bench_dir / name, args.threads), check=True,
                      stdout=open(bench_dir / f"{name}.log", "w"), stderr=subprocess.STDOUT))
         print_table(ks, bench_dir)
 
