@@ -51,13 +51,17 @@ def distill(bin_dir, teacher, output_dir, split, workers, log_path):
     return json.loads((Path(output_dir) / f"distill.{split}.json").read_text())
 
 
-def student_spec(args, base, k, regime, data_kind, distilled_dir):
+def student_spec(args, base, k, regime, data_kind, distilled_dir, restore=None):
+    """fairseq-train settings of one student; ``restore``: fine-tune this (frozen) student's checkpoint."""
     spec = base_spec(args)
     extra = spec.extra_args + ["--block-size", str(k), "--khead-identity-first", "--base-checkpoint", str(base)]
     if regime == "frozen":
         extra.append("--freeze-base")
     if data_kind == "distilled":
         extra += ["--task", "translation_distill", "--distilled-data", str(distilled_dir), "--distill-mix", "distilled"]
+    if restore is not None:
+        extra += ["--restore-file", str(Path(restore).resolve()), "--reset-optimizer", "--reset-lr-scheduler",
+                  "--reset-meters", "--reset-dataloader"]
     if regime == "frozen":
         lr, updates = args.frozen_lr, args.student_updates
     else:
@@ -113,6 +117,10 @@ def main(argv=None):
     parser.add_argument("--frozen-lr", type=float, default=0.002)
     parser.add_argument("--finetune-lr", type=float, default=0.0005)
     parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--two-stage", default=None, metavar="K-DATA",
+                        help="also fine-tune the frozen student kK-frozen-DATA (e.g. 4-regular) from its checkpoint "
+                             "into kK-frozen-then-finetuned-DATA (--finetune-lr, --finetune-updates); the docs "
+                             "table used --finetune-lr 0.0001 --finetune-updates 150")
     parser.add_argument("--students", default=None,
                         help="comma-separated students to train, in this order (e.g. k8-frozen-regular,"
                              "k4-finetuned-distilled); default: every cell, frozen ones first")
@@ -161,8 +169,19 @@ def main(argv=None):
                  lambda k=k, regime=regime, data_kind=data_kind, save_dir=save_dir: toy.train(
                      bin_dir, save_dir, student_spec(args, base, k, regime, data_kind, distilled), show_progress=True,
                      criterion_args=["--criterion", "random_subloss", "--label-smoothing", "0.1"]))
+    two_stage = []
+    if args.two_stage:
+        k, data_kind = args.two_stage.split("-")
+        frozen = out / "table1" / f"k{k}-frozen-{data_kind}" / "checkpoint_last.pt"
+        name = f"k{k}-frozen-then-finetuned-{data_kind}"
+        two_stage = [(name, out / "table1" / name / "checkpoint_last.pt")]
+        if "students" in wanted:
+            step(f"student {name}", two_stage[0][1], lambda: toy.train(
+                bin_dir, out / "table1" / name,
+                student_spec(args, base, int(k), "finetuned", data_kind, distilled, restore=frozen), show_progress=True,
+                criterion_args=["--criterion", "random_subloss", "--label-smoothing", "0.1"]))
     if "bench" in wanted:
-        models = [("k1-base", base)] + [(f"k{k}-{regime}-{data_kind}",
+        models = two_stage + [("k1-base", base)] + [(f"k{k}-{regime}-{data_kind}",
                                          out / "table1" / f"k{k}-{regime}-{data_kind}" / "checkpoint_last.pt")
                                         for k, regime, data_kind in cells(ks)]
         for name, checkpoint in models:
