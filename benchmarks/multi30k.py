@@ -79,20 +79,16 @@ def base_spec(args):
     )
 
 
-def khead_spec(args, base_checkpoint, k):
-    base = base_spec(args)
-    return toy.ToyModelSpec(**{
-        **base.__dict__, "arch": "transformer_khead", "max_update": args.khead_updates, "lr": args.lr, "warmup": 100,
-        "extra_args": base.extra_args + ["--block-size", str(k), "--khead-identity-first", "--freeze-base",
-                                         "--base-checkpoint", str(base_checkpoint)],
-    })
+STUDENT_CRITERION = ["--criterion", "random_subloss", "--label-smoothing", "0.1"]
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default="../shared/data/multi30k-en-fr", help="directory of the gzipped Multi30k text")
-    parser.add_argument("--out", default="bench_out/multi30k", help="working directory")
-    parser.add_argument("--spm-vocab", type=int, default=8000)
+def console_script(name):
+    """A console script of the running interpreter's environment (fastgen-bench, ...)."""
+    return str(Path(sys.executable).parent / name)
+
+
+def add_base_model_options(parser):
+    """The base transformer's options (benchmarks/multi30k_distill.py reads the same)."""
     parser.add_argument("--layers", type=int, default=3, help="encoder and decoder layers of the base model")
     parser.add_argument("--dim", type=int, default=256, help="embedding size (ffn: 4x)")
     parser.add_argument("--max-update", type=int, default=1200)
@@ -100,6 +96,31 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=0.002)
     parser.add_argument("--warmup", type=int, default=400)
     parser.add_argument("--validate-interval", type=int, default=3, help="epochs between validations")
+
+
+def student_spec(args, base_checkpoint, k, lr, updates, freeze_base, extra_args=(), validate_interval=None):
+    """A ``transformer_khead`` student (``--khead-identity-first``) warm started from the base model."""
+    base = base_spec(args)
+    khead_args = ["--block-size", str(k), "--khead-identity-first", "--base-checkpoint", str(base_checkpoint)]
+    if freeze_base:
+        khead_args.append("--freeze-base")
+    return toy.ToyModelSpec(**{
+        **base.__dict__, "arch": "transformer_khead", "max_update": updates, "lr": lr, "warmup": 100,
+        "validate_interval": validate_interval or base.validate_interval,
+        "extra_args": base.extra_args + khead_args + list(extra_args),
+    })
+
+
+def khead_spec(args, base_checkpoint, k):
+    return student_spec(args, base_checkpoint, k, args.lr, args.khead_updates, freeze_base=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="../shared/data/multi30k-en-fr", help="directory of the gzipped Multi30k text")
+    parser.add_argument("--out", default="bench_out/multi30k", help="working directory")
+    parser.add_argument("--spm-vocab", type=int, default=8000)
+    add_base_model_options(parser)
     parser.add_argument("--khead-k", default="2,4", help="comma-separated block sizes of the k-head students")
     parser.add_argument("--khead-updates", type=int, default=400)
     parser.add_argument("--num-clusters", type=int, default=1000)
@@ -121,11 +142,11 @@ def main(argv=None):
         for k in (int(k) for k in args.khead_k.split(",")):
             step(f"train k-head student k={k} (frozen base)", out / f"khead{k}" / "checkpoint_last.pt",
                  lambda k=k: toy.train(bin_dir, out / f"khead{k}", khead_spec(args, base, k), show_progress=True,
-                                       criterion_args=["--criterion", "random_subloss", "--label-smoothing", "0.1"]))
+                                       criterion_args=STUDENT_CRITERION))
     clusters = out / f"clusters{args.num_clusters}.pt"
     if "clusters" in wanted:
         step("cluster file", clusters, lambda: subprocess.run(
-            [str(Path(sys.executable).parent / "fastgen-train-clusters"), str(bin_dir), "--path", str(base),
+            [console_script("fastgen-train-clusters"), str(bin_dir), "--path", str(base),
              "--output", str(clusters), "--num-clusters", str(args.num_clusters), "--cpu"], check=True))
     print("models ready under", out, flush=True)
 

@@ -28,7 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from multi30k import base_spec, step  # noqa: E402  (the base model's settings)
+from multi30k import (  # noqa: E402  (the base model's settings)
+    STUDENT_CRITERION,
+    add_base_model_options,
+    console_script,
+    step,
+    student_spec,
+)
 
 from fairseq_fastgen import toy  # noqa: E402
 
@@ -36,27 +42,26 @@ DATA_KINDS = ("regular", "distilled")
 REGIMES = ("frozen", "finetuned")
 
 
-def console_script(name):
-    return str(Path(sys.executable).parent / name)
+def run_logged(command, log_path, env=None):
+    with open(log_path, "w") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
 def distill(bin_dir, teacher, output_dir, split, workers, log_path):
     """Run fastgen-distill (one torch thread per worker) and return its summary."""
-    command = [console_script("fastgen-distill"), str(bin_dir), "--path", str(teacher), "--split", split,
-               "--output-dir", str(output_dir), "--workers", str(workers), "--beam", "5", "--batch-size", "64",
-               "--cpu"]
-    with open(log_path, "w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    run_logged([console_script("fastgen-distill"), str(bin_dir), "--path", str(teacher), "--split", split,
+                "--output-dir", str(output_dir), "--workers", str(workers), "--beam", "5", "--batch-size", "64",
+                "--cpu"], log_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return json.loads((Path(output_dir) / f"distill.{split}.json").read_text())
 
 
-def student_spec(args, base, k, regime, data_kind, distilled_dir, restore=None):
-    """fairseq-train settings of one student; ``restore``: fine-tune this (frozen) student's checkpoint."""
-    spec = base_spec(args)
-    extra = spec.extra_args + ["--block-size", str(k), "--khead-identity-first", "--base-checkpoint", str(base)]
-    if regime == "frozen":
-        extra.append("--freeze-base")
+def cell_name(k, regime, data_kind):
+    return f"k{k}-{regime}-{data_kind}"
+
+
+def train_student(args, bin_dir, save_dir, base, k, regime, data_kind, distilled_dir, restore=None):
+    """fairseq-train one student; ``restore``: fine-tune this (frozen) student's checkpoint."""
+    extra = []
     if data_kind == "distilled":
         extra += ["--task", "translation_distill", "--distilled-data", str(distilled_dir), "--distill-mix", "distilled"]
     if restore is not None:
@@ -66,8 +71,9 @@ def student_spec(args, base, k, regime, data_kind, distilled_dir, restore=None):
         lr, updates = args.frozen_lr, args.student_updates
     else:
         lr, updates = args.finetune_lr, args.finetune_updates
-    return toy.ToyModelSpec(**{**spec.__dict__, "arch": "transformer_khead", "max_update": updates, "lr": lr,
-                               "warmup": 100, "validate_interval": 1000, "extra_args": extra})
+    spec = student_spec(args, base, k, lr, updates, freeze_base=regime == "frozen", extra_args=extra,
+                        validate_interval=1000)
+    toy.train(bin_dir, save_dir, spec, show_progress=True, criterion_args=STUDENT_CRITERION)
 
 
 def cells(ks):
@@ -102,7 +108,7 @@ def print_table(ks, bench_dir):
     for k in sorted(ks):
         texts = []
         for data_kind, regime in columns:
-            name = "k1-base" if (k == 1 and regime == "frozen") else f"k{k}-{regime}-{data_kind}"
+            name = "k1-base" if (k == 1 and regime == "frozen") else cell_name(k, regime, data_kind)
             texts.append(cell_text(bench_dir / name / "results.json"))
         print(f"| {k} | " + " | ".join(texts) + " |")
 
@@ -116,7 +122,6 @@ def main(argv=None):
     parser.add_argument("--finetune-updates", type=int, default=200, help="updates of a fine-tuned student")
     parser.add_argument("--frozen-lr", type=float, default=0.002)
     parser.add_argument("--finetune-lr", type=float, default=0.0005)
-    parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--two-stage", default=None, metavar="K-DATA",
                         help="also fine-tune the frozen student kK-frozen-DATA (e.g. 4-regular) from its checkpoint "
                              "into kK-frozen-then-finetuned-DATA (--finetune-lr, --finetune-updates); the docs "
@@ -127,13 +132,7 @@ def main(argv=None):
     parser.add_argument("--stages", default="distill,throughput,students,bench",
                         help="comma-separated stages to run (distill, throughput, students, bench)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of fastgen-bench")
-    # the base model's shape: as benchmarks/multi30k.py built it
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=0.002)
-    parser.add_argument("--warmup", type=int, default=400)
-    parser.add_argument("--max-update", type=int, default=1200)
-    parser.add_argument("--validate-interval", type=int, default=3)
+    add_base_model_options(parser)  # as benchmarks/multi30k.py built the base model
     args = parser.parse_args(argv)
     out, bench_dir = Path(args.out), Path(args.bench_dir)
     bin_dir, base, distilled = out / "bin", out / "base" / "checkpoint_best.pt", out / "distilled"
@@ -155,43 +154,37 @@ def main(argv=None):
             print(f"   valid, {workers} worker(s): {summary['sentences']} sentences, {summary['sentences_per_second']:.1f} "
                   f"sentences/s decoding, {summary['wall_seconds']:.1f} s wall, teacher BLEU {summary['teacher_bleu']:.2f}",
                   flush=True)
-    students = cells(ks)
+    students = {cell_name(*cell): cell for cell in cells(ks)}
+    order = list(students)
     if args.students:
-        names = {f"k{k}-{regime}-{data_kind}": (k, regime, data_kind) for k, regime, data_kind in students}
-        unknown = [name for name in args.students.split(",") if name not in names]
+        order = args.students.split(",")
+        unknown = [name for name in order if name not in students]
         if unknown:
-            parser.error(f"--students: unknown {', '.join(unknown)}; known: {', '.join(names)}")
-        students = [names[name] for name in args.students.split(",")]
+            parser.error(f"--students: unknown {', '.join(unknown)}; known: {', '.join(students)}")
     if "students" in wanted:
-        for k, regime, data_kind in students:
-            save_dir = out / "table1" / f"k{k}-{regime}-{data_kind}"
-            step(f"student k={k} {regime} {data_kind}", save_dir / "checkpoint_last.pt",
-                 lambda k=k, regime=regime, data_kind=data_kind, save_dir=save_dir: toy.train(
-                     bin_dir, save_dir, student_spec(args, base, k, regime, data_kind, distilled), show_progress=True,
-                     criterion_args=["--criterion", "random_subloss", "--label-smoothing", "0.1"]))
-    two_stage = []
+        for name in order:
+            k, regime, data_kind = students[name]
+            save_dir = out / "table1" / name
+            step(f"student {name}", save_dir / "checkpoint_last.pt",
+                 lambda k=k, regime=regime, data_kind=data_kind, save_dir=save_dir: train_student(
+                     args, bin_dir, save_dir, base, k, regime, data_kind, distilled))
+    models = [("k1-base", base)] + [(name, out / "table1" / name / "checkpoint_last.pt") for name in students]
     if args.two_stage:
         k, data_kind = args.two_stage.split("-")
-        frozen = out / "table1" / f"k{k}-frozen-{data_kind}" / "checkpoint_last.pt"
         name = f"k{k}-frozen-then-finetuned-{data_kind}"
-        two_stage = [(name, out / "table1" / name / "checkpoint_last.pt")]
+        models.insert(0, (name, out / "table1" / name / "checkpoint_last.pt"))
         if "students" in wanted:
-            step(f"student {name}", two_stage[0][1], lambda: toy.train(
-                bin_dir, out / "table1" / name,
-                student_spec(args, base, int(k), "finetuned", data_kind, distilled, restore=frozen), show_progress=True,
-                criterion_args=["--criterion", "random_subloss", "--label-smoothing", "0.1"]))
+            frozen = out / "table1" / cell_name(k, "frozen", data_kind) / "checkpoint_last.pt"
+            step(f"student {name}", models[0][1], lambda: train_student(
+                args, bin_dir, out / "table1" / name, base, int(k), "finetuned", data_kind, distilled, restore=frozen))
     if "bench" in wanted:
-        models = two_stage + [("k1-base", base)] + [(f"k{k}-{regime}-{data_kind}",
-                                         out / "table1" / f"k{k}-{regime}-{data_kind}" / "checkpoint_last.pt")
-                                        for k, regime, data_kind in cells(ks)]
         for name, checkpoint in models:
             if not checkpoint.exists():
                 print(f"== fastgen-bench {name}: no model yet ({checkpoint})", flush=True)
                 continue
             step(f"fastgen-bench {name}", bench_dir / name / "results.json",
-                 lambda checkpoint=checkpoint, name=name: subprocess.run(
-                     bench_command(bin_dir, checkpoint, bench_dir / name, args.threads), check=True,
-                     stdout=open(bench_dir / f"{name}.log", "w"), stderr=subprocess.STDOUT))
+                 lambda checkpoint=checkpoint, name=name: run_logged(
+                     bench_command(bin_dir, checkpoint, bench_dir / name, args.threads), bench_dir / f"{name}.log"))
         print_table(ks, bench_dir)
 
 

@@ -59,10 +59,10 @@ class RandomSublossCriterion(FairseqCriterion):
         block_size = features.size(2)  # features: (batch, tgt_len, k, dim)
         chosen = self.chosen_head(model) if self.training and self.mode == "random" else None
         losses, nll_losses, logging_output = [], [], {}
+        zero = torch.zeros((), device=target.device)  # logged for the heads this minibatch does not train
         for head in range(block_size):
-            zero = torch.zeros((), device=target.device)
-            logging_output.update({f"loss_h{head + 1}": zero, f"ntokens_h{head + 1}": 0, f"correct_h{head + 1}": 0})
             if chosen is not None and head != chosen:
+                logging_output.update({f"loss_h{head + 1}": zero, f"ntokens_h{head + 1}": 0, f"correct_h{head + 1}": 0})
                 continue
             head_target = shifted_target(target, head, self.padding_idx)
             logits = first_logits if head == 0 else model.decoder.output_layer(features[:, :, head])

@@ -85,11 +85,11 @@ class SharedPromptAttention(BeamSharedAttention):
 
     def shared_step(self, query, key, key_padding_mask, incremental_state, static_kv, attn_mask, before_softmax,
                     need_weights, need_head_weights):
-        if incremental_state is None or "prefix_key" not in self._get_input_buffer(incremental_state):
+        cached = self._get_input_buffer(incremental_state) if incremental_state is not None else {}
+        if "prefix_key" not in cached:
             return None
         # the decoder passes a padding mask only when it feeds pad, which SequenceGenerator never does
-        prefix_padding = self._get_input_buffer(incremental_state).get("prefix_key_padding_mask")
-        masked = key_padding_mask is not None or prefix_padding is not None
+        masked = key_padding_mask is not None or cached.get("prefix_key_padding_mask") is not None
         if query.size(0) != 1 or masked or attn_mask is not None or before_softmax:
             raise NotImplementedError("shared prompt attention serves one incremental step without masks")
         return self._attend_with_prefix(query, incremental_state, need_weights, need_head_weights)
