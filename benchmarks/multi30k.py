@@ -6,10 +6,13 @@ Usage (from the repository root, after ``make test`` or ``make demo`` created .v
 
 Steps, each skipped when its output exists (so a rerun resumes):
 
-1. sentencepiece: one joint unigram model (``--spm-vocab``, default 8000) trained on
-   the training text; every split encoded into pieces;
+1. sentencepiece: one joint model (``--spm-vocab``, default 8000; ``--spm-type``, default
+   unigram) trained on the training text; every split encoded into pieces;
 2. fairseq-preprocess with a joined dictionary (splits: train, valid = val,
-   test = test_2016_flickr, test1 = test_2017_flickr);
+   test = test_2016_flickr, test1 = test_2017_flickr); with ``--dict-from-spm`` the
+   dictionary holds every sentencepiece piece, used in the training text or not (the
+   32k-vocabulary model of issue 6: ``--spm-vocab 32000 --spm-type bpe --dict-from-spm``;
+   a unigram model of this corpus cannot reach 32k pieces, BPE can);
 3. a base ``transformer`` (``--layers`` + ``--layers``, ``--dim``), trained with fairseq-train;
 4. k-head students on top of it for each ``--khead-k`` (``transformer_khead``,
    ``--khead-identity-first --freeze-base``, criterion ``random_subloss``);
@@ -48,13 +51,13 @@ def read_lines(path):
         return [line.rstrip("\n") for line in handle]
 
 
-def prepare_text(data, raw, vocab_size):
+def prepare_text(data, raw, vocab_size, model_type="unigram"):
     raw.mkdir(parents=True, exist_ok=True)
     text = {(split, lang): read_lines(data / f"{name}.{lang}.gz") for split, name in SPLITS.items() for lang in ("en", "fr")}
     joint = raw / "spm_train.txt"
     joint.write_text("\n".join(text[("train", "en")] + text[("train", "fr")]) + "\n", encoding="utf-8")
     sentencepiece.SentencePieceTrainer.train(
-        input=str(joint), model_prefix=str(raw / "spm"), vocab_size=vocab_size, model_type="unigram",
+        input=str(joint), model_prefix=str(raw / "spm"), vocab_size=vocab_size, model_type=model_type,
         character_coverage=1.0, num_threads=2, bos_id=-1, eos_id=-1, pad_id=-1, unk_id=0,
     )
     processor = sentencepiece.SentencePieceProcessor(model_file=str(raw / "spm.model"))
@@ -63,8 +66,18 @@ def prepare_text(data, raw, vocab_size):
         (raw / f"{split}.{lang}").write_text("\n".join(pieces) + "\n", encoding="utf-8")
 
 
-def binarize(raw, bin_dir):
-    toy.run(toy.fairseq_command("preprocess") + [
+def spm_dictionary(raw):
+    """A fairseq dictionary file listing every sentencepiece piece but <unk> (fairseq adds its own)."""
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(raw / "spm.model"))
+    pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size()) if not processor.is_unknown(i)]
+    path = raw / "dict.spm.txt"
+    path.write_text("".join(f"{piece} 1\n" for piece in pieces), encoding="utf-8")
+    return path
+
+
+def binarize(raw, bin_dir, dict_from_spm=False):
+    dictionary = ["--srcdict", str(spm_dictionary(raw))] if dict_from_spm else []
+    toy.run(toy.fairseq_command("preprocess") + dictionary + [
         "--source-lang", "en", "--target-lang", "fr", "--joined-dictionary",
         "--trainpref", f"{raw}/train", "--validpref", f"{raw}/valid", "--testpref", f"{raw}/test,{raw}/test1",
         "--destdir", str(bin_dir), "--workers", "2",
@@ -120,6 +133,9 @@ def main(argv=None):
     parser.add_argument("--data", default="../shared/data/multi30k-en-fr", help="directory of the gzipped Multi30k text")
     parser.add_argument("--out", default="bench_out/multi30k", help="working directory")
     parser.add_argument("--spm-vocab", type=int, default=8000)
+    parser.add_argument("--spm-type", choices=["unigram", "bpe"], default="unigram")
+    parser.add_argument("--dict-from-spm", action="store_true",
+                        help="fairseq dictionary = every sentencepiece piece (default: the pieces the data uses)")
     add_base_model_options(parser)
     parser.add_argument("--khead-k", default="2,4", help="comma-separated block sizes of the k-head students")
     parser.add_argument("--khead-updates", type=int, default=400)
@@ -131,10 +147,10 @@ def main(argv=None):
 
     steps = ["text", "bin", "base", "khead", "clusters"]
     wanted = steps[: steps.index(args.stop_after) + 1]
-    step("sentencepiece", raw / "test1.fr", lambda: prepare_text(data, raw, args.spm_vocab))
+    step("sentencepiece", raw / "test1.fr", lambda: prepare_text(data, raw, args.spm_vocab, args.spm_type))
     if "bin" in wanted:
         bin_dir.mkdir(parents=True, exist_ok=True)
-        step("fairseq-preprocess", bin_dir / "test1.en-fr.fr.bin", lambda: binarize(raw, bin_dir))
+        step("fairseq-preprocess", bin_dir / "test1.en-fr.fr.bin", lambda: binarize(raw, bin_dir, args.dict_from_spm))
     base = out / "base" / "checkpoint_best.pt"
     if "base" in wanted:
         step("train base transformer", base, lambda: toy.train(bin_dir, out / "base", base_spec(args), show_progress=True))

@@ -32,6 +32,12 @@ class PluginOptions(FairseqDataclass):
         metadata={"help": "cluster file from fastgen-train-clusters: project only onto the tokens of the "
                           "clusters nearest to the decoder states (every decoder)"},
     )
+    time_projection: bool = field(
+        default=False,
+        metadata={"help": "time the full vocabulary projection of every decoder step and report it with the "
+                          "decoder's statistics (projection_*), as --cluster-projection reports its own; the "
+                          "output is unchanged"},
+    )
     postprocess_workers: int = field(
         default=0,
         metadata={"help": "fairseq-generate: detokenize, score and print in this many background workers "

@@ -43,7 +43,8 @@ def build_candidate(config, run_cfg, inputs, peer):
 
 
 def run_configuration(config, bench, inputs, peer, progress) -> ConfigResult:
-    run_cfg = options.run_config(inputs.cfg, config, bench.cluster_projection, bench.variants)
+    run_cfg = options.run_config(inputs.cfg, config, bench.cluster_projection, bench.variants,
+                                 time_projection=options.projects_on_clusters(bench))
     batches = inputs.batches(run_cfg.dataset)
     try:
         candidate = build_candidate(config, run_cfg, inputs, peer)

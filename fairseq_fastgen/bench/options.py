@@ -183,8 +183,19 @@ def configurations(bench, with_ctranslate2: bool) -> List[BenchConfig]:
     return configs
 
 
-def run_config(cfg, config: BenchConfig, cluster_projection: Optional[str], variants: Optional[Dict] = None):
+def projects_on_clusters(bench) -> bool:
+    """Whether some configuration of the run decodes with a cluster file (common or a variant's)."""
+    return bool(bench.cluster_projection) or any(
+        getattr(generation, "cluster_projection", None) for generation in bench.variants.values())
+
+
+def run_config(cfg, config: BenchConfig, cluster_projection: Optional[str], variants: Optional[Dict] = None,
+               time_projection: bool = False):
     """fairseq's config for one configuration: its options, beam, batching, decoder and projection.
+
+    With ``time_projection`` a configuration without a cluster file times its full
+    vocabulary projection (``--time-projection``): the baseline of the projection
+    speedup.
 
     A decoder's ``prepare_cli`` hook adjusts it as fairseq-generate would (the
     streaming decoders read whole pools and stream them through the batch size).
@@ -197,6 +208,8 @@ def run_config(cfg, config: BenchConfig, cluster_projection: Optional[str], vari
     run_cfg.generation.decoder = config.decoder
     if config.cluster_projection:  # otherwise the common options (None) or the variant's own file
         run_cfg.generation.cluster_projection = cluster_projection
+    if time_projection and not run_cfg.generation.cluster_projection:
+        run_cfg.generation.time_projection = True
     entry = DECODERS.get(config.decoder)
     if entry is not None and entry.prepare_cli is not None:
         entry.prepare_cli(run_cfg, "generate")

@@ -49,6 +49,12 @@ def pick_reference(result: ConfigResult, measured: List[ConfigResult], spec: Opt
     return min(same_decoder, key=closeness)
 
 
+def projection_speedup(result: ConfigResult, reference: ConfigResult) -> Optional[float]:
+    """The reference's projection time per decoder step over ``result``'s (None unless both timed it)."""
+    mine, theirs = (r.statistics.get("projection_ms_per_step") for r in (result, reference))
+    return theirs / mine if mine and theirs else None
+
+
 def score(results: List[ConfigResult], inputs, reference_spec: Optional[str]):
     measured = [r for r in results if r.ok]
     for result in measured:
@@ -58,3 +64,6 @@ def score(results: List[ConfigResult], inputs, reference_spec: Optional[str]):
         if reference is not None:
             result.reference = reference.config.label
             result.identical_rate = identical_rate(result, reference)
+            speedup = projection_speedup(result, reference)
+            if speedup is not None and reference is not result:
+                result.statistics["projection_speedup"] = speedup

@@ -11,6 +11,10 @@ batch 1 and beam 5 batch 64, the fraction of test sentences whose output is
 identical, the BLEU difference, and the sentences/s ratio (median over
 interleaved full / projected runs on a subset, so that load changes on a
 shared machine hit both alike).
+
+With ``--files-only --save-dir DIR`` it only builds the grid's cluster files,
+``DIR/c{clusters}k{K}.pt``, from the one recording, for fastgen-bench to measure
+(``--variant c1000k3=--cluster-projection DIR/c1000k3.pt``, ...).
 """
 
 import argparse
@@ -43,7 +47,13 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per projection measurement")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--json", help="write the results here")
-    return parser.parse_args(argv)
+    parser.add_argument("--save-dir", help="keep the cluster files here (default: a temporary folder)")
+    parser.add_argument("--files-only", action="store_true",
+                        help="build the cluster files into --save-dir and measure nothing")
+    args = parser.parse_args(argv)
+    if args.files_only and not args.save_dir:
+        parser.error("--files-only needs --save-dir")
+    return args
 
 
 def main(argv=None):
@@ -58,17 +68,21 @@ def main(argv=None):
     task.load_dataset(args.test_split)
     with torch.no_grad():
         states, top_tokens = train.record_states(model, task, cfg)
+    if args.files_only:
+        Path(args.save_dir).mkdir(parents=True, exist_ok=True)
+        for clusters, k, centroids in grid(states, cfg, args):
+            path = build_file(model, task, states, top_tokens[:, :k], centroids, k, Path(args.save_dir))[0]
+            print(path, flush=True)
+        return
+    with torch.no_grad():
         test_features = held_out_states(model, task, args.test_split)
         baseline = {setting: translate(model, task, args, *setting) for setting in DECODE_SETTINGS}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for clusters in (int(c) for c in args.clusters.split(",")):
-            cfg.num_clusters = clusters
-            centroids = train.kmeans_centroids(states, cfg)
-            for k in (int(k) for k in args.top_k.split(",")):
-                rows.append(measure(model, task, args, states, top_tokens[:, :k], centroids, k, test_features,
-                                    baseline, Path(tmp) / f"c{clusters}k{k}.pt"))
-                print(json.dumps(rows[-1]), flush=True)
+        for clusters, k, centroids in grid(states, cfg, args):
+            rows.append(measure(model, task, args, states, top_tokens[:, :k], centroids, k, test_features,
+                                baseline, Path(args.save_dir or tmp)))
+            print(json.dumps(rows[-1]), flush=True)
     report = {"baseline": {f"beam{b}_batch{n}": {k: v for k, v in r.items() if k != "outputs"}
                            for (b, n), r in baseline.items()}, "rows": rows}
     if args.json:
@@ -76,15 +90,35 @@ def main(argv=None):
     print_table(report)
 
 
-def measure(model, task, args, states, top_tokens, centroids, k, test_features, baseline, path):
+def grid(states, cfg, args):
+    """(clusters, K, centroids) for every cluster count and K of the grid; k-means once per count."""
+    from fairseq_fastgen.cluster import train
+
+    for clusters in (int(c) for c in args.clusters.split(",")):
+        cfg.num_clusters = clusters
+        centroids = train.kmeans_centroids(states, cfg)
+        for k in (int(k) for k in args.top_k.split(",")):
+            yield clusters, k, centroids
+
+
+def build_file(model, task, states, top_tokens, centroids, k, directory: Path):
+    """Write ``directory/c{clusters}k{K}.pt``; returns (its path, the active sets)."""
     from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
-    from fairseq_fastgen.cluster.projection import ProjectionStatistics, load_projection
     from fairseq_fastgen.cluster.train import cluster_active_sets, special_tokens
 
     active_sets = cluster_active_sets(states, top_tokens, centroids, special_tokens(task.target_dictionary),
                                       len(task.target_dictionary))
+    path = directory / f"c{centroids.size(0)}k{k}.pt"
     ClusterFile.build(centroids, active_sets, ModelFingerprint.of_decoder(model.decoder), top_k=k,
-                      states=int(states.shape[0])).save(path)
+                      states=int(states.shape[0]), source_lang=task.cfg.source_lang,
+                      target_lang=task.cfg.target_lang).save(path)
+    return path, active_sets
+
+
+def measure(model, task, args, states, top_tokens, centroids, k, test_features, baseline, directory):
+    from fairseq_fastgen.cluster.projection import ProjectionStatistics, load_projection
+
+    path, active_sets = build_file(model, task, states, top_tokens, centroids, k, directory)
     projection = load_projection(path, model)
     row = {"clusters": centroids.size(0), "top_k": k,
            "mean_set_size": float(active_sets.offsets.diff().float().mean())}

@@ -14,6 +14,11 @@ The same object serves every decoder: the plugin's decoders call it from the
 model runner (``ModelRunner.step``); fairseq's own beam search (``--decoder
 beam``) calls ``decoder.forward``, so :func:`attach_to_stock_generator` routes
 that decoder's ``output_layer`` through it.
+
+``--time-projection`` (without a cluster file) puts :class:`TimedFullProjection`
+in the same place: the unchanged full projection, timed and counted with the same
+statistics, so that the reduced projection's step time has a baseline measured
+the same way (fastgen-bench turns it on for the configurations without a file).
 """
 
 import math
@@ -64,29 +69,45 @@ class ProjectionStatistics:
             "projection_active_fraction_mean": self.active_fraction_sum / self.steps if self.steps else 0.0,
             "projection_active_fraction_max": self.active_fraction_max,
             "projection_seconds": self.seconds,
+            "projection_ms_per_step": 1000 * self.seconds / self.steps if self.steps else 0.0,
         }
 
 
-class ClusterProjection:
-    """``projection(features (rows, n, hidden), decoder) -> logits (rows, n, vocab)``."""
+class TimedFullProjection:
+    """The decoder's full vocabulary projection, timed: ``projection(features (rows, n, hidden), decoder)``."""
 
-    def __init__(self, cluster_file: ClusterFile):
-        self.cluster_file = cluster_file
-        self.vocab_size = cluster_file.fingerprint.vocab_size
+    def __init__(self):
         self.statistics = ProjectionStatistics()
-        self._tensors_by_device = {}
 
     def __call__(self, features: Tensor, decoder) -> Tensor:
         start = time.perf_counter()
+        linear = output_projection_of(decoder)
+        logits, active = self.project(features, linear)  # (rows, n, vocab), active columns
+        if features.is_cuda:
+            torch.cuda.synchronize(features.device)  # time the work, not its launch
+        states = features.numel() // features.size(-1)
+        self.statistics.record(states, active, linear.weight.size(0), time.perf_counter() - start)
+        return logits
+
+    def project(self, features: Tensor, linear: torch.nn.Linear):
+        return linear(features), linear.weight.size(0)
+
+
+class ClusterProjection(TimedFullProjection):
+    """``projection(features (rows, n, hidden), decoder) -> logits (rows, n, vocab)``, on the clusters' tokens."""
+
+    def __init__(self, cluster_file: ClusterFile):
+        super().__init__()
+        self.cluster_file = cluster_file
+        self.vocab_size = cluster_file.fingerprint.vocab_size
+        self._tensors_by_device = {}
+
+    def project(self, features: Tensor, linear: torch.nn.Linear):
         centroids, sqnorms, active_sets = self._tensors_on(features.device)
         states = features.reshape(-1, features.size(-1))  # (rows * n, hidden)
         clusters = nearest_clusters(states, centroids, sqnorms)  # (rows * n,)
         mask, columns = cluster_union_mask(clusters, active_sets, self.vocab_size)  # (vocab,), (active,)
-        logits = project_onto_columns(features, output_projection_of(decoder), mask, columns)
-        if features.is_cuda:
-            torch.cuda.synchronize(features.device)  # time the work, not its launch
-        self.statistics.record(states.size(0), columns.numel(), self.vocab_size, time.perf_counter() - start)
-        return logits
+        return project_onto_columns(features, linear, mask, columns), columns.numel()
 
     def _tensors_on(self, device):
         if device not in self._tensors_by_device:
@@ -128,6 +149,18 @@ def project_onto_columns(features: Tensor, linear: torch.nn.Linear, mask: Tensor
     return logits.index_copy_(-1, columns, reduced)
 
 
+def projection_from_options(gen_cfg, model) -> Optional[TimedFullProjection]:
+    """The projection the generation options ask for: ``--cluster-projection FILE`` (checked against
+    ``model``), else ``--time-projection``'s timed full projection, else None (the decoder's own)."""
+    path = option_value(gen_cfg, "cluster_projection")
+    if path:
+        return load_projection(path, model)
+    if option_value(gen_cfg, "time_projection"):
+        output_projection_of(model.decoder)  # refuses decoders whose output_layer is not a plain projection
+        return TimedFullProjection()
+    return None
+
+
 def load_projection(path, model) -> ClusterProjection:
     """Read ``path``, check it against ``model``'s vocabulary projection, and return the projection.
 
@@ -149,7 +182,7 @@ def load_projection(path, model) -> ClusterProjection:
 class ProjectedOutputLayer:
     """Stands in for ``decoder.output_layer`` (an instance attribute shadowing the method)."""
 
-    def __init__(self, projection: ClusterProjection, decoder):
+    def __init__(self, projection: TimedFullProjection, decoder):
         self.projection = projection
         self.decoder = decoder
 
@@ -157,7 +190,7 @@ class ProjectedOutputLayer:
         return self.projection(features, self.decoder)
 
 
-def attach(decoder, projection: ClusterProjection):
+def attach(decoder, projection: TimedFullProjection):
     """Route ``decoder.forward``'s vocabulary projection through ``projection``."""
     output_projection_of(decoder)  # refuses decoders whose output_layer is not a plain projection
     decoder.output_layer = ProjectedOutputLayer(projection, decoder)
@@ -168,7 +201,7 @@ def detach(decoder):
         del decoder.output_layer
 
 
-def attached_projection(decoder) -> Optional[ClusterProjection]:
+def attached_projection(decoder) -> Optional[TimedFullProjection]:
     hook = decoder.__dict__.get("output_layer")
     return hook.projection if isinstance(hook, ProjectedOutputLayer) else None
 
@@ -184,21 +217,20 @@ class ProjectionCounters(GenerationCounters):
         return self.statistics.as_dict()
 
 
-def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam") -> Optional[ClusterProjection]:
-    """Make ``--cluster-projection`` apply to fairseq's SequenceGenerator built for ``models``.
+def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam") -> Optional[TimedFullProjection]:
+    """Make ``--cluster-projection`` (or ``--time-projection``) apply to fairseq's SequenceGenerator.
 
     With the option: loads the file, attaches it to the model's decoder and gives
     ``generator`` a ``counters`` attribute reporting the projection statistics.
     Without it: removes a projection attached earlier to these models.
     """
-    path = option_value(gen_cfg, "cluster_projection")
-    if not path:
+    if not (option_value(gen_cfg, "cluster_projection") or option_value(gen_cfg, "time_projection")):
         for model in models:
             detach(model.decoder)
         return None
     if len(models) != 1:
         raise ValueError(f"--cluster-projection holds the clusters of one model; got an ensemble of {len(models)}")
-    projection = load_projection(path, models[0])
+    projection = projection_from_options(gen_cfg, models[0])
     attach(models[0].decoder, projection)
     generator.counters = ProjectionCounters(decoder_name, projection.statistics)
     return projection

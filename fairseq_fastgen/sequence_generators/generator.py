@@ -204,9 +204,8 @@ def reject_unsupported(name, gen_cfg, extra):
 
 
 def build_projection(gen_cfg, model):
-    path = option_value(gen_cfg, "cluster_projection")
-    if not path:
+    if not (option_value(gen_cfg, "cluster_projection") or option_value(gen_cfg, "time_projection")):
         return None
-    from fairseq_fastgen.cluster.projection import load_projection  # noqa: keeps faiss optional
+    from fairseq_fastgen.cluster.projection import projection_from_options  # noqa: keeps faiss optional
 
-    return load_projection(path, model)
+    return projection_from_options(gen_cfg, model)

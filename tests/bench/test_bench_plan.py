@@ -2,11 +2,13 @@
 
 from types import SimpleNamespace
 
+import pytest
+
 from fairseq_fastgen.bench import options
 from fairseq_fastgen.bench.measure import ConfigResult
 from fairseq_fastgen.bench.options import BenchConfig
 from fairseq_fastgen.bench.report import pareto_frontier
-from fairseq_fastgen.bench.scoring import identical_rate, pick_reference
+from fairseq_fastgen.bench.scoring import identical_rate, pick_reference, projection_speedup
 from fairseq_fastgen.sequence_generators.registry import DECODERS, register_builder
 
 
@@ -127,3 +129,31 @@ def test_run_config_lets_the_decoder_prepare_the_run_as_fairseq_generate_does():
     finally:
         del DECODERS["bench-test-pools"]
     assert (run_cfg.generation.capacity, run_cfg.dataset.batch_size) == (16, 1024)
+
+
+def test_runs_with_a_cluster_file_time_the_full_projection_of_the_others():
+    no_files = bench_args(decoders="beam")
+    assert not options.projects_on_clusters(no_files)
+    with_variant = bench_args(decoders="beam")
+    with_variant.variants = {"short": SimpleNamespace(cluster_projection=None),
+                             "c16": SimpleNamespace(cluster_projection="c16.pt")}
+    assert options.projects_on_clusters(with_variant)
+    assert options.projects_on_clusters(bench_args(decoders="beam", cluster_projection="c.pt"))
+
+    cfg = shared_config()
+    full = options.run_config(cfg, BenchConfig("beam", 5, 16, None), "c.pt", time_projection=True)
+    projected = options.run_config(cfg, BenchConfig("beam", 5, 16, None, cluster_projection=True), "c.pt",
+                                   time_projection=True)
+    assert full.generation.time_projection is True and full.generation.cluster_projection is None
+    assert not getattr(projected.generation, "time_projection", False)
+    untimed = options.run_config(cfg, BenchConfig("beam", 5, 16, None), "c.pt")
+    assert not getattr(untimed.generation, "time_projection", False)
+
+
+def test_projection_speedup_is_the_reference_step_time_over_the_configurations():
+    full, reduced, untimed = (measured(("beam", 5, 64), {}) for _ in range(3))
+    full.statistics = {"projection_ms_per_step": 3.0}
+    reduced.statistics = {"projection_ms_per_step": 1.2}
+    assert projection_speedup(reduced, full) == pytest.approx(2.5)
+    assert projection_speedup(full, reduced) == pytest.approx(0.4)
+    assert projection_speedup(reduced, untimed) is None and projection_speedup(untimed, full) is None

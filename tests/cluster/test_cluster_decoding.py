@@ -60,10 +60,14 @@ def decode(task, model, decoder, beam, batch_size=12, **options):
 
 
 def assert_unchanged_by_whole_vocabulary_file(task, model, path, decoder, beam):
+    return assert_unchanged_by_projection(task, model, decoder, beam, cluster_projection=str(path))
+
+
+def assert_unchanged_by_projection(task, model, decoder, beam, **projection_options):
     plain, no_projection = decode(task, model, decoder, beam)
-    projected, projection = decode(task, model, decoder, beam, cluster_projection=str(path))
+    projected, projection = decode(task, model, decoder, beam, **projection_options)
     assert no_projection is None
-    assert projection is not None, f"--decoder {decoder} ignored --cluster-projection"
+    assert projection is not None, f"--decoder {decoder} ignored {projection_options}"
     stats = projection.statistics.as_dict()
     assert stats["projection_steps"] > 0 and stats["projection_active_fraction_mean"] == 1.0
     assert sorted(projected) == sorted(plain) and len(plain) >= SENTENCES
@@ -80,6 +84,16 @@ def test_whole_vocabulary_file_changes_nothing(toy, model, full_coverage_path, d
     if decoder not in DECODERS:
         pytest.skip(f"--decoder {decoder} is not registered (yet)")
     assert_unchanged_by_whole_vocabulary_file(toy.task, model, full_coverage_path, decoder, 1 if decoder == "greedy" else 4)
+
+
+@pytest.mark.parametrize("decoder", PLAIN_DECODERS)
+def test_time_projection_times_the_full_projection_and_changes_nothing(toy, model, decoder):
+    if decoder not in DECODERS:
+        pytest.skip(f"--decoder {decoder} is not registered (yet)")
+    stats = assert_unchanged_by_projection(toy.task, model, decoder, 1 if decoder == "greedy" else 4,
+                                           time_projection=True)
+    assert stats["projection_seconds"] > 0 and stats["projection_full_vocab_steps"] == stats["projection_steps"]
+    assert stats["projection_ms_per_step"] == pytest.approx(1000 * stats["projection_seconds"] / stats["projection_steps"])
 
 
 def test_whole_vocabulary_file_changes_nothing_in_blockwise(khead, khead_full_coverage_path):

@@ -1,0 +1,44 @@
+"""fastgen-bench with cluster files given as variants (issue 6's grid): every other
+configuration times its full projection, and each projected one reports its
+projection speedup against its reference."""
+
+import json
+
+import pytest
+
+from fairseq_fastgen import bench
+
+pytestmark = pytest.mark.xdist_group("toy_cli")
+
+SENTENCES = 12
+
+
+def test_variants_with_cluster_files_report_the_projection_speedup(toy_model, full_coverage_path, trained_cluster_path,
+                                                                   tmp_path):
+    argv = [
+        str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--threads", "1",
+        "--decoders", "beam,greedy", "--beam", "2", "--batch-size", "6", "--repeat", "1",
+        "--max-sentences", str(SENTENCES), "--output-dir", str(tmp_path), "--no-ctranslate2", "--no-progress-bar",
+        "--reference", "self",
+        "--variant", f"whole=--cluster-projection {full_coverage_path}",
+        "--variant", f"trained=--cluster-projection {trained_cluster_path}",
+    ]
+    results = {r.config.label: r for r in bench.main(argv)}
+    assert sorted(results) == sorted(f"{d}{suffix}" for d in ("beam/b2/bs6", "greedy/b1/bs6")
+                                     for suffix in ("", "/whole", "/trained"))
+    for plain_label in ("beam/b2/bs6", "greedy/b1/bs6"):
+        plain, whole, trained = (results[plain_label + suffix] for suffix in ("", "/whole", "/trained"))
+        assert plain.ok and whole.ok and trained.ok
+        # the full projection is timed, whole-vocabulary steps only, and decodes as without timing
+        assert plain.statistics["projection_steps"] > 0
+        assert plain.statistics["projection_full_vocab_steps"] == plain.statistics["projection_steps"]
+        assert "projection_speedup" not in plain.statistics
+        # a whole-vocabulary file changes no output; a trained one projects onto part of the vocabulary
+        assert whole.reference == plain_label and whole.identical_rate == 1.0
+        assert trained.statistics["projection_active_fraction_mean"] < 1.0
+        for projected in (whole, trained):
+            expected = plain.statistics["projection_ms_per_step"] / projected.statistics["projection_ms_per_step"]
+            assert projected.statistics["projection_speedup"] == pytest.approx(expected)
+    written = {c["label"]: c for c in json.loads((tmp_path / "results.json").read_text())["configurations"]}
+    assert written["greedy/b1/bs6/trained"]["statistics"]["projection_speedup"] == pytest.approx(
+        results["greedy/b1/bs6/trained"].statistics["projection_speedup"])
