@@ -126,7 +126,11 @@ def main(argv: List[str], log_to_stderr: bool = False) -> List[ConfigResult]:
     plot = report.plot_bleu_against_speed(output_dir / report.PLOT_FILE, results, title)
     info["plots"] = [str(plot)] if plot else []
     report.write_json(output_dir / "results.json", results, info, hypotheses)
-    table = report.markdown_table(results) + "\n" + "".join(f"\nNote: {note}" for note in notes)
+    table = report.markdown_table(results) + "\n"
+    projections = report.projection_table(results)
+    if projections:
+        table += "\nVocabulary projection against the reference configuration:\n\n" + projections + "\n"
+    table += "".join(f"\nNote: {note}" for note in notes)
     (output_dir / "results.md").write_text(table + "\n")
     print(table)
     return results

@@ -109,6 +109,31 @@ def markdown_table(results: List[ConfigResult]) -> str:
     return "\n".join(rows)
 
 
+def projection_table(results: List[ConfigResult]) -> Optional[str]:
+    """Each configuration that timed its vocabulary projection against its reference (the cluster
+    projection's figures: step time and end-to-end speed ratios, identical outputs, BLEU difference);
+    None when no configuration has both."""
+    measured = {r.config.label: r for r in results if r.ok}
+    compared = [r for r in measured.values() if "projection_speedup" in r.statistics and r.reference in measured]
+    if not compared:
+        return None
+    header = ["configuration", "against", "active vocabulary mean (max)", "projection ms/step",
+              "projection speedup", "sentences/s ratio", "identical", "BLEU difference"]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for result in compared:
+        reference, stats = measured[result.reference], result.statistics
+        speed_ratio = result.sentences_per_second()["median"] / reference.sentences_per_second()["median"]
+        bleu = "" if result.bleu is None else f"{result.bleu - reference.bleu:+.2f}"
+        cells = [
+            result.config.label, result.reference,
+            f"{100 * stats['projection_active_fraction_mean']:.1f}% ({100 * stats['projection_active_fraction_max']:.1f}%)",
+            f"{stats['projection_ms_per_step']:.3f} vs {reference.statistics['projection_ms_per_step']:.3f}",
+            f"{stats['projection_speedup']:.2f}x", f"{speed_ratio:.2f}x", f"{100 * result.identical_rate:.1f}%", bleu,
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 # ---- plot ----------------------------------------------------------------------------------------
 def pareto_frontier(points):
     """Indices of the (speed, bleu) points that no other point beats on both (faster first)."""

@@ -14,7 +14,7 @@ SENTENCES = 12
 
 
 def test_variants_with_cluster_files_report_the_projection_speedup(toy_model, full_coverage_path, trained_cluster_path,
-                                                                   tmp_path):
+                                                                   tmp_path, capsys):
     argv = [
         str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--threads", "1",
         "--decoders", "beam,greedy", "--beam", "2", "--batch-size", "6", "--repeat", "1",
@@ -42,3 +42,14 @@ def test_variants_with_cluster_files_report_the_projection_speedup(toy_model, fu
     written = {c["label"]: c for c in json.loads((tmp_path / "results.json").read_text())["configurations"]}
     assert written["greedy/b1/bs6/trained"]["statistics"]["projection_speedup"] == pytest.approx(
         results["greedy/b1/bs6/trained"].statistics["projection_speedup"])
+    # the projection table: one row per projected configuration, its ratios against its reference
+    printed = capsys.readouterr().out
+    table = printed[printed.index("Vocabulary projection against the reference configuration"):]
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines() if line.startswith("| ")}
+    assert sorted(label for label in rows if label != "configuration") == sorted(
+        f"{d}/{v}" for d in ("beam/b2/bs6", "greedy/b1/bs6") for v in ("whole", "trained"))
+    whole = rows["beam/b2/bs6/whole"]
+    assert whole[1] == "beam/b2/bs6" and whole[2].startswith("100.0% (100.0%)") and whole[6] == "100.0%"
+    assert whole[7].strip(" |") == "+0.00"
+    trained = results["greedy/b1/bs6/trained"]
+    assert rows["greedy/b1/bs6/trained"][4] == f"{trained.statistics['projection_speedup']:.2f}x"
