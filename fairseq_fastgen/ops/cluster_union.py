@@ -62,14 +62,15 @@ def cluster_union_mask_reference(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Torch implementation of :func:`cluster_union_mask`."""
     offsets, tokens = active_sets
-    cluster_count = offsets.numel() - 1
-    chosen = torch.zeros(cluster_count, dtype=torch.bool, device=offsets.device)
-    chosen[chosen_clusters] = True
-    cluster_of_entry = torch.repeat_interleave(
-        torch.arange(cluster_count, device=offsets.device), offsets.diff()
-    )  # (nnz,)
+    clusters = chosen_clusters.unique()  # (chosen,) each chosen cluster once
+    starts = offsets[clusters]  # (chosen,)
+    lengths = offsets[clusters + 1] - starts  # (chosen,)
+    # entry of every member token: its cluster's start in ``tokens`` plus its rank in the cluster
+    first_in_union = lengths.cumsum(0) - lengths  # (chosen,) where each cluster's run begins below
+    shift = torch.repeat_interleave(starts - first_in_union, lengths)  # (members,)
+    entries = torch.arange(shift.numel(), device=shift.device) + shift  # (members,)
     mask = torch.zeros(vocab_size, dtype=torch.bool, device=chosen_clusters.device)
-    mask[tokens[chosen[cluster_of_entry]]] = True
+    mask[tokens[entries]] = True
     return mask, mask.nonzero().squeeze(1)
 
 

@@ -10,7 +10,7 @@ import torch
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
 from fairseq_fastgen.cluster.projection import (
-    DENSE_FRACTION, ClusterProjection, attach, attached_projection, detach,
+    DENSE_FRACTION, ClusterProjection, attach, attached_projection, detach, padded_width,
 )
 
 VOCAB, HIDDEN, CLUSTERS = 80, 8, 6
@@ -128,3 +128,11 @@ def test_attach_routes_decoder_forward(toy):
     assert set(active.nonzero().squeeze(1).tolist()) <= {eos, 7, 8, 9}
     torch.testing.assert_close(projected[..., active], plain[..., active])
     assert projection.statistics.as_dict()["projection_states"] == prev.size(1)
+
+
+def test_reduced_width_takes_few_sizes_and_wastes_at_most_an_eighth():
+    widths = [padded_width(active, 32008) for active in range(1, 32009)]
+    assert all(active <= width <= min(32008, active + active // 8 + 1) for active, width in enumerate(widths, 1))
+    assert widths == sorted(widths) and widths[-1] == 32008
+    for octave in range(4, 15):  # the actives of each power of two: 8 widths, and the next power of two
+        assert len({padded_width(a, 32008) for a in range(1 << octave, 2 << octave)}) == 9
