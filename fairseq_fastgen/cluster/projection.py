@@ -165,16 +165,22 @@ def padded_width(active: int, vocab_size: int) -> int:
     return min(vocab_size, -(-active // step) * step)
 
 
+def projection_requested(gen_cfg) -> bool:
+    """Whether the generation options replace the decoder's projection (``--cluster-projection``
+    or ``--time-projection``)."""
+    return bool(option_value(gen_cfg, "cluster_projection") or option_value(gen_cfg, "time_projection"))
+
+
 def projection_from_options(gen_cfg, model) -> Optional[TimedFullProjection]:
     """The projection the generation options ask for: ``--cluster-projection FILE`` (checked against
     ``model``), else ``--time-projection``'s timed full projection, else None (the decoder's own)."""
+    if not projection_requested(gen_cfg):
+        return None
     path = option_value(gen_cfg, "cluster_projection")
     if path:
         return load_projection(path, model)
-    if option_value(gen_cfg, "time_projection"):
-        output_projection_of(model.decoder)  # refuses decoders whose output_layer is not a plain projection
-        return TimedFullProjection()
-    return None
+    output_projection_of(model.decoder)  # refuses decoders whose output_layer is not a plain projection
+    return TimedFullProjection()
 
 
 def load_projection(path, model) -> ClusterProjection:
@@ -240,7 +246,7 @@ def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam") -
     ``generator`` a ``counters`` attribute reporting the projection statistics.
     Without it: removes a projection attached earlier to these models.
     """
-    if not (option_value(gen_cfg, "cluster_projection") or option_value(gen_cfg, "time_projection")):
+    if not projection_requested(gen_cfg):
         for model in models:
             detach(model.decoder)
         return None

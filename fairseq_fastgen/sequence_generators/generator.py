@@ -21,7 +21,6 @@ from torch import Tensor, nn
 
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.processors import apply_processors, build_processors, row_max_len
-from fairseq_fastgen.sequence_generators.registry import option_value
 from fairseq_fastgen.sequence_generators.runner import ModelRunner
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
@@ -204,8 +203,6 @@ def reject_unsupported(name, gen_cfg, extra):
 
 
 def build_projection(gen_cfg, model):
-    if not (option_value(gen_cfg, "cluster_projection") or option_value(gen_cfg, "time_projection")):
-        return None
-    from fairseq_fastgen.cluster.projection import projection_from_options  # noqa: keeps faiss optional
+    from fairseq_fastgen.cluster.projection import projection_from_options  # noqa: the cluster package imports this one
 
     return projection_from_options(gen_cfg, model)
