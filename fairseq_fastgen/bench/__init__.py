@@ -4,8 +4,8 @@
 
 loads the model(s) once, collates the test sentences once per batching, and
 runs every configuration (decoder x beam x batching) in this process: one
-warm-up pass (outputs, decoder statistics, peak memory), then ``--repeat``
-timed passes.  ``beam`` is fairseq's own SequenceGenerator; CTranslate2 joins
+warm-up pass each (outputs, decoder statistics, peak memory), then ``--repeat``
+rounds of timed passes, each round one pass of every configuration in turn.  ``beam`` is fairseq's own SequenceGenerator; CTranslate2 joins
 when it is installed and converts the checkpoint.  A configuration whose
 decoder refuses the model or options (a ValueError from ``build_generator``
 or ``generate``) is reported as skipped with the reason.
@@ -28,12 +28,15 @@ import fairseq_fastgen
 from fairseq_fastgen.bench import options, report, scoring
 from fairseq_fastgen.bench.ctranslate2_peer import CTranslate2Peer
 from fairseq_fastgen.bench.inputs import BenchInputs
-from fairseq_fastgen.bench.measure import ConfigResult, FairseqCandidate, measure
+from fairseq_fastgen.bench.whole_process import ProcessPeer
+from fairseq_fastgen.bench.measure import ConfigResult, FairseqCandidate, WarmRun, time_interleaved, warm_up
 
 logger = logging.getLogger("fastgen_bench")
 
 
 def build_candidate(config, run_cfg, inputs, peer):
+    if isinstance(peer, ProcessPeer):
+        return peer.candidate(config)
     if config.decoder == options.CTRANSLATE2:
         return peer.candidate(run_cfg.generation, config.beam)
     use_khead = config.decoder in options.KHEAD_DECODERS and inputs.khead_models is not None
@@ -42,17 +45,21 @@ def build_candidate(config, run_cfg, inputs, peer):
     return FairseqCandidate(inputs.task, models, generator, run_cfg.generation.prefix_size)
 
 
-def run_configuration(config, bench, inputs, peer, progress) -> ConfigResult:
+def prepare_configuration(config, bench, inputs, peer, progress):
+    """Build the configuration's decoder and run its warm-up pass; a WarmRun, or a skipped ConfigResult."""
     run_cfg = options.run_config(inputs.cfg, config, bench.cluster_projection, bench.variants,
                                  time_projection=options.projects_on_clusters(bench))
     batches = inputs.batches(run_cfg.dataset)
     try:
         candidate = build_candidate(config, run_cfg, inputs, peer)
-        return measure(config, candidate, batches, bench.repeat, inputs.use_cuda, progress)
+        result = warm_up(config, candidate, batches, inputs.use_cuda)
+        result.command = candidate.command_line()
     except ValueError as error:
         logger.info("%s skipped: %s", config.label, error)
         progress.update(1 + bench.repeat)
         return ConfigResult(config, skipped=str(error))
+    progress.update()
+    return WarmRun(result, candidate, batches)
 
 
 def run_bench(bench, cfg):
@@ -70,17 +77,24 @@ def measure_all(bench, cfg):
     inputs = BenchInputs(cfg, bench.khead_path, bench.max_sentences)
     notes = []
     peer = None
-    if not bench.no_ctranslate2:
+    if bench.whole_process:
+        peer = ProcessPeer(bench)
+        notes.append("whole fairseq-generate processes: each pass is one process, start-up to exit; "
+                     "CTranslate2 is measured only in in-process runs")
+    elif not bench.no_ctranslate2:
         peer, note = CTranslate2Peer.create(inputs)
         if note:
             notes.append(note)
-    configs = options.configurations(bench, with_ctranslate2=peer is not None)
-    results = []
+    configs = options.configurations(bench, with_ctranslate2=isinstance(peer, CTranslate2Peer))
+    prepared = []
     with tqdm(total=len(configs) * (1 + bench.repeat), unit="pass", file=sys.stderr,
               disable=cfg.common.no_progress_bar) as progress:
         for config in configs:
-            progress.set_description(config.label)
-            results.append(run_configuration(config, bench, inputs, peer, progress))
+            progress.set_description(f"warm-up {config.label}")
+            prepared.append(prepare_configuration(config, bench, inputs, peer, progress))
+        progress.set_description("timed passes")
+        time_interleaved([p for p in prepared if isinstance(p, WarmRun)], bench.repeat, inputs.use_cuda, progress)
+    results = [p.result if isinstance(p, WarmRun) else p for p in prepared]
     scoring.score(results, inputs, bench.reference)
     if inputs.references is None:
         notes.append(f"subset {cfg.dataset.gen_subset!r} has no targets: no BLEU")

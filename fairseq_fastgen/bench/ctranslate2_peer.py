@@ -18,6 +18,7 @@ import torch
 from fairseq import utils
 
 from fairseq_fastgen import toy
+from fairseq_fastgen.bench.measure import Candidate
 
 logger = logging.getLogger("fastgen_bench")
 
@@ -87,7 +88,7 @@ class CTranslate2Peer:
         return CTranslate2Candidate(self, gen_cfg, beam)
 
 
-class CTranslate2Candidate:
+class CTranslate2Candidate(Candidate):
     """``translate_batch`` on the source tokens of each fairseq batch, with fairseq's search options."""
 
     def __init__(self, peer: CTranslate2Peer, gen_cfg, beam: int):
@@ -121,6 +122,3 @@ class CTranslate2Candidate:
     def _max_len(self, src_len: int) -> int:
         """fairseq SequenceGenerator's limit for a batch whose sources are ``src_len`` wide."""
         return min(int(self.gen_cfg.max_len_a * src_len + self.gen_cfg.max_len_b), self.max_positions - 1)
-
-    def statistics(self) -> dict:
-        return {}

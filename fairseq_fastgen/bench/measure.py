@@ -1,17 +1,54 @@
-"""Measure one configuration: a warm-up pass (outputs, statistics, peak memory), then timed passes."""
+"""Measure configurations: a warm-up pass each (outputs, statistics, peak memory), then interleaved timed passes."""
 
 import time
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 
 from fairseq_fastgen.bench.memory import PeakMemory
 from fairseq_fastgen.bench.options import BenchConfig
 
+Output = Union[List[int], str]  # a sentence's best hypothesis: token ids, or printed text
 
-class FairseqCandidate:
+
+class Candidate:
+    """What the bench measures: ``decode(batches)`` gives each sentence's best output by sentence id.
+
+    An output is token ids (eos included) or, where the candidate prints text
+    (whole fairseq-generate processes), the detokenized hypothesis.
+    """
+
+    def decode(self, batches) -> Dict[int, Output]:
+        raise NotImplementedError
+
+    def statistics(self) -> dict:
+        """Decoder counters of the last pass (after the warm-up: of the warm-up)."""
+        return {}
+
+    def timed_statistics(self) -> dict:
+        """Figures over the timed passes, added to the statistics once they have run."""
+        return {}
+
+    def memory_report(self) -> Optional[dict]:
+        """Peak memory measured by the candidate itself (None: the bench measures its own process)."""
+        return None
+
+    def generated_tokens(self) -> Optional[int]:
+        """Tokens of the last pass when the outputs are text (None: count the output token ids)."""
+        return None
+
+    def command_line(self) -> Optional[str]:
+        """The command a pass runs, where it runs one (whole-process runs)."""
+        return None
+
+
+def as_text(output: Output, detokenize) -> str:
+    return output if isinstance(output, str) else detokenize(output)
+
+
+class FairseqCandidate(Candidate):
     """A generator built by ``task.build_generator``: stock fairseq or a plugin decoder."""
 
     def __init__(self, task, models, generator, prefix_size: int):
@@ -39,7 +76,9 @@ class FairseqCandidate:
 class ConfigResult:
     config: BenchConfig
     skipped: Optional[str] = None  # the reason, when the configuration does not apply
-    outputs: Dict[int, List[int]] = field(default_factory=dict)  # sentence id -> best tokens, eos included
+    outputs: Dict[int, Output] = field(default_factory=dict)  # sentence id -> best tokens (eos included) or text
+    generated_tokens: Optional[int] = None  # set when the outputs are text
+    command: Optional[str] = None  # the command of each pass (whole-process runs)
     seconds: List[float] = field(default_factory=list)  # one per timed pass
     memory: dict = field(default_factory=dict)
     statistics: dict = field(default_factory=dict)  # decoder counters of the warm-up pass
@@ -53,6 +92,8 @@ class ConfigResult:
 
     @property
     def tokens(self) -> int:
+        if self.generated_tokens is not None:
+            return self.generated_tokens
         return sum(len(tokens) for tokens in self.outputs.values())
 
     def rate(self, count: int) -> Dict[str, float]:
@@ -67,30 +108,56 @@ class ConfigResult:
         return self.rate(self.tokens)
 
 
-def measure(config, candidate, batches, repeat: int, cuda: bool, progress) -> ConfigResult:
-    """One warm-up pass, then ``repeat`` timed passes over ``batches``.
+def warm_up(config, candidate, batches, cuda: bool) -> ConfigResult:
+    """The untimed first pass: outputs, decoder statistics and peak memory.
 
-    A ValueError from the warm-up (the decoder refuses this model or these
-    options) propagates: the caller reports the configuration as skipped.
+    A ValueError (the decoder refuses this model or these options) propagates:
+    the caller reports the configuration as skipped.
     """
     with PeakMemory(cuda) as memory:
         outputs = candidate.decode(batches)
         _synchronize(cuda)
-    result = ConfigResult(
+    return ConfigResult(
         config,
-        outputs={i: tokens.tolist() if torch.is_tensor(tokens) else list(tokens) for i, tokens in outputs.items()},
-        memory=memory.report,
+        outputs={i: _plain(output) for i, output in outputs.items()},
+        generated_tokens=candidate.generated_tokens(),
+        memory=candidate.memory_report() or memory.report,
         statistics=candidate.statistics(),
     )
-    progress.update()
+
+
+def _plain(output):
+    if isinstance(output, str):
+        return output
+    return output.tolist() if torch.is_tensor(output) else list(output)
+
+
+@dataclass
+class WarmRun:
+    """A configuration past its warm-up, ready for timed passes."""
+
+    result: ConfigResult
+    candidate: Candidate
+    batches: list
+
+
+def time_interleaved(runs: List[WarmRun], repeat: int, cuda: bool, progress):
+    """``repeat`` rounds, each timing one pass of every configuration in turn.
+
+    Interleaving spreads slow drift (heap growth, clock changes, other jobs on
+    the machine) over all configurations alike: timed one configuration after
+    the other, whichever ran later paid for it (up to 15% measured here).
+    """
     for _ in range(repeat):
-        _synchronize(cuda)
-        start = time.perf_counter()
-        candidate.decode(batches)
-        _synchronize(cuda)
-        result.seconds.append(time.perf_counter() - start)
-        progress.update()
-    return result
+        for run in runs:
+            _synchronize(cuda)
+            start = time.perf_counter()
+            run.candidate.decode(run.batches)
+            _synchronize(cuda)
+            run.result.seconds.append(time.perf_counter() - start)
+            progress.update()
+    for run in runs:
+        run.result.statistics.update(run.candidate.timed_statistics())
 
 
 def _synchronize(cuda: bool):

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 
 CTRANSLATE2 = "ctranslate2"  # the peer, measured beside the registered decoders
+STOCK_PROCESS = "fairseq"  # --whole-process: stock fairseq-generate without the plugin
 FAIRSEQ_DEFAULT_MAX_TOKENS = 12000  # fairseq-generate's batching when neither limit is given
 # decoders that produce one hypothesis per sentence: measured once per batching, at beam 1
 BEAM_ONE_DECODERS = ("greedy", "blockwise")
@@ -117,7 +118,14 @@ def bench_parser() -> argparse.ArgumentParser:
                         help="directory for results.json and the plots")
     parser.add_argument("--no-ctranslate2", action="store_true",
                         help="do not measure CTranslate2 even when it is installed")
-    parser.set_defaults(variants={})  # name -> generation config, filled by parse_command_line
+    parser.add_argument("--whole-process", action="store_true",
+                        help="time whole fairseq-generate processes (start-up, loading, decoding, post-processing, "
+                             "printing) instead of decoding in this process; adds stock fairseq-generate without "
+                             f"the plugin ('{STOCK_PROCESS}') at every beam and batching; BLEU and identical outputs "
+                             "then compare the printed D- lines; no CTranslate2")
+    # filled by parse_command_line: variant name -> generation config / its options as given;
+    # fairseq_argv: the arguments that went to fairseq's parser
+    parser.set_defaults(variants={}, variant_argv={}, fairseq_argv=[])
     return parser
 
 
@@ -136,11 +144,15 @@ def parse_command_line(argv: Optional[List[str]] = None):
         parser.error("--repeat must be at least 1")
     if bench.threads is not None and bench.threads < 1:
         parser.error("--threads must be at least 1")
+    if bench.whole_process and bench.max_sentences is not None:
+        parser.error("--max-sentences: a --whole-process run decodes the whole --subset, as fairseq-generate does")
+    bench.fairseq_argv = fairseq_argv
     for variant in bench.variant:
         name, separator, variant_argv = variant.partition("=")
         if not separator or not name or "/" in name or name in bench.variants:
             parser.error(f"--variant {variant!r}: expected a new NAME=OPTIONS, NAME without '/'")
         bench.variants[name] = fairseq_config(fairseq_argv + shlex.split(variant_argv), bench.subset).generation
+        bench.variant_argv[name] = variant_argv
     return bench, fairseq_config(fairseq_argv, bench.subset)
 
 
@@ -164,18 +176,21 @@ def batchings(bench) -> List[Tuple[Optional[int], Optional[int]]]:
 
 
 def configurations(bench, with_ctranslate2: bool) -> List[BenchConfig]:
-    """Every decoder x beam x batching (x projection) requested, without repeats."""
+    """Every decoder x beam x batching (x projection) requested, without repeats; the peers
+    (CTranslate2, or stock fairseq-generate in a --whole-process run) once per beam and batching."""
     projections = [False, True] if bench.cluster_projection else [False]
     variants = [None] + list(bench.variants)
-    decoders = list(bench.decoders) + ([CTRANSLATE2] if with_ctranslate2 else [])
+    peers = [STOCK_PROCESS] if bench.whole_process else []
+    peers += [CTRANSLATE2] if with_ctranslate2 else []
+    decoders = list(bench.decoders) + peers
     configs = []
     for batch_size, max_tokens in batchings(bench):
         for beam in bench.beam:
             for decoder in decoders:
                 for projected in projections:
                     for variant in variants:
-                        if decoder == CTRANSLATE2 and (projected or variant is not None):
-                            continue  # the plugin's options do not reach CTranslate2
+                        if decoder in peers and (projected or variant is not None):
+                            continue  # the plugin's options do not reach the peers
                         decoder_beam = 1 if decoder in BEAM_ONE_DECODERS else beam
                         config = BenchConfig(decoder, decoder_beam, batch_size, max_tokens, projected, variant)
                         if config not in configs:

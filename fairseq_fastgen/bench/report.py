@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from fairseq_fastgen.bench.measure import ConfigResult
+from fairseq_fastgen.bench.measure import ConfigResult, as_text
 
 # counters that the table leaves to results.json (sizes of the run, not of the decoder)
 UNTABULATED_STATISTICS = ("decoder", "sentences", "tokens", "projection_seconds", "projection_states")
@@ -41,6 +41,8 @@ def config_record(result: ConfigResult, hypotheses: Optional[Path]) -> dict:
         statistics=result.statistics,
         hypotheses=str(hypotheses),
     )
+    if result.command is not None:
+        record["command"] = result.command
     return record
 
 
@@ -57,7 +59,7 @@ def write_hypotheses(output_dir: Path, results: List[ConfigResult], detokenize) 
     for result in results:
         if result.ok:
             path = directory / (result.config.label.replace("/", "_") + ".txt")
-            path.write_text("".join(f"{i}\t{detokenize(result.outputs[i])}\n" for i in sorted(result.outputs)))
+            path.write_text("".join(f"{i}\t{as_text(result.outputs[i], detokenize)}\n" for i in sorted(result.outputs)))
             paths[result.config.label] = path
     return paths
 

@@ -4,7 +4,7 @@ from typing import List, Optional
 
 import sacrebleu
 
-from fairseq_fastgen.bench.measure import ConfigResult
+from fairseq_fastgen.bench.measure import ConfigResult, as_text
 
 STOCK_DECODER = "beam"  # fairseq's own SequenceGenerator
 SAME_DECODER = "self"  # --reference self: each decoder against itself without projection or variant
@@ -15,13 +15,13 @@ def corpus_bleu(result: ConfigResult, inputs) -> Optional[float]:
     if inputs.references is None:
         return None
     sentence_ids = sorted(result.outputs)
-    hypotheses = [inputs.detokenize(result.outputs[i]) for i in sentence_ids]
+    hypotheses = [as_text(result.outputs[i], inputs.detokenize) for i in sentence_ids]
     references = [inputs.references[i] for i in sentence_ids]
     return sacrebleu.corpus_bleu(hypotheses, [references]).score
 
 
 def identical_rate(result: ConfigResult, reference: ConfigResult) -> float:
-    """Fraction of sentences whose best hypothesis has exactly the reference's tokens."""
+    """Fraction of sentences whose best hypothesis has exactly the reference's tokens (or printed text)."""
     same = sum(tokens == reference.outputs.get(i) for i, tokens in result.outputs.items())
     return same / len(result.outputs)
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from fairseq_fastgen.bench import options
-from fairseq_fastgen.bench.measure import ConfigResult
+from fairseq_fastgen.bench.measure import Candidate, ConfigResult, WarmRun, time_interleaved
 from fairseq_fastgen.bench.options import BenchConfig
 from fairseq_fastgen.bench.report import pareto_frontier
 from fairseq_fastgen.bench.scoring import identical_rate, pick_reference, projection_speedup
@@ -157,3 +157,23 @@ def test_projection_speedup_is_the_reference_step_time_over_the_configurations()
     assert projection_speedup(reduced, full) == pytest.approx(2.5)
     assert projection_speedup(full, reduced) == pytest.approx(0.4)
     assert projection_speedup(reduced, untimed) is None and projection_speedup(untimed, full) is None
+
+
+def test_timed_passes_take_turns_so_no_configuration_always_runs_last():
+    order = []
+
+    class Recorder(Candidate):
+        def __init__(self, name):
+            self.name = name
+
+        def decode(self, batches):
+            order.append((self.name, batches))
+
+    runs = [WarmRun(ConfigResult(BenchConfig(name, 5, 64, None)), Recorder(name), [name])
+            for name in ("beam", "var-batch", "var-stream")]
+    progress = SimpleNamespace(updates=0)
+    progress.update = lambda: setattr(progress, "updates", progress.updates + 1)
+    time_interleaved(runs, repeat=3, cuda=False, progress=progress)
+    assert order == [(name, [name]) for _ in range(3) for name in ("beam", "var-batch", "var-stream")]
+    assert [len(run.result.seconds) for run in runs] == [3, 3, 3]
+    assert progress.updates == 9

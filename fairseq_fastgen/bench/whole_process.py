@@ -1,0 +1,166 @@
+"""``fastgen-bench --whole-process``: every pass of a configuration is a fresh fairseq-generate process.
+
+What a user waits for: start-up, loading the model, decoding, post-processing
+and printing, with the decoder's options as fairseq-generate takes them.  The
+configurations are those of an in-process run (decoder x beam x batching x
+variant), each the command
+
+    fairseq-generate DATA ...common options... --gen-subset S --beam B --batch-size N \\
+        --user-dir fairseq_fastgen --decoder D [variant options]
+
+plus, per beam and batching, stock fairseq-generate without the plugin
+(``fairseq/bB/bsN``).  A pass's time is the process's wall time; its CPU time
+(user + system) and peak resident memory come from ``wait4``.  The outputs are
+the printed D- lines (detokenized best hypotheses), so BLEU and identical
+outputs compare what fairseq-generate prints.
+"""
+
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from fairseq_fastgen import toy
+from fairseq_fastgen.bench import options
+from fairseq_fastgen.bench.options import STOCK_PROCESS
+from fairseq_fastgen.bench.measure import Candidate
+
+SUMMARY = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\)")
+
+
+@dataclass
+class ProcessPass:
+    """One fairseq-generate process: its figures and its printed best hypotheses."""
+
+    wall_s: float
+    cpu_s: float
+    peak_rss_mib: float
+    texts: Dict[int, str]  # sentence id -> D- line text of the best hypothesis
+    generated_tokens: int
+    statistics: dict = field(default_factory=dict)  # --decoder-stats-json of a plugin run
+
+
+def without_option(argv: List[str], name: str) -> List[str]:
+    """``argv`` without ``name VALUE`` / ``name=VALUE``."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == name:
+            skip = True
+        elif not arg.startswith(name + "="):
+            kept.append(arg)
+    return kept
+
+
+def generate_command(config, bench, stats_path: Optional[str]) -> List[str]:
+    """The fairseq-generate command line of one configuration."""
+    batching = []
+    if config.batch_size is not None:
+        batching += ["--batch-size", str(config.batch_size)]
+    if config.max_tokens is not None:
+        batching += ["--max-tokens", str(config.max_tokens)]
+    common = without_option(bench.fairseq_argv, "--user-dir")
+    run_options = ["--gen-subset", bench.subset, "--beam", str(config.beam)] + batching
+    if config.decoder == STOCK_PROCESS:
+        return toy.stock_fairseq_command("generate") + common + run_options
+    command = toy.fairseq_command("generate") + common + run_options
+    command += ["--user-dir", toy.PLUGIN_DIR, "--decoder", config.decoder, "--decoder-stats-json", stats_path]
+    if config.variant is not None:
+        command += shlex.split(bench.variant_argv[config.variant])
+    if config.cluster_projection:
+        command += ["--cluster-projection", bench.cluster_projection]
+    elif options.projects_on_clusters(bench):
+        command.append("--time-projection")
+    if bench.khead_path and config.decoder in options.KHEAD_DECODERS:
+        command += ["--path", bench.khead_path]  # the last --path wins
+    return command
+
+
+def parse_output(stdout: str, stderr: str = "") -> Tuple[Dict[int, str], int]:
+    """Best hypothesis text of every sentence (first D- line of its id) and the generated token count
+    (from fairseq's summary, logged to stdout or, when logging was set up before, stderr)."""
+    texts = {}
+    for line in stdout.splitlines():
+        if line.startswith("D-"):
+            sentence, _score, text = (line[2:].split("\t", 2) + ["", ""])[:3]
+            texts.setdefault(int(sentence), text)
+    summary = SUMMARY.search(stdout) or SUMMARY.search(stderr)
+    if summary is None:
+        raise ValueError("fairseq-generate printed no 'Translated N sentences (T tokens)' summary")
+    return texts, int(summary.group(2).replace(",", ""))
+
+
+def run_process(command: List[str], env: dict, stats_path: Optional[str]) -> ProcessPass:
+    if stats_path:
+        open(stats_path, "w").close()  # the run writes its statistics here at its end
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, text=True)
+        _, status, usage = os.wait4(process.pid, 0)  # this child's own resource usage
+        wall = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)
+        stdout.seek(0)
+        stderr.seek(0)
+        printed, logged = stdout.read(), stderr.read()
+    if process.returncode != 0:
+        message = logged.strip().splitlines()
+        raise ValueError(f"fairseq-generate exited with {process.returncode}: {message[-1] if message else 'no message'}")
+    texts, tokens = parse_output(printed, logged)
+    stats = {}
+    if stats_path and os.path.getsize(stats_path):
+        with open(stats_path) as stats_file:
+            stats = json.load(stats_file)
+    return ProcessPass(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, texts, tokens, stats)
+
+
+class ProcessPeer:
+    """Builds the process candidates of a --whole-process run; their statistics files live in a temporary directory."""
+
+    def __init__(self, bench):
+        self.bench = bench
+        self.work_dir = tempfile.TemporaryDirectory(prefix="fastgen-bench-")
+
+    def candidate(self, config) -> "ProcessCandidate":
+        return ProcessCandidate(config, self.bench, self.work_dir.name)
+
+
+class ProcessCandidate(Candidate):
+    """A configuration run as whole fairseq-generate processes (``decode`` ignores the bench's batches)."""
+
+    def __init__(self, config, bench, work_dir: str):
+        self.stats_path = None
+        if config.decoder != STOCK_PROCESS:
+            self.stats_path = os.path.join(work_dir, config.label.replace("/", "_") + ".stats.json")
+        self.command = generate_command(config, bench, self.stats_path)
+        self.env = dict(os.environ)
+        if bench.threads is not None:
+            self.env.update(OMP_NUM_THREADS=str(bench.threads), MKL_NUM_THREADS=str(bench.threads))
+        self.passes: List[ProcessPass] = []
+
+    def decode(self, batches) -> Dict[int, str]:
+        self.passes.append(run_process(self.command, self.env, self.stats_path))
+        return self.passes[-1].texts
+
+    def statistics(self) -> dict:
+        return dict(self.passes[-1].statistics)
+
+    def timed_statistics(self) -> dict:
+        timed = self.passes[1:] or self.passes
+        return {"cpu_seconds": statistics.median(p.cpu_s for p in timed)}
+
+    def memory_report(self) -> dict:
+        peak = self.passes[-1].peak_rss_mib
+        return {"cpu_peak_rss_mib": round(peak, 1), "cpu_rss_growth_mib": round(peak, 1), "cpu_peak_scope": "process"}
+
+    def generated_tokens(self) -> int:
+        return self.passes[-1].generated_tokens
+
+    def command_line(self) -> str:
+        return shlex.join(self.command)

@@ -1,0 +1,100 @@
+"""Issue 8: fastgen-bench --whole-process times real fairseq-generate processes, stock fairseq beside the plugin."""
+
+import json
+import shlex
+
+import pytest
+
+from fairseq_fastgen import bench, toy
+from fairseq_fastgen.bench import options
+from fairseq_fastgen.bench.options import BenchConfig
+from fairseq_fastgen.bench.whole_process import generate_command, parse_output, without_option
+
+pytestmark = pytest.mark.xdist_group("toy_cli")
+
+
+def parsed(argv):
+    bench_options, _ = options.parse_command_line(argv)
+    return bench_options
+
+
+def toy_args(toy_model, output_dir, *extra):
+    return [str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--threads", "1",
+            "--beam", "2", "--batch-size", "8", "--repeat", "1", "--no-progress-bar", "--no-ctranslate2",
+            "--output-dir", str(output_dir), *extra]
+
+
+def test_generate_commands_carry_the_configuration_and_stock_runs_without_the_plugin(toy_model):
+    argv = [str(toy_model.data_bin), "--path", "base.pt", "--cpu", "--user-dir", toy.PLUGIN_DIR, "--decoders", "beam",
+            "--whole-process", "--khead-path", "khead.pt", "--variant", "copies=--no-shared-encoder-cache --lenpen 2"]
+    args = parsed(argv)
+    plugin = generate_command(BenchConfig("blockwise", 1, 64, None, variant="copies"), args, "stats.json")
+    assert plugin[-4:] == ["--lenpen", "2", "--path", "khead.pt"]
+    assert shlex.join(plugin).count("--user-dir") == 1 and toy.PLUGIN_DIR in plugin
+    for name, value in [("--decoder", "blockwise"), ("--beam", "1"), ("--batch-size", "64"),
+                        ("--gen-subset", "test"), ("--decoder-stats-json", "stats.json")]:
+        assert plugin[plugin.index(name) + 1] == value
+    assert "--no-shared-encoder-cache" in plugin
+    stock = generate_command(BenchConfig(options.STOCK_PROCESS, 4, None, 900), args, None)
+    assert stock[: len(toy.stock_fairseq_command("generate"))] == toy.stock_fairseq_command("generate")
+    assert "--user-dir" not in stock and "--decoder" not in stock and "khead.pt" not in stock
+    assert stock[stock.index("--max-tokens") + 1] == "900" and stock[stock.index("--beam") + 1] == "4"
+
+
+def test_whole_process_runs_add_stock_fairseq_once_per_beam_and_batching(toy_model):
+    args = parsed([str(toy_model.data_bin), "--path", "m.pt", "--decoders", "beam,greedy", "--beam", "1,4",
+                   "--batch-size", "8", "--whole-process", "--variant", "v=--lenpen 2"])
+    labels = [c.label for c in options.configurations(args, with_ctranslate2=False)]
+    assert labels == ["beam/b1/bs8", "beam/b1/bs8/v", "greedy/b1/bs8", "greedy/b1/bs8/v", "fairseq/b1/bs8",
+                      "beam/b4/bs8", "beam/b4/bs8/v", "fairseq/b4/bs8"]
+
+
+def test_max_sentences_is_refused_in_whole_process_runs(toy_model, capsys):
+    with pytest.raises(SystemExit):
+        parsed([str(toy_model.data_bin), "--path", "m.pt", "--whole-process", "--max-sentences", "10"])
+    assert "--max-sentences: a --whole-process run decodes the whole --subset" in capsys.readouterr().err
+
+
+def test_output_parsing_keeps_each_sentence_best_hypothesis_and_the_token_count():
+    stdout = "\n".join([
+        "S-3\ta b", "H-3\t-0.5\tx y", "D-3\t-0.5\tx y", "P-3\t-0.1 -0.4",
+        "D-3\t-0.9\tsecond best", "D-0\t-1.2\t", "2026 | INFO | fairseq_cli.generate | Translated 2 sentences "
+        "(1,234 tokens) in 0.1s (20.00 sentences/s, 12340.00 tokens/s)",
+    ])
+    assert parse_output(stdout) == ({3: "x y", 0: ""}, 1234)
+    summary = stdout.splitlines()[-1]
+    assert parse_output(stdout.replace(summary, ""), summary) == ({3: "x y", 0: ""}, 1234)
+    with pytest.raises(ValueError, match="no 'Translated N sentences"):
+        parse_output("D-1\t-0.1\tx")
+    assert without_option(["a", "--user-dir", "d", "--user-dir=e", "b"], "--user-dir") == ["a", "b"]
+
+
+def test_whole_process_outputs_are_the_in_process_outputs_as_fairseq_generate_prints_them(toy_model, tmp_path):
+    in_process = {r.config.label: r for r in bench.main(toy_args(toy_model, tmp_path / "in", "--decoders", "beam"))}
+    missing_clusters = f"bad=--cluster-projection {tmp_path / 'missing.pt'}"  # a variant whose process fails
+    results = bench.main(toy_args(toy_model, tmp_path / "whole", "--decoders", "beam,greedy", "--whole-process",
+                                  "--variant", missing_clusters))
+    outcome = {r.config.label: r for r in results}
+    assert list(outcome) == ["beam/b2/bs8", "beam/b2/bs8/bad", "greedy/b1/bs8", "greedy/b1/bs8/bad", "fairseq/b2/bs8"]
+    for label in ("beam/b2/bs8/bad", "greedy/b1/bs8/bad"):  # reported with the process's error, the run goes on
+        assert outcome[label].skipped.startswith("fairseq-generate exited with 1: ")
+        assert "missing.pt" in outcome[label].skipped
+    assert all(r.ok for r in results if not r.config.variant), [r.skipped for r in results]
+
+    expected = in_process["beam/b2/bs8"]
+    detokenized = (tmp_path / "in" / "hypotheses" / "beam_b2_bs8.txt").read_text().splitlines()
+    printed = outcome["beam/b2/bs8"]
+    assert len(printed.outputs) == len(detokenized) == 200
+    assert printed.outputs == {int(i): text for i, text in (line.split("\t") for line in detokenized)}
+    assert printed.tokens == expected.tokens and printed.bleu == pytest.approx(expected.bleu)
+    # stock fairseq-generate, without the plugin, prints the same hypotheses at this beam (no n-gram banning)
+    assert outcome["fairseq/b2/bs8"].identical_rate == 1.0
+    assert outcome["fairseq/b2/bs8"].reference == "beam/b2/bs8"
+
+    greedy = outcome["greedy/b1/bs8"]
+    assert greedy.statistics["iterations"] > 0 and greedy.statistics["cpu_seconds"] > 0
+    assert greedy.memory["cpu_peak_scope"] == "process" and greedy.memory["cpu_peak_rss_mib"] > 50
+    assert len(greedy.seconds) == 1 and "cpu_seconds" in outcome["fairseq/b2/bs8"].statistics
+    written = {c["label"]: c for c in json.loads((tmp_path / "whole" / "results.json").read_text())["configurations"]}
+    assert "--decoder greedy" in written["greedy/b1/bs8"]["command"]
+    assert "--user-dir" not in written["fairseq/b2/bs8"]["command"]
