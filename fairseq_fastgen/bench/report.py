@@ -75,7 +75,9 @@ def statistics_cell(statistics: dict) -> str:
 
 
 def memory_cell(memory: dict) -> str:
-    cell = f"{memory['cpu_peak_rss_mib']:.0f} (+{memory['cpu_rss_growth_mib']:.0f})"
+    cell = f"{memory['cpu_peak_rss_mib']:.0f}"
+    if "cpu_rss_growth_mib" in memory:  # not for a whole process, which starts from nothing
+        cell += f" (+{memory['cpu_rss_growth_mib']:.0f})"
     if "cuda_max_allocated_mib" in memory:
         cell += f"; CUDA {memory['cuda_max_allocated_mib']:.0f}"
     return cell

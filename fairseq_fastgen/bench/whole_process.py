@@ -157,7 +157,7 @@ class ProcessCandidate(Candidate):
 
     def memory_report(self) -> dict:
         peak = self.passes[-1].peak_rss_mib
-        return {"cpu_peak_rss_mib": round(peak, 1), "cpu_rss_growth_mib": round(peak, 1), "cpu_peak_scope": "process"}
+        return {"cpu_peak_rss_mib": round(peak, 1), "cpu_peak_scope": "process"}
 
     def generated_tokens(self) -> int:
         return self.passes[-1].generated_tokens

@@ -94,6 +94,7 @@ def test_whole_process_outputs_are_the_in_process_outputs_as_fairseq_generate_pr
     greedy = outcome["greedy/b1/bs8"]
     assert greedy.statistics["iterations"] > 0 and greedy.statistics["cpu_seconds"] > 0
     assert greedy.memory["cpu_peak_scope"] == "process" and greedy.memory["cpu_peak_rss_mib"] > 50
+    assert "cpu_rss_growth_mib" not in greedy.memory  # a process grows from nothing: only its peak is shown
     assert len(greedy.seconds) == 1 and "cpu_seconds" in outcome["fairseq/b2/bs8"].statistics
     written = {c["label"]: c for c in json.loads((tmp_path / "whole" / "results.json").read_text())["configurations"]}
     assert "--decoder greedy" in written["greedy/b1/bs8"]["command"]
