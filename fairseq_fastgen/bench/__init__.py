@@ -5,8 +5,9 @@
 loads the model(s) once, collates the test sentences once per batching, and
 runs every configuration (decoder x beam x batching) in this process: one
 warm-up pass each (outputs, decoder statistics, peak memory), then ``--repeat``
-rounds of timed passes, each round one pass of every configuration in turn.  ``beam`` is fairseq's own SequenceGenerator; CTranslate2 joins
-when it is installed and converts the checkpoint.  A configuration whose
+rounds of timed passes, each round one pass of every configuration in turn.
+``beam`` is fairseq's own SequenceGenerator; CTranslate2 joins when it is
+installed and converts the checkpoint.  A configuration whose
 decoder refuses the model or options (a ValueError from ``build_generator``
 or ``generate``) is reported as skipped with the reason.
 
@@ -28,19 +29,18 @@ import fairseq_fastgen
 from fairseq_fastgen.bench import options, report, scoring
 from fairseq_fastgen.bench.ctranslate2_peer import CTranslate2Peer
 from fairseq_fastgen.bench.inputs import BenchInputs
-from fairseq_fastgen.bench.whole_process import ProcessPeer
 from fairseq_fastgen.bench.measure import ConfigResult, FairseqCandidate, WarmRun, time_interleaved, warm_up
+from fairseq_fastgen.bench.whole_process import ProcessPeer
 
 logger = logging.getLogger("fastgen_bench")
 
 
-def build_candidate(config, run_cfg, inputs, peer):
+def build_candidate(config, bench, run_cfg, inputs, peer):
     if isinstance(peer, ProcessPeer):
         return peer.candidate(config)
     if config.decoder == options.CTRANSLATE2:
         return peer.candidate(run_cfg.generation, config.beam)
-    use_khead = config.decoder in options.KHEAD_DECODERS and inputs.khead_models is not None
-    models = inputs.khead_models if use_khead else inputs.models
+    models = inputs.khead_models if options.decodes_with_khead(config, bench) else inputs.models
     generator = inputs.task.build_generator(models, run_cfg.generation)
     return FairseqCandidate(inputs.task, models, generator, run_cfg.generation.prefix_size)
 
@@ -49,11 +49,10 @@ def prepare_configuration(config, bench, inputs, peer, progress):
     """Build the configuration's decoder and run its warm-up pass; a WarmRun, or a skipped ConfigResult."""
     run_cfg = options.run_config(inputs.cfg, config, bench.cluster_projection, bench.variants,
                                  time_projection=options.projects_on_clusters(bench))
-    batches = inputs.batches(run_cfg.dataset)
     try:
-        candidate = build_candidate(config, run_cfg, inputs, peer)
+        candidate = build_candidate(config, bench, run_cfg, inputs, peer)
+        batches = inputs.batches(run_cfg.dataset) if candidate.reads_batches else []
         result = warm_up(config, candidate, batches, inputs.use_cuda)
-        result.command = candidate.command_line()
     except ValueError as error:
         logger.info("%s skipped: %s", config.label, error)
         progress.update(1 + bench.repeat)

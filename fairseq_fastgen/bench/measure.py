@@ -20,6 +20,8 @@ class Candidate:
     (whole fairseq-generate processes), the detokenized hypothesis.
     """
 
+    reads_batches = True  # False: the candidate reads the data itself and ignores the collated batches
+
     def decode(self, batches) -> Dict[int, Output]:
         raise NotImplementedError
 
@@ -121,6 +123,7 @@ def warm_up(config, candidate, batches, cuda: bool) -> ConfigResult:
         config,
         outputs={i: _plain(output) for i, output in outputs.items()},
         generated_tokens=candidate.generated_tokens(),
+        command=candidate.command_line(),
         memory=candidate.memory_report() or memory.report,
         statistics=candidate.statistics(),
     )

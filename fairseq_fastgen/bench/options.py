@@ -204,6 +204,17 @@ def projects_on_clusters(bench) -> bool:
         getattr(generation, "cluster_projection", None) for generation in bench.variants.values())
 
 
+def has_cluster_file(config: BenchConfig, bench) -> bool:
+    """Whether this configuration decodes with a cluster file (the common one, or its variant's own)."""
+    variant = bench.variants.get(config.variant) if config.variant is not None else None
+    return config.cluster_projection or bool(getattr(variant, "cluster_projection", None))
+
+
+def decodes_with_khead(config: BenchConfig, bench) -> bool:
+    """Whether this configuration decodes with the --khead-path model instead of --path."""
+    return bench.khead_path is not None and config.decoder in KHEAD_DECODERS
+
+
 def run_config(cfg, config: BenchConfig, cluster_projection: Optional[str], variants: Optional[Dict] = None,
                time_projection: bool = False):
     """fairseq's config for one configuration: its options, beam, batching, decoder and projection.

@@ -22,7 +22,6 @@ import shlex
 import statistics
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -36,9 +35,8 @@ SUMMARY = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\)")
 
 @dataclass
 class ProcessPass:
-    """One fairseq-generate process: its figures and its printed best hypotheses."""
+    """One fairseq-generate process: its figures and its printed best hypotheses (the bench times it)."""
 
-    wall_s: float
     cpu_s: float
     peak_rss_mib: float
     texts: Dict[int, str]  # sentence id -> D- line text of the best hypothesis
@@ -76,9 +74,9 @@ def generate_command(config, bench, stats_path: Optional[str]) -> List[str]:
         command += shlex.split(bench.variant_argv[config.variant])
     if config.cluster_projection:
         command += ["--cluster-projection", bench.cluster_projection]
-    elif options.projects_on_clusters(bench):
-        command.append("--time-projection")
-    if bench.khead_path and config.decoder in options.KHEAD_DECODERS:
+    if options.projects_on_clusters(bench) and not options.has_cluster_file(config, bench):
+        command.append("--time-projection")  # the baseline of the projection speedup, as in-process
+    if options.decodes_with_khead(config, bench):
         command += ["--path", bench.khead_path]  # the last --path wins
     return command
 
@@ -101,23 +99,21 @@ def run_process(command: List[str], env: dict, stats_path: Optional[str]) -> Pro
     if stats_path:
         open(stats_path, "w").close()  # the run writes its statistics here at its end
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        start = time.perf_counter()
         process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, text=True)
         _, status, usage = os.wait4(process.pid, 0)  # this child's own resource usage
-        wall = time.perf_counter() - start
-        process.returncode = os.waitstatus_to_exitcode(status)
+        exit_code = os.waitstatus_to_exitcode(status)
         stdout.seek(0)
         stderr.seek(0)
         printed, logged = stdout.read(), stderr.read()
-    if process.returncode != 0:
+    if exit_code != 0:
         message = logged.strip().splitlines()
-        raise ValueError(f"fairseq-generate exited with {process.returncode}: {message[-1] if message else 'no message'}")
+        raise ValueError(f"fairseq-generate exited with {exit_code}: {message[-1] if message else 'no message'}")
     texts, tokens = parse_output(printed, logged)
     stats = {}
     if stats_path and os.path.getsize(stats_path):
         with open(stats_path) as stats_file:
             stats = json.load(stats_file)
-    return ProcessPass(wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, texts, tokens, stats)
+    return ProcessPass(usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, texts, tokens, stats)  # maxrss: KiB
 
 
 class ProcessPeer:
@@ -132,7 +128,9 @@ class ProcessPeer:
 
 
 class ProcessCandidate(Candidate):
-    """A configuration run as whole fairseq-generate processes (``decode`` ignores the bench's batches)."""
+    """A configuration run as whole fairseq-generate processes: each reads the subset itself."""
+
+    reads_batches = False
 
     def __init__(self, config, bench, work_dir: str):
         self.stats_path = None
