@@ -49,6 +49,11 @@ class PluginOptions(FairseqDataclass):
                           "fairseq does, instead of one per sentence shared by its beams; for language models "
                           "(transformer_lm), also decode and cache the prompt per beam"},
     )
+    no_lean_beam_loop: bool = field(
+        default=False,
+        metadata={"help": "--decoder beam: run fairseq's own beam search loop instead of the plugin's, which "
+                          "gives the same output with fewer passes over the vocabulary per step"},
+    )
 
 
 def build_generation_config():

@@ -9,10 +9,13 @@
   ``--no-shared-encoder-cache``, which switches off both shared caches);
 * :mod:`.ngram`: ``--no-repeat-ngram-size`` with the plugin's op (stock
   fairseq's CPU path bans nothing);
+* :mod:`.beam_loop`: stock beam search's loop with fewer passes over the
+  vocabulary per step, same output (off with ``--no-lean-beam-loop``);
 * asynchronous post-processing lives with the command line, in
   :mod:`fairseq_fastgen.cli.async_generate` (``--postprocess-workers N``).
 """
 
+from fairseq_fastgen.fastseq.beam_loop import LeanBeamLoop, use_lean_beam_loop
 from fairseq_fastgen.fastseq.ngram import RepeatedNgramBlocker, use_fastgen_ngram_blocking
 from fairseq_fastgen.fastseq.shared_cache import (
     SharedEncoderAttention,
@@ -31,6 +34,7 @@ from fairseq_fastgen.fastseq.shared_prompt import (
 from fairseq_fastgen.sequence_generators.registry import option_value
 
 __all__ = [
+    "LeanBeamLoop",
     "RepeatedNgramBlocker",
     "SharedEncoderAttention",
     "SharedPromptAttention",
@@ -44,6 +48,7 @@ __all__ = [
     "supports_shared_cache",
     "supports_shared_prompt",
     "use_fastgen_ngram_blocking",
+    "use_lean_beam_loop",
 ]
 
 
@@ -51,9 +56,12 @@ def optimize_stock_generator(generator, gen_cfg):
     """Apply the optimizations to a generator built by fairseq itself (``--decoder beam``);
     returns it.  Generators without a beam search or a supported model are left as they are.
     ``--no-shared-encoder-cache`` switches off both shared caches: the encoder's
-    (encoder-decoder models) and the prompt's (decoder-only language models)."""
+    (encoder-decoder models) and the prompt's (decoder-only language models);
+    ``--no-lean-beam-loop`` keeps fairseq's own search loop."""
     if not option_value(gen_cfg, "no_shared_encoder_cache"):
         share_encoder_cache(generator)
         share_prompt_cache(generator)
     use_fastgen_ngram_blocking(generator)
+    if not option_value(gen_cfg, "no_lean_beam_loop"):
+        use_lean_beam_loop(generator)
     return generator
