@@ -15,15 +15,15 @@ from fairseq.sequence_generator import SequenceGenerator, SequenceGeneratorWithA
 
 from fairseq_fastgen.fastseq import LeanBeamLoop, optimize_stock_generator, use_lean_beam_loop
 from fairseq_fastgen.fastseq.beam_loop import CHUNK, mask_nan_, top_candidates
-from tests.fastseq.test_shared_cache import BATCH_1_IDS, assert_bitwise_equal
+from tests.fastseq.test_shared_cache import BATCH_1_IDS, assert_bitwise_equal, random_transformer
 
 
-def generator(loaded, lean, shared_cache=False, **options):
+def generator(loaded, lean, shared_cache=False, models=None, **options):
     config = GenerationConfig(
         beam=options.pop("beam", 4), max_len_b=options.pop("max_len_b", 200),
         no_shared_encoder_cache=not shared_cache, no_lean_beam_loop=not lean, **options,
     )
-    return loaded.task.build_generator(loaded.models, config)
+    return loaded.task.build_generator(models or loaded.models, config)
 
 
 def test_the_plugin_switches_stock_beam_search_to_the_lean_loop(loaded_toy):
@@ -60,6 +60,20 @@ def test_lean_loop_with_length_limits_banning_penalties_and_nbest(loaded_toy, tr
     lean = translate(loaded_toy, generator(loaded_toy, lean=True, shared_cache=True, **options), 32)
     assert any(len(h[0]["tokens"]) == 10 for h in stock.values())  # some hypotheses end at the limit
     assert all(len(h) == 5 for h in stock.values())
+    assert_bitwise_equal(stock, lean)
+
+
+def test_lean_loop_on_transformer_khead(loaded_khead, translate):
+    """A k-head model through stock beam search decodes with head 1, in either loop."""
+    stock = translate(loaded_khead, generator(loaded_khead, lean=False), 32)
+    assert_bitwise_equal(stock, translate(loaded_khead, generator(loaded_khead, lean=True, shared_cache=True), 32))
+
+
+def test_lean_loop_with_an_ensemble(loaded_toy, translate):
+    models = [loaded_toy.models[0], random_transformer(loaded_toy, heads=8, seed=3)]
+    # the untrained model rarely ends a sentence: 12 tokens at most keep the test short
+    stock = translate(loaded_toy, generator(loaded_toy, lean=False, models=models, max_len_b=12), 32, models=models)
+    lean = translate(loaded_toy, generator(loaded_toy, lean=True, models=models, max_len_b=12), 32, models=models)
     assert_bitwise_equal(stock, lean)
 
 
