@@ -38,7 +38,8 @@ from torch import Tensor
 from fairseq import search
 from fairseq.sequence_generator import SequenceGenerator
 
-IncrementalState = Dict[str, Dict[str, Optional[Tensor]]]
+from fairseq_fastgen.fastseq.shared_cache import IncrementalState
+
 CHUNK = 64  # entries per chunk of a row in top_candidates
 
 
@@ -74,6 +75,11 @@ def top_candidates(lprobs: Tensor, prev_scores: Optional[Tensor], k: int):
     top, position = values.topk(k, dim=1)
     flat = index.gather(1, position)
     return top, flat // vocab, flat % vocab
+
+
+def rows_of(cand_beams: Tensor, beam: int) -> Tensor:
+    """(bsz, cands) beam of each candidate within its sentence -> its row in the (bsz * beam) batch."""
+    return cand_beams + (torch.arange(cand_beams.size(0), device=cand_beams.device) * beam).unsqueeze(1)
 
 
 def mask_nan_(lprobs: Tensor) -> Tensor:
@@ -151,7 +157,7 @@ class LeanBeamLoop(SequenceGenerator):
                 lprobs = self.repeat_ngram_blocker(tokens, lprobs, bsz, beam, step)
 
             cand_scores, cand_beams, cand_tokens = self._step_candidates(step, lprobs, scores, bsz, cand_size)
-            cand_rows = cand_beams + (torch.arange(bsz, device=device) * beam).unsqueeze(1)  # (bsz, cand_size)
+            cand_rows = rows_of(cand_beams, beam)  # (bsz, cand_size)
             eos_mask = cand_tokens.eq(self.eos) & cand_scores.ne(-math.inf)
             eos_mask[:, :beam][ignored] = False
             eos_rows = torch.masked_select(cand_rows[:, :beam], eos_mask[:, :beam])
@@ -176,7 +182,7 @@ class LeanBeamLoop(SequenceGenerator):
                 cand_scores, cand_tokens = cand_scores[kept], cand_tokens[kept]
                 src_lengths, ignored = src_lengths[kept], ignored[kept]
                 new_bsz = kept.numel()
-                cand_rows = cand_beams + (torch.arange(new_bsz, device=device) * beam).unsqueeze(1)
+                cand_rows = rows_of(cand_beams, beam)
                 scores = scores.view(bsz, -1)[kept].view(new_bsz * beam, -1)
                 tokens = tokens.view(bsz, -1)[kept].view(new_bsz * beam, -1)
                 if attn is not None:

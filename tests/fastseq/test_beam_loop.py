@@ -26,11 +26,16 @@ def generator(loaded, lean, shared_cache=False, models=None, **options):
     return loaded.task.build_generator(models or loaded.models, config)
 
 
+def first_batch(loaded):
+    """The first 8 test sentences as fairseq collates them."""
+    return next(iter(loaded.task.get_batch_iterator(
+        loaded.dataset, max_sentences=8, disable_iterator_cache=True).next_epoch_itr(shuffle=False)))
+
+
 def test_the_plugin_switches_stock_beam_search_to_the_lean_loop(loaded_toy):
     lean = generator(loaded_toy, lean=True)
     assert type(lean) is LeanBeamLoop
-    sample = next(iter(loaded_toy.task.get_batch_iterator(
-        loaded_toy.dataset, max_sentences=8, disable_iterator_cache=True).next_epoch_itr(shuffle=False)))
+    sample = first_batch(loaded_toy)
     assert lean.lean_loop_applies(sample, None, None)  # the tests below run the lean loop, not its fallback
     assert not lean.lean_loop_applies(sample, sample["target"][:, :1], None)
     assert type(generator(loaded_toy, lean=False)) is SequenceGenerator
@@ -78,8 +83,7 @@ def test_lean_loop_with_an_ensemble(loaded_toy, translate):
 
 
 def test_prefix_tokens_run_through_the_stock_loop(loaded_toy):
-    sample = next(iter(loaded_toy.task.get_batch_iterator(
-        loaded_toy.dataset, max_sentences=8, disable_iterator_cache=True).next_epoch_itr(shuffle=False)))
+    sample = first_batch(loaded_toy)
     prefix = sample["target"][:, :2]
     with torch.no_grad():
         stock = generator(loaded_toy, lean=False).generate(loaded_toy.models, sample, prefix_tokens=prefix)

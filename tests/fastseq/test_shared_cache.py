@@ -24,7 +24,7 @@ BATCH_1_IDS = set(range(0, 200, 4))  # batch size 1: every 4th test sentence kee
 
 
 def stock_generator(loaded, beam, models=None, max_len_b=200):
-    config = GenerationConfig(beam=beam, max_len_b=max_len_b, no_shared_encoder_cache=True)
+    config = GenerationConfig(beam=beam, max_len_b=max_len_b, no_shared_encoder_cache=True, no_lean_beam_loop=True)
     return loaded.task.build_generator(models or loaded.models, config)
 
 
