@@ -32,6 +32,13 @@ class PluginOptions(FairseqDataclass):
         metadata={"help": "cluster file from fastgen-train-clusters: project only onto the tokens of the "
                           "clusters nearest to the decoder states (every decoder)"},
     )
+    cluster_full_normalizer: bool = field(
+        default=False,
+        metadata={"help": "diagnostic for --cluster-projection: keep its candidate tokens but normalise their "
+                          "probabilities over the whole vocabulary, as the full projection does (runs the full "
+                          "projection too, so it is not faster); separates the effect of the missing tokens "
+                          "from that of the softmax over the active tokens only"},
+    )
     time_projection: bool = field(
         default=False,
         metadata={"help": "time the full vocabulary projection of every decoder step and report it with the "

@@ -15,6 +15,14 @@ model runner (``ModelRunner.step``); fairseq's own beam search (``--decoder
 beam``) calls ``decoder.forward``, so :func:`attach_to_stock_generator` routes
 that decoder's ``output_layer`` through it.
 
+``--cluster-full-normalizer`` is a diagnostic: the candidates stay the union's
+tokens, but the pad column (which every decoder bans after the softmax) takes
+the log of the whole probability mass outside the union, so the softmax
+normaliser is the full vocabulary's and each active token's log-probability is
+the full projection's. It runs the full projection as well, so it is not
+faster; it measures how much of the change in output comes from the softmax
+over the active tokens alone rather than from the missing tokens.
+
 ``--time-projection`` (without a cluster file) puts :class:`TimedFullProjection`
 in the same place: the unchanged full projection, timed and counted with the same
 statistics, so that the reduced projection's step time has a baseline measured
@@ -100,10 +108,11 @@ class TimedFullProjection:
 class ClusterProjection(TimedFullProjection):
     """``projection(features (rows, n, hidden), decoder) -> logits (rows, n, vocab)``, on the clusters' tokens."""
 
-    def __init__(self, cluster_file: ClusterFile):
+    def __init__(self, cluster_file: ClusterFile, full_normalizer: Optional["FullNormalizer"] = None):
         super().__init__()
         self.cluster_file = cluster_file
         self.vocab_size = cluster_file.fingerprint.vocab_size
+        self.full_normalizer = full_normalizer
         self._tensors_by_device = {}
 
     def project(self, features: Tensor, linear: torch.nn.Linear):
@@ -111,7 +120,10 @@ class ClusterProjection(TimedFullProjection):
         states = features.reshape(-1, features.size(-1))  # (rows * n, hidden)
         clusters = nearest_clusters(states, centroids, sqnorms)  # (rows * n,)
         mask, columns = cluster_union_mask(clusters, active_sets, self.vocab_size)  # (vocab,), (active,)
-        return project_onto_columns(features, linear, mask, columns), columns.numel()
+        logits = project_onto_columns(features, linear, mask, columns)  # (rows, n, vocab)
+        if self.full_normalizer is not None and columns.numel() < self.vocab_size:
+            self.full_normalizer.put_outside_mass(logits, features, linear, mask)
+        return logits, columns.numel()
 
     def _tensors_on(self, device):
         if device not in self._tensors_by_device:
@@ -121,6 +133,25 @@ class ClusterProjection(TimedFullProjection):
                 ClusterActiveSets(cf.offsets.to(device), cf.tokens.to(device)),
             )
         return self._tensors_by_device[device]
+
+
+class FullNormalizer:
+    """``--cluster-full-normalizer``: the pad column of the reduced logits takes the
+    log-sum-exp of every full-projection logit outside the union (pad's own included),
+    so the softmax's normaliser becomes the full vocabulary's. Decoders ban pad after
+    the softmax, so it is never chosen; ``temperature`` is the one the logits are
+    divided by before the softmax."""
+
+    def __init__(self, pad: int, temperature: float = 1.0):
+        self.pad, self.temperature = pad, temperature
+
+    def put_outside_mass(self, logits: Tensor, features: Tensor, linear: torch.nn.Linear, mask: Tensor):
+        """logits (rows, n, vocab) edited in place; mask (vocab,) true on the union."""
+        outside = ~mask
+        outside[self.pad] = True
+        full = linear(features.reshape(-1, features.size(-1))).view_as(logits)  # (rows, n, vocab)
+        scaled = full.masked_fill(~outside, -math.inf).div_(self.temperature)
+        logits[..., self.pad] = scaled.logsumexp(dim=-1).mul_(self.temperature)
 
 
 def nearest_clusters(states: Tensor, centroids: Tensor, centroid_sqnorms: Tensor) -> Tensor:
@@ -166,9 +197,10 @@ def padded_width(active: int, vocab_size: int) -> int:
 
 
 def projection_requested(gen_cfg) -> bool:
-    """Whether the generation options replace the decoder's projection (``--cluster-projection``
-    or ``--time-projection``)."""
-    return bool(option_value(gen_cfg, "cluster_projection") or option_value(gen_cfg, "time_projection"))
+    """Whether the generation options replace the decoder's projection (``--cluster-projection``,
+    ``--time-projection``; ``--cluster-full-normalizer`` too, so that without a file it is refused)."""
+    return any(option_value(gen_cfg, name) for name in
+               ("cluster_projection", "time_projection", "cluster_full_normalizer"))
 
 
 def projection_from_options(gen_cfg, model) -> Optional[TimedFullProjection]:
@@ -178,7 +210,14 @@ def projection_from_options(gen_cfg, model) -> Optional[TimedFullProjection]:
         return None
     path = option_value(gen_cfg, "cluster_projection")
     if path:
-        return load_projection(path, model)
+        projection = load_projection(path, model)
+        if option_value(gen_cfg, "cluster_full_normalizer"):
+            temperature = option_value(gen_cfg, "temperature") or 1.0
+            projection.full_normalizer = FullNormalizer(model.decoder.dictionary.pad(), temperature)
+        return projection
+    if option_value(gen_cfg, "cluster_full_normalizer"):
+        raise ValueError("--cluster-full-normalizer changes how --cluster-projection normalises; "
+                         "give it a cluster file with --cluster-projection FILE")
     output_projection_of(model.decoder)  # refuses decoders whose output_layer is not a plain projection
     return TimedFullProjection()
 

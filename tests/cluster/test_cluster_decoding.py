@@ -112,6 +112,16 @@ def test_bad_file_is_refused_when_the_generator_is_built(toy, model, tmp_path, d
         decode(toy.task, model, decoder, 1, cluster_projection=str(path))
 
 
+def teacher_forced(model, task, sentence_id, tokens):
+    """Final decoder states (length, hidden) and full logits (length, vocab) of ``tokens`` (ending in eos)."""
+    eos = task.target_dictionary.eos()
+    source = task.dataset("test")[sentence_id]["source"].unsqueeze(0)
+    prev = torch.cat([torch.tensor([eos]), tokens[:-1]]).unsqueeze(0)
+    with torch.no_grad():
+        features, _ = model(source, torch.tensor([source.size(1)]), prev, features_only=True)
+        return features[0], model.decoder.output_layer(features[0])
+
+
 def test_greedy_picks_the_best_token_of_its_cluster(toy, model, trained_cluster_path):
     """At batch size 1 the union is the active set of the state's own cluster:
     every greedy token is the argmax of the full logits over that set."""
@@ -119,24 +129,46 @@ def test_greedy_picks_the_best_token_of_its_cluster(toy, model, trained_cluster_
                                  cluster_projection=str(trained_cluster_path))
     cluster_file = ClusterFile.load(trained_cluster_path)
     assert projection.statistics.as_dict()["projection_active_fraction_max"] < 1.0
-    eos = toy.task.target_dictionary.eos()
-    dataset = toy.task.dataset("test")
-    with torch.no_grad():
-        for sentence_id, hypothesis in results.items():
-            tokens = hypothesis["tokens"]  # (length,) ending in eos
-            source = dataset[sentence_id]["source"].unsqueeze(0)
-            prev = torch.cat([torch.tensor([eos]), tokens[:-1]]).unsqueeze(0)
-            features, _ = model(source, torch.tensor([source.size(1)]), prev, features_only=True)
-            states = features[0]  # (length, hidden)
-            clusters = nearest_clusters(states, cluster_file.centroids, cluster_file.centroid_sqnorms)
-            logits = model.decoder.output_layer(states)  # (length, vocab)
-            if tokens.numel() >= model.max_decoder_positions() - 1:
-                tokens = tokens[:-1]  # eos forced at the length limit
-            for position, (cluster, token) in enumerate(zip(clusters.tolist(), tokens.tolist())):
-                allowed = cluster_file.cluster_tokens(cluster)
-                assert token in allowed.tolist(), (sentence_id, position)
-                best = allowed[logits[position, allowed].argmax()]
-                assert token == int(best), (sentence_id, position)
+    for sentence_id, hypothesis in results.items():
+        tokens = hypothesis["tokens"]  # (length,) ending in eos
+        states, logits = teacher_forced(model, toy.task, sentence_id, tokens)
+        clusters = nearest_clusters(states, cluster_file.centroids, cluster_file.centroid_sqnorms)
+        if tokens.numel() >= model.max_decoder_positions() - 1:
+            tokens = tokens[:-1]  # eos forced at the length limit
+        for position, (cluster, token) in enumerate(zip(clusters.tolist(), tokens.tolist())):
+            allowed = cluster_file.cluster_tokens(cluster)
+            assert token in allowed.tolist(), (sentence_id, position)
+            best = allowed[logits[position, allowed].argmax()]
+            assert token == int(best), (sentence_id, position)
+
+
+def test_full_normalizer_keeps_the_tokens_and_scores_them_with_the_full_softmax(toy, model, trained_cluster_path):
+    """--cluster-full-normalizer: the same greedy tokens as the cluster projection alone
+    (a row's shift does not move its argmax), each scored by the full vocabulary's
+    log-softmax, not by the softmax over the active tokens."""
+    reduced, _ = decode(toy.task, model, "greedy", 1, batch_size=1, cluster_projection=str(trained_cluster_path))
+    normalized, projection = decode(toy.task, model, "greedy", 1, batch_size=1,
+                                    cluster_projection=str(trained_cluster_path), cluster_full_normalizer=True)
+    assert projection.full_normalizer is not None
+    assert projection.statistics.as_dict()["projection_active_fraction_max"] < 1.0
+    assert sorted(normalized) == sorted(reduced)
+    raised = 0
+    for sentence_id, hypothesis in normalized.items():
+        tokens = hypothesis["tokens"]
+        assert torch.equal(tokens, reduced[sentence_id]["tokens"]), sentence_id
+        _, logits = teacher_forced(model, toy.task, sentence_id, tokens)
+        full = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)  # (length,)
+        if tokens.numel() >= model.max_decoder_positions() - 1:
+            full, tokens = full[:-1], tokens[:-1]  # eos forced at the length limit
+        torch.testing.assert_close(hypothesis["positional_scores"][: tokens.numel()], full, rtol=1e-4, atol=1e-4)
+        raised += int((reduced[sentence_id]["positional_scores"][: tokens.numel()] > full + 1e-3).any())
+    assert raised > 0  # the active-only softmax did raise some scores: the normaliser made a difference
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "beam"])
+def test_full_normalizer_without_a_cluster_file_is_refused(toy, model, decoder):
+    with pytest.raises(ValueError, match="--cluster-full-normalizer .*--cluster-projection FILE"):
+        decode(toy.task, model, decoder, 1, cluster_full_normalizer=True)
 
 
 def test_fingerprint_matches_the_model(toy, trained_cluster_path):

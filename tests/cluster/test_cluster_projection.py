@@ -10,7 +10,7 @@ import torch
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
 from fairseq_fastgen.cluster.projection import (
-    DENSE_FRACTION, ClusterProjection, attach, attached_projection, detach, padded_width,
+    DENSE_FRACTION, ClusterProjection, FullNormalizer, attach, attached_projection, detach, padded_width,
 )
 
 VOCAB, HIDDEN, CLUSTERS = 80, 8, 6
@@ -72,6 +72,31 @@ def test_projection_equals_direct_computation(choice, rows, steps, smallest_set,
     stats = projection.statistics.as_dict()
     assert stats["projection_steps"] == 1 and stats["projection_states"] == rows * steps
     assert stats["projection_active_fraction_max"] == pytest.approx(active / VOCAB)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("choice, smallest_set", [("random", 3), ("all-same", 3), ("all-same", 45)])
+@pytest.mark.parametrize("pad", [1, None])  # None: a token of the union
+def test_full_normalizer_gives_the_full_log_softmax_on_the_union(choice, smallest_set, pad, temperature):
+    linear, cluster_file, token_lists, features = random_case(choice, 4, 2, True, 7, smallest_set)
+    pad = token_lists[2][0] if pad is None else pad
+    projection = ClusterProjection(cluster_file, FullNormalizer(pad, temperature))
+    logits = projection(features, SimpleNamespace(output_projection=linear))  # (4, 2, VOCAB)
+    direct, active = direct_logits(features, linear, cluster_file.centroids, token_lists)
+    assert active < VOCAB
+    candidates = torch.isfinite(direct)
+    candidates[..., pad] = False  # pad holds the mass outside the union; decoders ban it
+    full = features @ linear.weight.t() + linear.bias  # (4, 2, VOCAB)
+    expected = torch.log_softmax(full / temperature, dim=-1)
+    got = torch.log_softmax(logits / temperature, dim=-1)
+    assert torch.equal(torch.isfinite(got) & candidates, candidates)
+    torch.testing.assert_close(got[candidates], expected[candidates], rtol=1e-5, atol=1e-5)
+    assert not torch.isfinite(got[~candidates & (torch.arange(VOCAB) != pad)]).any()
+    # without it, candidates score higher (never lower): the softmax ran over the union only
+    plain = torch.log_softmax(ClusterProjection(cluster_file)(features, SimpleNamespace(output_projection=linear))
+                              / temperature, dim=-1)
+    raised = plain[candidates] - expected[candidates]
+    assert raised.min() > -1e-5 and raised.max() > 1e-3
 
 
 def test_statistics_over_steps():
