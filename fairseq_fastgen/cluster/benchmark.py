@@ -138,17 +138,6 @@ def measure(model, task, args, states, top_tokens, centroids, k, test_features, 
     return row
 
 
-@contextlib.contextmanager
-def attached(decoder, projection):
-    from fairseq_fastgen.cluster.projection import attach, detach
-
-    attach(decoder, projection)
-    try:
-        yield
-    finally:
-        detach(decoder)
-
-
 def speed_ratio(model, task, args, projection, beam, batch):
     """Median over interleaved (full, projected) pairs of timed runs on the first
     ``--timing-sentences``: the ratio of sentences/s, projected over full."""
@@ -198,14 +187,12 @@ def batches(task, split, batch_size):
 
 def translate(model, task, args, beam, batch_size, sentences=0, projection=None):
     """fairseq's beam search over the batches holding the first ``sentences`` of the
-    test split (0: all), with ``projection`` attached when given: outputs by sentence id, BLEU, seconds.
-
-    The projection is attached after the generator is built: the plugin's
-    build_generator detaches any projection when ``--cluster-projection`` is not set."""
+    test split (0: all), with ``projection`` attached when given: outputs by sentence id, BLEU, seconds."""
     import sacrebleu
     from omegaconf import OmegaConf
     from fairseq import utils
     from fairseq.dataclass.configs import GenerationConfig
+    from fairseq_fastgen.cluster.projection import attached
 
     generator = task.build_generator([model], OmegaConf.structured(GenerationConfig(beam=beam)))
     dictionary = task.target_dictionary

@@ -13,7 +13,7 @@ without it.
 The same object serves every decoder: the plugin's decoders call it from the
 model runner (``ModelRunner.step``); fairseq's own beam search (``--decoder
 beam``) calls ``decoder.forward``, so :func:`attach_to_stock_generator` routes
-that decoder's ``output_layer`` through it.
+that decoder's ``output_layer`` through it while that generator generates.
 
 ``--cluster-full-normalizer`` is a diagnostic: the candidates stay the union's
 tokens, but the pad column (which every decoder bans after the softmax) takes
@@ -29,6 +29,8 @@ statistics, so that the reduced projection's step time has a baseline measured
 the same way (fastgen-bench turns it on for the configurations without a file).
 """
 
+import contextlib
+import functools
 import math
 import time
 from typing import Dict, Optional
@@ -257,6 +259,16 @@ def attach(decoder, projection: TimedFullProjection):
     decoder.output_layer = ProjectedOutputLayer(projection, decoder)
 
 
+@contextlib.contextmanager
+def attached(decoder, projection: TimedFullProjection):
+    """``decoder.forward`` projects through ``projection`` inside the block only."""
+    attach(decoder, projection)
+    try:
+        yield
+    finally:
+        detach(decoder)
+
+
 def detach(decoder):
     if isinstance(decoder.__dict__.get("output_layer"), ProjectedOutputLayer):
         del decoder.output_layer
@@ -281,17 +293,26 @@ class ProjectionCounters(GenerationCounters):
 def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam") -> Optional[TimedFullProjection]:
     """Make ``--cluster-projection`` (or ``--time-projection``) apply to fairseq's SequenceGenerator.
 
-    With the option: loads the file, attaches it to the model's decoder and gives
-    ``generator`` a ``counters`` attribute reporting the projection statistics.
-    Without it: removes a projection attached earlier to these models.
+    With the option: loads the file and gives ``generator`` a ``projection`` and a
+    ``counters`` attribute reporting its statistics; the projection is attached to the
+    model's decoder only while ``generator.generate`` runs, so other generators built on
+    the same model (a bench's other configurations, a hub interface's other settings)
+    keep their own projection, or none. Without the option: nothing changes.
     """
     if not projection_requested(gen_cfg):
-        for model in models:
-            detach(model.decoder)
         return None
     if len(models) != 1:
         raise ValueError(f"--cluster-projection holds the clusters of one model; got an ensemble of {len(models)}")
     projection = projection_from_options(gen_cfg, models[0])
-    attach(models[0].decoder, projection)
+    decoder = models[0].decoder
+    generate = generator.generate
+
+    @functools.wraps(generate)
+    def generate_with_projection(*args, **kwargs):
+        with attached(decoder, projection):
+            return generate(*args, **kwargs)
+
+    generator.generate = generate_with_projection
+    generator.projection = projection
     generator.counters = ProjectionCounters(decoder_name, projection.statistics)
     return projection

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from fairseq.dataclass.configs import GenerationConfig  # the plugin's merged class
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
-from fairseq_fastgen.cluster.projection import attached_projection, detach, nearest_clusters
+from fairseq_fastgen.cluster.projection import attached_projection, nearest_clusters
 from fairseq_fastgen.sequence_generators import DECODERS
 
 K_HEAD_DECODERS = {"blockwise"}  # need a transformer_khead model: tested on the toy k-head model below
@@ -44,19 +44,22 @@ def batches(task, batch_size):
 
 def decode(task, model, decoder, beam, batch_size=12, **options):
     """(sentence id -> best hypothesis, the projection that ran or None)."""
-    gen_cfg = OmegaConf.structured(GenerationConfig(beam=beam, decoder=decoder, **options))
-    generator = task.build_generator([model], gen_cfg)
+    return run(task, model, build(task, model, decoder, beam, **options), batch_size)
+
+
+def build(task, model, decoder, beam, **options):
+    return task.build_generator([model], OmegaConf.structured(GenerationConfig(beam=beam, decoder=decoder, **options)))
+
+
+def run(task, model, generator, batch_size=12):
     results = {}
-    try:
-        for sample in batches(task, batch_size):
-            hypotheses = task.inference_step(generator, [model], sample)
-            for sentence_id, hyps in zip(sample["id"].tolist(), hypotheses):
-                results[sentence_id] = hyps[0]
-        runner = getattr(generator, "runner", None)
-        projection = getattr(runner, "projection", None) or attached_projection(model.decoder)
-    finally:
-        detach(model.decoder)
-    return results, projection
+    for sample in batches(task, batch_size):
+        hypotheses = task.inference_step(generator, [model], sample)
+        for sentence_id, hyps in zip(sample["id"].tolist(), hypotheses):
+            results[sentence_id] = hyps[0]
+    assert attached_projection(model.decoder) is None  # attached only while a generator generates
+    runner = getattr(generator, "runner", None)
+    return results, getattr(runner, "projection", None) or getattr(generator, "projection", None)
 
 
 def assert_unchanged_by_whole_vocabulary_file(task, model, path, decoder, beam):
@@ -110,6 +113,23 @@ def test_bad_file_is_refused_when_the_generator_is_built(toy, model, tmp_path, d
     path.write_bytes(b"not a cluster file")
     with pytest.raises(ClusterFileError, match="truncated or corrupted"):
         decode(toy.task, model, decoder, 1, cluster_projection=str(path))
+
+
+@pytest.mark.parametrize("decoder", ["beam", "greedy"])
+def test_generators_on_one_model_keep_their_own_projection(toy, model, trained_cluster_path, decoder):
+    """A bench builds every configuration's generator on the same model, then runs them
+    in turn: each must decode with its own projection (or none), whatever was built after it."""
+    alone = {name: decode(toy.task, model, decoder, 2, **options)[0] for name, options in
+             [("plain", {}), ("clusters", {"cluster_projection": str(trained_cluster_path)})]}
+    assert any(not torch.equal(alone["plain"][i]["tokens"], alone["clusters"][i]["tokens"]) for i in alone["plain"])
+    with_clusters = build(toy.task, model, decoder, 2, cluster_projection=str(trained_cluster_path))
+    plain = build(toy.task, model, decoder, 2)
+    timed = build(toy.task, model, decoder, 2, time_projection=True)
+    for generator, name in [(with_clusters, "clusters"), (plain, "plain"), (timed, "plain"), (with_clusters, "clusters")]:
+        results, _ = run(toy.task, model, generator)
+        for sentence_id, expected in alone[name].items():
+            assert torch.equal(results[sentence_id]["tokens"], expected["tokens"]), (name, sentence_id)
+            assert torch.equal(results[sentence_id]["score"], expected["score"]), (name, sentence_id)
 
 
 def teacher_forced(model, task, sentence_id, tokens):
