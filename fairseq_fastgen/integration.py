@@ -14,7 +14,9 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    ``cfg.generation`` (a separate registry crashes fairseq's config conversion).
 3. ``FairseqTask.build_generator``: builds the decoder named by ``--decoder``.
    For ``--decoder beam`` it builds fairseq's own generator and then applies,
-   to that instance only, the cluster projection and the FastSeq optimizations
+   to that instance only, the cluster projection (attached to the model's
+   decoder only while that generator's ``generate`` runs, as other generators
+   may share the model) and the FastSeq optimizations
    (:func:`fairseq_fastgen.fastseq.optimize_stock_generator`: encoder cache
    shared by the beams unless ``--no-shared-encoder-cache``, n-gram banning
    that works on CPU).
