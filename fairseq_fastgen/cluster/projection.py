@@ -111,6 +111,7 @@ class ClusterProjection(TimedFullProjection):
     """``projection(features (rows, n, hidden), decoder) -> logits (rows, n, vocab)``, on the clusters' tokens."""
 
     def __init__(self, cluster_file: ClusterFile, full_normalizer: Optional["FullNormalizer"] = None):
+        """``full_normalizer``: ``--cluster-full-normalizer``'s, or None (the softmax over the union)."""
         super().__init__()
         self.cluster_file = cluster_file
         self.vocab_size = cluster_file.fingerprint.vocab_size
@@ -142,17 +143,18 @@ class FullNormalizer:
     log-sum-exp of every full-projection logit outside the union (pad's own included),
     so the softmax's normaliser becomes the full vocabulary's. Decoders ban pad after
     the softmax, so it is never chosen; ``temperature`` is the one the logits are
-    divided by before the softmax."""
+    divided by before the softmax. It runs the full projection (a second time when the
+    union is dense): a diagnostic, not a speedup."""
 
     def __init__(self, pad: int, temperature: float = 1.0):
         self.pad, self.temperature = pad, temperature
 
     def put_outside_mass(self, logits: Tensor, features: Tensor, linear: torch.nn.Linear, mask: Tensor):
         """logits (rows, n, vocab) edited in place; mask (vocab,) true on the union."""
-        outside = ~mask
-        outside[self.pad] = True
+        kept = mask.clone()  # (vocab,) the union's candidates; pad's own mass joins the outside
+        kept[self.pad] = False
         full = linear(features.reshape(-1, features.size(-1))).view_as(logits)  # (rows, n, vocab)
-        scaled = full.masked_fill(~outside, -math.inf).div_(self.temperature)
+        scaled = full.masked_fill(kept, -math.inf).div_(self.temperature)
         logits[..., self.pad] = scaled.logsumexp(dim=-1).mul_(self.temperature)
 
 
@@ -211,21 +213,21 @@ def projection_from_options(gen_cfg, model) -> Optional[TimedFullProjection]:
     if not projection_requested(gen_cfg):
         return None
     path = option_value(gen_cfg, "cluster_projection")
+    full_normalizer = option_value(gen_cfg, "cluster_full_normalizer")
     if path:
-        projection = load_projection(path, model)
-        if option_value(gen_cfg, "cluster_full_normalizer"):
-            temperature = option_value(gen_cfg, "temperature") or 1.0
-            projection.full_normalizer = FullNormalizer(model.decoder.dictionary.pad(), temperature)
-        return projection
-    if option_value(gen_cfg, "cluster_full_normalizer"):
+        temperature = option_value(gen_cfg, "temperature") or 1.0
+        return load_projection(path, model, FullNormalizer(model.decoder.dictionary.pad(), temperature)
+                               if full_normalizer else None)
+    if full_normalizer:
         raise ValueError("--cluster-full-normalizer changes how --cluster-projection normalises; "
                          "give it a cluster file with --cluster-projection FILE")
     output_projection_of(model.decoder)  # refuses decoders whose output_layer is not a plain projection
     return TimedFullProjection()
 
 
-def load_projection(path, model) -> ClusterProjection:
-    """Read ``path``, check it against ``model``'s vocabulary projection, and return the projection.
+def load_projection(path, model, full_normalizer: Optional[FullNormalizer] = None) -> ClusterProjection:
+    """Read ``path``, check it against ``model``'s vocabulary projection, and return the projection
+    (normalising over the whole vocabulary with ``full_normalizer``, ``--cluster-full-normalizer``).
 
     Raises ClusterFileError for a missing, truncated, corrupted or inconsistent
     file, or one made for another model.
@@ -238,7 +240,7 @@ def load_projection(path, model) -> ClusterProjection:
         cluster_file.validate(eos=eos)
     except ClusterFileError as error:
         raise ClusterFileError(f"{path}: {error}") from error
-    return ClusterProjection(cluster_file)
+    return ClusterProjection(cluster_file, full_normalizer)
 
 
 # ---- fairseq's own beam search (--decoder beam) -----------------------------------------------
