@@ -61,7 +61,7 @@ def cell_name(k, regime, data_kind):
 
 def train_student(args, bin_dir, save_dir, base, k, regime, data_kind, distilled_dir, restore=None):
     """fairseq-train one student; ``restore``: fine-tune this (frozen) student's checkpoint."""
-    extra = []
+    extra = ["--subloss-mode", args.finetune_subloss_mode] if regime == "finetuned" else []
     if data_kind == "distilled":
         extra += ["--task", "translation_distill", "--distilled-data", str(distilled_dir), "--distill-mix", "distilled"]
     if restore is not None:
@@ -71,8 +71,9 @@ def train_student(args, bin_dir, save_dir, base, k, regime, data_kind, distilled
         lr, updates = args.frozen_lr, args.student_updates
     else:
         lr, updates = args.finetune_lr, args.finetune_updates
+    validate_interval = 1 if restore is not None else 1000  # a long second stage saves every epoch
     spec = student_spec(args, base, k, lr, updates, freeze_base=regime == "frozen", extra_args=extra,
-                        validate_interval=1000)
+                        validate_interval=validate_interval)
     toy.train(bin_dir, save_dir, spec, show_progress=True, criterion_args=STUDENT_CRITERION)
 
 
@@ -126,6 +127,9 @@ def main(argv=None):
                         help="also fine-tune the frozen student kK-frozen-DATA (e.g. 4-regular) from its checkpoint "
                              "into kK-frozen-then-finetuned-DATA (--finetune-lr, --finetune-updates); the docs "
                              "table used --finetune-lr 0.0001 --finetune-updates 150")
+    parser.add_argument("--finetune-subloss-mode", choices=["random", "mean"], default="random",
+                        help="random_subloss --subloss-mode of the fine-tuned students; a two-stage student "
+                             "trained with mean gets the suffix -mean")
     parser.add_argument("--students", default=None,
                         help="comma-separated students to train, in this order (e.g. k8-frozen-regular,"
                              "k4-finetuned-distilled); default: every cell, frozen ones first")
@@ -172,6 +176,8 @@ def main(argv=None):
     if args.two_stage:
         k, data_kind = args.two_stage.split("-")
         name = f"k{k}-frozen-then-finetuned-{data_kind}"
+        if args.finetune_subloss_mode == "mean":
+            name += "-mean"
         models.insert(0, (name, out / "table1" / name / "checkpoint_last.pt"))
         if "students" in wanted:
             frozen = out / "table1" / cell_name(k, "frozen", data_kind) / "checkpoint_last.pt"

@@ -285,12 +285,12 @@ class BlockwisePolicy:
         blockwise = BlockwiseState(state, self.pad)
         positions = state.tokens.new_zeros((state.rows, 1))
         features, attn = self.run_block(blockwise, state.tokens, positions, ctx)  # (rows, 1, dim)
-        heads = self.decoder.heads(features[:, 0])[:, : self.block_size]  # (rows, block, dim)
+        heads = self.heads(features[:, 0])  # (rows, block, dim)
         first_lprobs = self.log_probs(heads[:, 0], ctx)  # (rows, vocab)
         rules = RowStepProcessors(ctx.processors)
         rows = torch.arange(blockwise.rows, device=positions.device)
         rules(first_lprobs, blockwise.length, blockwise.tokens, rows, blockwise.sentence, blockwise.max_len)
-        self.propose(blockwise, ctx, first_lprobs, None if attn is None else attn[:, 0], heads[:, 1:])
+        self.propose(blockwise, ctx, first_lprobs, None if attn is None else attn[:, 0], self.later_lprobs(heads, ctx))
         return blockwise
 
     def advance(self, state: BlockwiseState, ctx):
@@ -302,10 +302,11 @@ class BlockwisePolicy:
         positions = (state.length.unsqueeze(1) + 1 + offsets).clamp(max=self.decoder.max_positions() - 1)
         features, attn = self.run_block(state, block, positions, ctx)  # (rows, n, dim), (rows, n, src_len)
         ctx.counters.add("row_iterations", state.rows)
-        heads = self.decoder.heads(features)[:, :, : self.block_size]  # (rows, n, block, dim)
 
         # verify: p_1 after block token j scores block token j + 1
-        lprobs = self.log_probs(heads[:, :, 0], ctx)  # (rows, n, vocab)
+        # with an identity head 1 the k-head layer runs only where proposals are read (below)
+        all_heads = None if self.decoder.heads.identity_first else self.heads(features)  # (rows, n, block, dim)
+        lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)  # (rows, n, vocab)
         history = torch.cat([state.tokens, block.new_full((state.rows, n), self.pad)], dim=1)
         history[rows.unsqueeze(1), 1 + state.length.unsqueeze(1) + offsets] = block
         steps = (state.length.unsqueeze(1) + 1 + offsets).view(-1)  # (rows * n,)
@@ -335,7 +336,8 @@ class BlockwisePolicy:
             return
         first_lprobs = lprobs[alive, last]  # (rows, vocab), already processed
         first_attn = None if attn is None else attn[alive, last]
-        self.propose(state, ctx, first_lprobs, first_attn, heads[alive, last, 1:])
+        heads = self.heads(features[alive, last]) if all_heads is None else all_heads[alive, last]  # (rows, block, dim)
+        self.propose(state, ctx, first_lprobs, first_attn, self.later_lprobs(heads, ctx))
 
     def accepted_prefix(self, block, lprobs, best, eos) -> Tensor:
         """(rows, n) bool: the tokens of each row's block that are accepted (a prefix)."""
@@ -347,16 +349,19 @@ class BlockwisePolicy:
         ok &= (is_eos.cumsum(dim=1) - is_eos.long()).eq(0)  # nothing after an eos
         return ok.long().cumprod(dim=1).bool()
 
-    def propose(self, state: BlockwiseState, ctx, first_lprobs, first_attn, later_heads):
+    def later_lprobs(self, heads, ctx):
+        """Log-probabilities (rows, block - 1, vocab) of heads 2.. of ``heads`` (rows, block, dim)."""
+        return self.log_probs(heads[:, 1:], ctx) if self.block_size > 1 else None
+
+    def propose(self, state: BlockwiseState, ctx, first_lprobs, first_attn, later_lprobs):
         """Set the next block: greedy's token from ``first_lprobs`` (rows, vocab),
-        processed) then one token per later head (rows, block - 1, dim), each
-        processed with the proposals before it as context."""
+        processed) then one token per later head from ``later_lprobs`` (rows,
+        block - 1, vocab), each processed with the proposals before it as context."""
         rows = torch.arange(state.rows, device=state.tokens.device)
         first_lprob, first = first_lprobs.topk(1, dim=-1)  # (rows, 1) each
         history = torch.cat([state.tokens, state.tokens.new_full((state.rows, self.block_size), self.pad)], dim=1)
         history[rows, 1 + state.length] = first.squeeze(1)
         if self.block_size > 1:
-            later_lprobs = self.log_probs(later_heads, ctx)  # (rows, block - 1, vocab)
             rules = RowStepProcessors(ctx.processors)
             for head in range(1, self.block_size):
                 scores = later_lprobs[:, head - 1]
@@ -368,6 +373,10 @@ class BlockwisePolicy:
         state.first_attn = first_attn
 
     # ---- the model ---------------------------------------------------------------------------
+    def heads(self, features):
+        """The first ``block_size`` heads (..., block, dim) of decoder outputs (..., dim)."""
+        return self.decoder.heads(features)[..., : self.block_size, :]
+
     def run_block(self, state, tokens, positions, ctx):
         features, attn = self.decoder.forward_block(tokens, positions, state.encoder_out, state.cache)
         ctx.counters.add("model_calls")
