@@ -387,7 +387,8 @@ class BlockwisePolicy:
         """Log-probabilities (..., vocab) of head features (..., dim), as the runner computes them."""
         runner = ctx.runner
         squeeze = features.dim() == 2
-        features = features.unsqueeze(1) if squeeze else features  # (rows, n, dim)
+        # contiguous: the decoder's output is a transposed view, on which a 3-D linear is several times slower
+        features = features.unsqueeze(1) if squeeze else features.contiguous()  # (rows, n, dim)
         decoder = runner.model.decoder
         logits = decoder.output_layer(features) if runner.projection is None else runner.projection(features, decoder)
         if runner.temperature != 1.0:
