@@ -35,6 +35,7 @@ from fairseq.dataclass import FairseqDataclass
 
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator
+from fairseq_fastgen.sequence_generators.int8_proposals import Int8Proposer
 from fairseq_fastgen.sequence_generators.processors import ForbidPad, LengthLimits, UnkPenalty
 from fairseq_fastgen.sequence_generators.registry import option_value, register_decoder
 from fairseq_fastgen.sequence_generators.state import DecodingState
@@ -66,6 +67,13 @@ class BlockwiseOptions(FairseqDataclass):
         default=1,
         metadata={"help": "blockwise: accept at least this many proposed tokens per iteration, verified or "
                           "not (approximate when > 1)"},
+    )
+    blockwise_int8_proposals: bool = field(
+        default=False,
+        metadata={"help": "blockwise: compute the proposals of heads 2..k from int8 copies of the k-head layer "
+                          "and the output projection (CPU only). Head 1 still verifies in full precision, so "
+                          "exact acceptance keeps greedy's output; faster at small batches on the CPU. With "
+                          "--blockwise-top-k/-epsilon/-min-block the output may change"},
     )
 
 
@@ -273,24 +281,27 @@ class BlockwiseState:
 class BlockwisePolicy:
     """Predict / verify / accept; one model invocation per iteration after the first step."""
 
-    def __init__(self, decoder, block_size, acceptance, min_block, pad):
+    def __init__(self, decoder, block_size, acceptance, min_block, pad, int8_proposals=False):
         self.decoder = decoder  # KHeadTransformerDecoder
         self.block_size = block_size
         self.acceptance = acceptance
         self.min_block = min_block
         self.pad = pad
+        self.proposer = Int8Proposer(decoder) if int8_proposals else None
 
     def start(self, state: DecodingState, ctx) -> BlockwiseState:
         """Run the bos position; its heads propose the first block."""
         blockwise = BlockwiseState(state, self.pad)
         positions = state.tokens.new_zeros((state.rows, 1))
         features, attn = self.run_block(blockwise, state.tokens, positions, ctx)  # (rows, 1, dim)
-        heads = self.heads(features[:, 0])  # (rows, block, dim)
-        first_lprobs = self.log_probs(heads[:, 0], ctx)  # (rows, vocab)
+        base = features[:, 0]  # (rows, dim)
+        heads = None if self.decoder.heads.identity_first else self.heads(base)  # (rows, block, dim)
+        first_lprobs = self.log_probs(base if heads is None else heads[:, 0], ctx)  # (rows, vocab)
         rules = RowStepProcessors(ctx.processors)
         rows = torch.arange(blockwise.rows, device=positions.device)
         rules(first_lprobs, blockwise.length, blockwise.tokens, rows, blockwise.sentence, blockwise.max_len)
-        self.propose(blockwise, ctx, first_lprobs, None if attn is None else attn[:, 0], self.later_lprobs(heads, ctx))
+        self.propose(blockwise, ctx, first_lprobs, None if attn is None else attn[:, 0],
+                     self.later_lprobs(base, heads, ctx))
         return blockwise
 
     def advance(self, state: BlockwiseState, ctx):
@@ -336,8 +347,8 @@ class BlockwisePolicy:
             return
         first_lprobs = lprobs[alive, last]  # (rows, vocab), already processed
         first_attn = None if attn is None else attn[alive, last]
-        heads = self.heads(features[alive, last]) if all_heads is None else all_heads[alive, last]  # (rows, block, dim)
-        self.propose(state, ctx, first_lprobs, first_attn, self.later_lprobs(heads, ctx))
+        heads = None if all_heads is None else all_heads[alive, last]  # (rows, block, dim)
+        self.propose(state, ctx, first_lprobs, first_attn, self.later_lprobs(features[alive, last], heads, ctx))
 
     def accepted_prefix(self, block, lprobs, best, eos) -> Tensor:
         """(rows, n) bool: the tokens of each row's block that are accepted (a prefix)."""
@@ -349,9 +360,21 @@ class BlockwisePolicy:
         ok &= (is_eos.cumsum(dim=1) - is_eos.long()).eq(0)  # nothing after an eos
         return ok.long().cumprod(dim=1).bool()
 
-    def later_lprobs(self, heads, ctx):
-        """Log-probabilities (rows, block - 1, vocab) of heads 2.. of ``heads`` (rows, block, dim)."""
-        return self.log_probs(heads[:, 1:], ctx) if self.block_size > 1 else None
+    def later_lprobs(self, base, heads, ctx):
+        """Log-probabilities (rows, block - 1, vocab) of heads 2.. at decoder outputs ``base`` (rows, dim).
+
+        ``heads`` (rows, block, dim): their heads where already computed in full
+        precision (a model without identity-first), else None.
+        """
+        if self.block_size == 1:
+            return None
+        if self.proposer is None:
+            heads = self.heads(base) if heads is None else heads
+            return self.log_probs(heads[:, 1:], ctx)
+        if not self.proposer.is_current(self.decoder):  # the model's weights changed since the int8 copy
+            self.proposer = Int8Proposer(self.decoder)
+        later = self.proposer.later_heads(base) if heads is None else heads[:, 1:]  # (rows, k - 1, dim)
+        return self.log_probs(later[:, : self.block_size - 1], ctx, project=self.proposer.logits)
 
     def propose(self, state: BlockwiseState, ctx, first_lprobs, first_attn, later_lprobs):
         """Set the next block: greedy's token from ``first_lprobs`` (rows, vocab),
@@ -383,14 +406,20 @@ class BlockwisePolicy:
         return features, attn
 
     @staticmethod
-    def log_probs(features, ctx):
-        """Log-probabilities (..., vocab) of head features (..., dim), as the runner computes them."""
+    def log_probs(features, ctx, project=None):
+        """Log-probabilities (..., vocab) of head features (..., dim), as the runner computes them
+        (``project``: features -> logits in place of the model's projection)."""
         runner = ctx.runner
         squeeze = features.dim() == 2
         # contiguous: the decoder's output is a transposed view, on which a 3-D linear is several times slower
         features = features.unsqueeze(1) if squeeze else features.contiguous()  # (rows, n, dim)
         decoder = runner.model.decoder
-        logits = decoder.output_layer(features) if runner.projection is None else runner.projection(features, decoder)
+        if project is not None:
+            logits = project(features)
+        elif runner.projection is None:
+            logits = decoder.output_layer(features)
+        else:
+            logits = runner.projection(features, decoder)
         if runner.temperature != 1.0:
             logits = logits.div_(runner.temperature)
         lprobs = utils.log_softmax(logits, dim=-1)
@@ -442,5 +471,6 @@ class BlockwiseGenerator(FastgenGenerator):
         min_block = option_value(gen_cfg, "blockwise_min_block")
         if min_block < 1:
             raise ValueError(f"--blockwise-min-block must be >= 1, got {min_block}")
-        policy = BlockwisePolicy(decoder, block_size, build_acceptance(gen_cfg, tgt_dict), min_block, tgt_dict.pad())
+        policy = BlockwisePolicy(decoder, block_size, build_acceptance(gen_cfg, tgt_dict), min_block, tgt_dict.pad(),
+                                 int8_proposals=option_value(gen_cfg, "blockwise_int8_proposals"))
         return cls(model, tgt_dict, gen_cfg, policy, projection=projection)

@@ -17,6 +17,7 @@ from fairseq.data import Dictionary
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq_fastgen import toy
 from fairseq_fastgen.sequence_generators.blockwise import OrdinalDistance, RowStepProcessors, ordinal_values
+from fairseq_fastgen.sequence_generators.int8_proposals import Int8Linear
 from fairseq_fastgen.sequence_generators.processors import BanRepeatedNgrams, ForcePrefix, LengthLimits
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
@@ -206,6 +207,57 @@ def test_row_step_processors_equal_the_processors_at_each_rows_step():
         for processor in processors:
             processor(alone, state)
         assert torch.equal(together[row], alone[0]), row
+
+
+# ---- int8 proposals ------------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size, batch_size", [(2, 1), (2, 5), (2, 64), (4, 5), (4, 64)])
+def test_int8_proposals_keep_greedy_output(loaded, block_size, batch_size):
+    """k = 2 is identity-first (int8 k-head layer and projection), k = 4 is not (int8 projection)."""
+    model, task = loaded(block_size)
+    greedy, _ = decode(model, task, batch_size, decoder="greedy", **SOURCE_LENGTH)
+    int8, generator = decode(model, task, batch_size, decoder="blockwise", blockwise_int8_proposals=True,
+                             **SOURCE_LENGTH)
+    assert_same_tokens(greedy, int8)
+    assert_statistics(generator.counters.as_dict(), int8, batches=math.ceil(200 / batch_size))
+    assert generator.policy.proposer is not None
+
+
+def test_int8_linear_is_within_its_rounding_bound():
+    """|int8 - float| per output <= what rounding the weight (half its row's scale) and the input (half the
+    input's step, 7-bit range) can make."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 64, generator=generator)
+    bias = torch.randn(300, generator=generator)
+    x = torch.randn(2, 5, 64, generator=generator)  # (..., in) with two leading dimensions
+    got, exact = Int8Linear(weight, bias)(x), torch.nn.functional.linear(x, weight, bias)
+    assert got.shape == exact.shape == (2, 5, 300)
+    weight_step = weight.abs().amax(dim=1) / 127  # (out,)
+    input_step = (x.max().clamp(min=0) - x.min().clamp(max=0)) / 127  # the whole input shares one step
+    weight_error = x.abs().sum(dim=-1, keepdim=True) * weight_step / 2  # (2, 5, out)
+    input_error = (weight.abs().sum(dim=1) + weight_step * 64) * input_step / 2  # (out,)
+    bound = weight_error + input_error
+    assert bool(((got - exact).abs() <= bound * 1.01 + 1e-5).all())
+    assert not torch.equal(got, exact)  # it is not the float product
+    assert (got - exact).abs().max() > 1e-3
+
+
+def test_int8_proposals_follow_weight_updates(loaded):
+    """An in-place update of a copied weight (an optimizer step) makes the policy copy the weights again."""
+    model, task = loaded(2)
+    generator = build(model, task, beam=1, blockwise_int8_proposals=True)
+    run_generator(generator, model, task, 64)
+    first = generator.policy.proposer
+    weight = model.decoder.heads.fc2.weight
+    saved = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(0.5)
+        run_generator(generator, model, task, 64)
+        assert generator.policy.proposer is not first
+        assert generator.policy.proposer.is_current(model.decoder)
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
 
 
 # ---- refusals ------------------------------------------------------------------------------------

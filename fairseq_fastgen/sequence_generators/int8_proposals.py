@@ -1,0 +1,99 @@
+"""Blockwise proposals from int8 weights, on the CPU (``--blockwise-int8-proposals``).
+
+Blockwise decoding verifies every proposed token with head 1 in full
+precision; where the proposals of heads 2..k come from is free.  At small
+batches on the CPU they are bound by reading weights: the k-head layer (k x
+ffn_dim wide) and the vocabulary projection, read again for every proposing
+head.  fbgemm's dynamic int8 linear reads a quarter of the bytes and, unlike
+MKL at a handful of rows, keeps its speed at 2-8 rows.
+
+Exact acceptance keeps greedy's output whatever the proposals are (a token
+int8 rounding changed is rejected by head 1); the approximate criteria accept
+unverified or near-miss proposals, so with them int8 may change the output.
+
+The int8 copies follow the model: they are made again when a weight they
+copy has changed in place (an optimizer step), so a generator built once
+(validation during training) never proposes from stale weights.
+"""
+
+import warnings
+from typing import List
+
+import torch
+from torch import Tensor
+
+
+class Int8Linear:
+    """``F.linear(x, weight, bias)`` with weight rounded to int8, one scale per output row.
+
+    The input is quantized per call (fbgemm's dynamic quantization, the
+    reduced range its x86 kernels need).
+    """
+
+    def __init__(self, weight: Tensor, bias=None):
+        weight = weight.detach().float().contiguous()  # (out, in)
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # (out,)
+        zero_points = torch.zeros(weight.size(0), dtype=torch.long)
+        with warnings.catch_warnings():  # torch announces quantized tensors' removal; Int8Proposer reports it then
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.detach().float())
+        self.out_features = weight.size(0)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """x: (..., in) float -> (..., out) float."""
+        return torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
+
+
+class Int8Proposer:
+    """int8 copies of what makes the proposals of heads 2..k of a ``KHeadTransformerDecoder``.
+
+    ``later_heads(x)``: head features 2..k (rows, k - 1, dim) of decoder outputs
+    x (rows, dim), as ``KHeadLayer`` computes them; ``logits(h)``: the
+    vocabulary projection (..., vocab) of head features h (..., dim).
+    """
+
+    def __init__(self, decoder):
+        heads = decoder.heads
+        if decoder.output_projection is None or getattr(decoder, "adaptive_softmax", None) is not None:
+            raise ValueError("--blockwise-int8-proposals needs a decoder with a plain output projection "
+                             "(this one uses an adaptive softmax)")
+        device = decoder.output_projection.weight.device
+        if device.type != "cpu":
+            raise ValueError(f"--blockwise-int8-proposals runs on the CPU (fbgemm's int8 linear); the model is on "
+                             f"{device}: leave the option out")
+        self.decoder = decoder
+        self.sources = self.copied_weights(decoder)
+        self.versions = [weight._version for weight in self.sources]
+        try:
+            self.output = Int8Linear(decoder.output_projection.weight, decoder.output_projection.bias)
+            self.fc1 = self.fc2 = None  # without identity-first, every head is computed in full precision anyway
+            if heads.identity_first and heads.fc1 is not None:
+                self.fc1 = Int8Linear(heads.fc1.weight, heads.fc1.bias)
+                self.fc2 = Int8Linear(heads.fc2.weight, heads.fc2.bias)
+        except (RuntimeError, AttributeError) as error:  # no int8 engine for this CPU, or a torch without them
+            raise ValueError(f"--blockwise-int8-proposals: torch cannot make an int8 linear here ({error})") from error
+
+    @staticmethod
+    def copied_weights(decoder) -> List[Tensor]:
+        heads = decoder.heads
+        layers = [decoder.output_projection]
+        if heads.identity_first and heads.fc1 is not None:
+            layers += [heads.fc1, heads.fc2]
+        return [p for layer in layers for p in (layer.weight, layer.bias) if p is not None]
+
+    def is_current(self, decoder) -> bool:
+        """True while the model still holds the weights this proposer copied."""
+        weights = self.copied_weights(decoder)
+        return (decoder is self.decoder and len(weights) == len(self.sources)
+                and all(w is s and w._version == v for w, s, v in zip(weights, self.sources, self.versions)))
+
+    def later_heads(self, x: Tensor) -> Tensor:
+        """(rows, dim) -> (rows, k - 1, dim): heads 2..k of an identity-first ``KHeadLayer``."""
+        heads = self.decoder.heads
+        hidden = heads.activation_fn(self.fc1(x))  # (rows, k * ffn)
+        offsets = self.fc2(hidden)  # (rows, (k - 1) * dim)
+        return x.unsqueeze(-2) + offsets.view(x.shape[:-1] + (heads.learned_heads, heads.dim))
+
+    def logits(self, features: Tensor) -> Tensor:
+        return self.output(features)
