@@ -2,6 +2,7 @@
 head 1, sentence by sentence, on the toy k-head checkpoints (k = 2 and 4); one
 model invocation per iteration; approximate criteria; refusals; the real CLIs."""
 
+import copy
 import json
 import math
 import os
@@ -284,6 +285,13 @@ def test_bad_options_are_refused(loaded, options, message):
     model, task = loaded(4)
     with pytest.raises(ValueError, match=re.escape(message)):
         build(model, task, **options)
+
+
+def test_int8_proposals_off_the_cpu_are_refused(loaded):
+    model, task = loaded(2)
+    elsewhere = copy.deepcopy(model).to("meta")  # any device but the CPU; no GPU needed
+    with pytest.raises(ValueError, match="runs on the CPU.*the model is on meta"):
+        build(elsewhere, task, beam=1, blockwise_int8_proposals=True)
 
 
 def test_a_smaller_block_uses_the_first_heads(loaded):
