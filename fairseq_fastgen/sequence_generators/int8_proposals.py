@@ -2,18 +2,20 @@
 
 Blockwise decoding verifies every proposed token with head 1 in full
 precision; where the proposals of heads 2..k come from is free.  At small
-batches on the CPU they are bound by reading weights: the k-head layer (k x
-ffn_dim wide) and the vocabulary projection, read again for every proposing
-head.  fbgemm's dynamic int8 linear reads a quarter of the bytes and, unlike
-MKL at a handful of rows, keeps its speed at 2-8 rows.
+batches on the CPU their products are slow: the k-head layer is k x ffn_dim
+wide, and MKL's fp32 product onto the vocabulary costs at 3 rows about what
+3 one-row products cost.  fbgemm's dynamic int8 linear reads a quarter of the
+bytes and costs about the same at 1 and 3 rows (docs/benchmarks.md, issue 3).
 
 Exact acceptance keeps greedy's output whatever the proposals are (a token
 int8 rounding changed is rejected by head 1); the approximate criteria accept
 unverified or near-miss proposals, so with them int8 may change the output.
 
 The int8 copies follow the model: they are made again when a weight they
-copy has changed in place (an optimizer step), so a generator built once
-(validation during training) never proposes from stale weights.
+copy has changed in place (an optimizer step bumps the tensor's version), so
+a generator built once (validation during training) does not propose from
+stale weights.  Writes through ``weight.data`` bypass the version counter;
+in exact mode a stale copy costs speed, never output.
 """
 
 import warnings
