@@ -85,9 +85,9 @@ class Int8Proposer:
         return [p for layer in layers for p in (layer.weight, layer.bias) if p is not None]
 
     def is_current(self, decoder) -> bool:
-        """True while the model still holds the weights this proposer copied."""
+        """True while the model still holds the weights this proposer copied, on the CPU."""
         weights = self.copied_weights(decoder)
-        return (decoder is self.decoder and len(weights) == len(self.sources)
+        return (decoder is self.decoder and len(weights) == len(self.sources) and weights[0].device.type == "cpu"
                 and all(w is s and w._version == v for w, s, v in zip(weights, self.sources, self.versions)))
 
     def later_heads(self, x: Tensor) -> Tensor:

@@ -292,6 +292,12 @@ def test_int8_proposals_off_the_cpu_are_refused(loaded):
     elsewhere = copy.deepcopy(model).to("meta")  # any device but the CPU; no GPU needed
     with pytest.raises(ValueError, match="runs on the CPU.*the model is on meta"):
         build(elsewhere, task, beam=1, blockwise_int8_proposals=True)
+    moved_later = copy.deepcopy(model)  # built on the CPU, then moved: refused at the next proposal
+    policy = build(moved_later, task, beam=1, blockwise_int8_proposals=True).policy
+    moved_later.to("meta")
+    assert not policy.proposer.is_current(moved_later.decoder)
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        policy.later_lprobs(torch.zeros(1, 1, device="meta"), None, None)
 
 
 def test_a_smaller_block_uses_the_first_heads(loaded):
