@@ -111,12 +111,21 @@ class KHeadLayer(nn.Module):
         base = x.unsqueeze(-2)  # (..., 1, dim)
         if self.learned_heads == 0:
             return base
-        hidden = self.activation_dropout_module(self.activation_fn(self.fc1(x)))  # (..., k * ffn)
-        offsets = self.dropout_module(self.fc2(hidden))  # (..., learned_heads * dim)
-        heads = base + offsets.view(x.shape[:-1] + (self.learned_heads, self.dim))  # (..., learned_heads, dim)
+        heads = self.learned(x)  # (..., learned_heads, dim)
         if self.identity_first:
             heads = torch.cat([base, heads], dim=-2)
         return heads  # (..., k, dim)
+
+    def learned(self, x: Tensor, fc1=None, fc2=None) -> Tensor:
+        """The learned heads (..., learned_heads, dim) of ``x`` (..., dim): ``x + fc2(act(fc1(x)))``.
+
+        ``fc1``/``fc2``: callables in place of the layer's own (int8 copies for blockwise proposals).
+        """
+        fc1 = self.fc1 if fc1 is None else fc1
+        fc2 = self.fc2 if fc2 is None else fc2
+        hidden = self.activation_dropout_module(self.activation_fn(fc1(x)))  # (..., k * ffn)
+        offsets = self.dropout_module(fc2(hidden))  # (..., learned_heads * dim)
+        return x.unsqueeze(-2) + offsets.view(x.shape[:-1] + (self.learned_heads, self.dim))
 
     def first(self, x: Tensor) -> Tensor:
         """Head-1 features of ``x`` (..., dim), computed as in :meth:`forward`."""

@@ -36,11 +36,11 @@ class Int8Linear:
         weight = weight.detach().float().contiguous()  # (out, in)
         scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # (out,)
         zero_points = torch.zeros(weight.size(0), dtype=torch.long)
-        with warnings.catch_warnings():  # torch announces quantized tensors' removal; Int8Proposer reports it then
+        # torch announces the removal of quantized tensors; once they are gone, Int8Proposer refuses the option
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
             quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
         self.packed = torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.detach().float())
-        self.out_features = weight.size(0)
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: (..., in) float -> (..., out) float."""
@@ -92,10 +92,7 @@ class Int8Proposer:
 
     def later_heads(self, x: Tensor) -> Tensor:
         """(rows, dim) -> (rows, k - 1, dim): heads 2..k of an identity-first ``KHeadLayer``."""
-        heads = self.decoder.heads
-        hidden = heads.activation_fn(self.fc1(x))  # (rows, k * ffn)
-        offsets = self.fc2(hidden)  # (rows, (k - 1) * dim)
-        return x.unsqueeze(-2) + offsets.view(x.shape[:-1] + (heads.learned_heads, heads.dim))
+        return self.decoder.heads.learned(x, self.fc1, self.fc2)
 
     def logits(self, features: Tensor) -> Tensor:
         return self.output(features)
