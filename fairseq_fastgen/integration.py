@@ -19,7 +19,9 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    may share the model) and the FastSeq optimizations
    (:func:`fairseq_fastgen.fastseq.optimize_stock_generator`: encoder cache
    shared by the beams unless ``--no-shared-encoder-cache``, n-gram banning
-   that works on CPU).
+   that works on CPU).  For every decoder, ``--onednn-linear`` routes the
+   model's linear layers through oneDNN while that generator generates
+   (:mod:`fairseq_fastgen.ops.onednn_linear`).
 4. ``data_utils.batch_by_size``: fairseq drops the last batch when its size is
    not a multiple of ``--required-batch-size-multiple`` (default 8), so
    fairseq-generate silently loses sentences; we keep that batch.  And
@@ -134,6 +136,9 @@ def _install_build_generator():
             extra = dict(extra_gen_cls_kwargs or {})
             extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn
             generator = entry.builder(models, self.target_dictionary, args, **extra)
+        from fairseq_fastgen.ops.onednn_linear import use_onednn_linears
+
+        use_onednn_linears(generator, models, args)  # --onednn-linear, every decoder
         generator.fastgen_decoder = name
         generators_built.append(generator)
         return generator

@@ -66,6 +66,7 @@ def test_unknown_decoder_is_refused_with_choices(toy_model):
 
 
 def test_help_lists_decoder_and_its_options(plugin_dir):
+    from fairseq_fastgen.config import PluginOptions
     from fairseq_fastgen.sequence_generators import DECODERS
 
     for tool in ("generate", "interactive"):
@@ -75,10 +76,10 @@ def test_help_lists_decoder_and_its_options(plugin_dir):
         help_text = " ".join(completed.stdout.split())
         choices = re.search(r"--decoder \{([^}]*)\}", help_text).group(1).split(",")
         assert sorted(choices) == sorted(DECODERS)
-        for entry in DECODERS.values():
-            if entry.options is None:
+        for options in [PluginOptions] + [entry.options for entry in DECODERS.values()]:
+            if options is None:
                 continue
-            for name in entry.options.__dataclass_fields__:
+            for name in options.__dataclass_fields__:
                 if not name.startswith("_"):
                     assert "--" + name.replace("_", "-") in help_text, f"{name} missing from {tool} --help"
 

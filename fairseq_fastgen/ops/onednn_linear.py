@@ -1,0 +1,145 @@
+"""The model's linear layers through oneDNN's prepacked fp32 product, on the CPU (``--onednn-linear``).
+
+torch computes ``nn.Linear`` on the CPU with MKL, which takes a generic code
+path on CPUs that are not Intel's: on the AMD EPYC (AVX-512) of our
+development machines its products at decoding shapes run 2-4x slower than
+oneDNN's, which torch also ships (docs/benchmarks.md, issue 9).  oneDNN packs
+a weight once into its blocked layout; the product then reads it as packed.
+
+Entry point: :func:`onednn_linear` (x, packed weight, bias); its reference is
+``torch.nn.functional.linear`` (the tests compare them).  Both compute in
+fp32 but sum in different orders, so results differ in the last bits: a
+decoder's scores move by about 1e-6 and its tokens can change only where two
+candidates are that close.  This is why the option is off by default and
+stock fairseq's bitwise guarantees (the shared encoder cache, the lean beam
+loop) are stated without it.
+
+:class:`OneDNNLinears` serves one model: while ``attached()``, every
+``nn.Linear`` of the model computes through its packed weight (an instance
+attribute ``forward`` shadowing the method, removed on exit, as the cluster
+projection attaches to ``output_layer``).  Packed weights are kept between
+batches and packed again when the layer's weight changes (a new tensor, or an
+in-place update: the tensor's version counter).  Where the product needs a
+gradient, or a layer's weight is not fp32, the layer keeps its own forward.
+"""
+
+import contextlib
+import functools
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# oneDNN chooses the packed layout for an expected number of rows; measured
+# (8008 x 256, one thread): a hint of 64 rows packs a layout as fast at 1 and 4
+# rows as a hint of 4, and faster at 64-256 rows than a hint of 1 or 4.
+ROWS_HINT = 64
+# A oneDNN product costs about 15 us more per call than MKL's; below this many
+# multiply-adds (rows x in x out) MKL's is faster (measured, one thread: 256 x 256
+# weights break even at 16 rows, 1024 x 256 at 4-8, 8008 x 256 at 1), and the
+# layer keeps torch's product.
+MIN_MULTIPLY_ADDS = 1 << 20
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def pack_weight(weight: Tensor) -> Tensor:
+    """weight (out, in) fp32 on the CPU -> oneDNN's packed copy."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), ROWS_HINT)
+
+
+def onednn_linear(x: Tensor, packed: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """``F.linear(x, weight, bias)`` with ``packed = pack_weight(weight)``: x (..., in) -> (..., out)."""
+    rows = x.reshape(-1, x.size(-1)).contiguous()  # (rows, in)
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, None if bias is None else bias.detach(), "none", [], "")
+    return out.view(*x.shape[:-1], out.size(-1))
+
+
+class PackedForward:
+    """Stands in for ``linear.forward``: the product through the packed weight."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+        self.source: Optional[Tensor] = None
+        self.version = -1
+        self.packed: Optional[Tensor] = None
+
+    def is_current(self) -> bool:
+        weight = self.linear.weight
+        return weight is self.source and weight._version == self.version
+
+    def __call__(self, x: Tensor) -> Tensor:
+        linear = self.linear
+        weight = linear.weight
+        if x.device.type != "cpu" or weight.device.type != "cpu":
+            raise ValueError(f"--onednn-linear runs on the CPU; this layer's input is on {x.device} and its weight "
+                             f"on {weight.device}: leave the option out")
+        if x.dtype != torch.float32 or weight.dtype != torch.float32 or (
+                torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad)):
+            return F.linear(x, weight, linear.bias)  # the product oneDNN's packed path does not serve
+        if x.numel() * weight.size(0) < MIN_MULTIPLY_ADDS:  # rows x in x out
+            return F.linear(x, weight, linear.bias)  # small: MKL's product costs less than oneDNN's call
+        if not self.is_current():
+            self.packed = pack_weight(weight)
+            self.source, self.version = weight, weight._version
+        return onednn_linear(x, self.packed, linear.bias)
+
+
+class OneDNNLinears:
+    """The packed forwards of every ``nn.Linear`` of ``model``, attached while :meth:`attached` runs."""
+
+    def __init__(self, model: nn.Module):
+        if not onednn_available():
+            raise ValueError("--onednn-linear needs a torch built with oneDNN (mkldnn); this one has none: "
+                             "leave the option out")
+        devices = {p.device.type for p in model.parameters()}
+        if devices - {"cpu"}:
+            raise ValueError(f"--onednn-linear runs on the CPU; the model is on {', '.join(sorted(devices))}: "
+                             f"leave the option out")
+        self.model = model
+        self.forwards: Dict[int, PackedForward] = {}
+
+    def linears(self):
+        return [m for m in self.model.modules() if isinstance(m, nn.Linear)]
+
+    @contextlib.contextmanager
+    def attached(self):
+        """Inside the block, the model's linear layers compute through oneDNN."""
+        attached = []
+        try:
+            for linear in self.linears():  # looked up each time: a layer may have been replaced
+                if "forward" in linear.__dict__:
+                    continue  # someone else's stand-in: leave it
+                forward = self.forwards.get(id(linear))
+                if forward is None or forward.linear is not linear:
+                    forward = self.forwards[id(linear)] = PackedForward(linear)
+                linear.forward = forward
+                attached.append(linear)
+            yield
+        finally:
+            for linear in attached:
+                del linear.forward
+
+
+def use_onednn_linears(generator, models, gen_cfg):
+    """``--onednn-linear``: ``generator.generate`` computes the linear layers of ``models``
+    through oneDNN (every decoder, stock beam search included). Without the option: nothing."""
+    from fairseq_fastgen.sequence_generators.registry import option_value  # noqa: registry imports the ops' users
+
+    if not option_value(gen_cfg, "onednn_linear"):
+        return
+    linears = [OneDNNLinears(model) for model in models]
+    generate = generator.generate
+
+    @functools.wraps(generate)
+    def generate_with_onednn(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            for model_linears in linears:
+                stack.enter_context(model_linears.attached())
+            return generate(*args, **kwargs)
+
+    generator.generate = generate_with_onednn
+    generator.onednn_linears = linears
