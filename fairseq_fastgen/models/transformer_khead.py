@@ -264,6 +264,12 @@ class KHeadTransformerDecoder(TransformerDecoderBase):
         ``prev_key_padding_mask``.  The cache is as wide as the longest row.
         """
         buffer = self.layers[0].self_attn._get_input_buffer(cache)
+        counts = accepted.sum(dim=1)  # (rows,) a prefix of each row's new positions
+        if bool(counts.eq(counts[0]).all()):  # every row drops its last n - count positions: a slice
+            dropped = accepted.size(1) - int(counts[0])
+            if dropped:
+                self.drop_last_positions(cache, dropped)
+            return
         keep = ~buffer["prev_key_padding_mask"].bool()  # (rows, cached)
         keep[:, keep.size(1) - accepted.size(1):] &= accepted
         if bool(keep.all()):
@@ -278,6 +284,16 @@ class KHeadTransformerDecoder(TransformerDecoderBase):
             buffer["prev_key"] = keys.gather(2, index)
             buffer["prev_value"] = buffer["prev_value"].gather(2, index)
             buffer["prev_key_padding_mask"] = kept_padding
+            layer.self_attn._set_input_buffer(cache, buffer)
+
+    def drop_last_positions(self, cache: Cache, dropped: int):
+        """Drop the last ``dropped`` cached positions of every row (views; the cache stays as wide
+        as the longest row, since every row loses the same positions)."""
+        for layer in self.layers:
+            buffer = layer.self_attn._get_input_buffer(cache)
+            for name in ("prev_key", "prev_value"):  # (rows, heads, cached, head_dim)
+                buffer[name] = buffer[name][:, :, :-dropped]
+            buffer["prev_key_padding_mask"] = buffer["prev_key_padding_mask"][:, :-dropped]  # (rows, cached)
             layer.self_attn._set_input_buffer(cache, buffer)
 
 

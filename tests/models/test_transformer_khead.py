@@ -90,8 +90,10 @@ def test_heads_start_as_the_base_prediction_and_identity_first_keeps_it(toy_mode
 
 
 @torch.no_grad()
-def test_forward_block_with_rollback_equals_full_forward(tiny):
-    """Rows accept different numbers of tokens per pass; rejected positions are rolled
+@pytest.mark.parametrize("same_take", [False, True])
+def test_forward_block_with_rollback_equals_full_forward(tiny, same_take):
+    """Rows accept different numbers of tokens per pass (or, with ``same_take``, all
+    rows the same number: the rollback's slicing path); rejected positions are rolled
     back, and the accepted positions' features equal the full teacher-forced pass."""
     model, task = tiny
     decoder = model.decoder
@@ -109,7 +111,8 @@ def test_forward_block_with_rollback_equals_full_forward(tiny):
     junk = len(task.target_dictionary) - 1
     while min(done) < length:
         block = torch.full((rows, n), junk)
-        take = [min(pick.randint(1, n), length - d) for d in done]  # 0 for a finished row
+        same = pick.randint(1, n)
+        take = [min(same if same_take else pick.randint(1, n), length - d) for d in done]  # 0: finished row
         for row in range(rows):
             block[row, : take[row]] = prev[row, done[row]: done[row] + take[row]]
         positions = torch.tensor(done).unsqueeze(1) + torch.arange(n)
