@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from fairseq_fastgen.ops.onednn_linear import (
-    MIN_MULTIPLY_ADDS, OneDNNLinears, PackedForward, onednn_available, onednn_linear, pack_weight,
+    MIN_MULTIPLY_ADDS, ROW_SIZES_PER_OCTAVE, OneDNNLinears, PackedForward, onednn_available, onednn_linear,
+    pack_weight, padded_rows,
 )
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
@@ -25,7 +26,7 @@ def rounding_bound(x, weight, bias):
     return 2 * x.size(-1) * EPS * magnitude + 1e-30
 
 
-@pytest.mark.parametrize("rows", [1, 4, 320])
+@pytest.mark.parametrize("rows", [1, 4, 37, 320])  # 37: padded to 40 rows
 @pytest.mark.parametrize("out_features,in_features", [(8008, 256), (1024, 256), (256, 1024)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_onednn_linear_equals_the_reference_within_rounding(rows, out_features, in_features, with_bias):
@@ -38,6 +39,15 @@ def test_onednn_linear_equals_the_reference_within_rounding(rows, out_features, 
     expected = F.linear(x, weight, bias)
     assert got.shape == expected.shape == (1, rows, out_features)
     assert ((got.double() - expected.double()).abs() <= rounding_bound(x, weight, bias)).all()
+
+
+def test_padded_rows_bound_the_shapes_and_the_padding():
+    sizes = [padded_rows(rows) for rows in range(1, 1025)]
+    assert sizes[:2 * ROW_SIZES_PER_OCTAVE - 1] == list(range(1, 2 * ROW_SIZES_PER_OCTAVE))  # exact when small
+    assert all(rows <= size <= rows * (1 + 1 / ROW_SIZES_PER_OCTAVE) for rows, size in enumerate(sizes, 1))
+    assert sizes == sorted(sizes)
+    for octave in range(4, 10):  # sizes in [2^octave, 2^(octave + 1))
+        assert len({size for size in sizes if 1 << octave <= size < 2 << octave}) == ROW_SIZES_PER_OCTAVE
 
 
 def layer(out_features, in_features, seed=0):
