@@ -25,7 +25,7 @@ from fairseq_fastgen.sequence_generators.runner import ModelRunner
 PARTS = [
     (GreedyPolicy, "advance"), (ModelRunner, "step"),
     (BlockwisePolicy, "start"), (BlockwisePolicy, "advance"), (BlockwisePolicy, "run_block"),
-    (BlockwisePolicy, "log_probs"), (BlockwisePolicy, "later_lprobs"), (BlockwisePolicy, "propose"),
+    (BlockwisePolicy, "log_probs"), (BlockwisePolicy, "later_scores"), (BlockwisePolicy, "propose"),
     (BlockwisePolicy, "accepted_prefix"), (RowStepProcessors, "__call__"), (BlockwiseState, "accept"),
     (BlockwiseState, "select"), (KHeadTransformerDecoder, "rollback"),
 ]

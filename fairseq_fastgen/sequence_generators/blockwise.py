@@ -171,13 +171,16 @@ class RowStepProcessors:
 
     def __init__(self, processors):
         self.processors = processors
+        # whether some processor reads the tokens before a step (forced prefix, n-gram ban)
+        self.reads_history = any(not isinstance(p, (ForbidPad, UnkPenalty, LengthLimits)) for p in processors)
 
     def __call__(self, lprobs, steps, history, row_of, sentence, max_len):
         """Edit ``lprobs`` (N, vocab) in place.
 
         steps: (N,) the step of each lprobs row; history: (rows, width) bos and
-        tokens of each row (up to at least ``steps``); row_of: (N,) the history
-        row of each lprobs row; sentence, max_len: (rows,).
+        tokens of each row (up to at least ``steps``; may be None unless
+        ``reads_history``); row_of: (N,) the history row of each lprobs row;
+        sentence, max_len: (rows,).
         """
         for processor in self.processors:
             if isinstance(processor, (ForbidPad, UnkPenalty)):  # read nothing but lprobs
@@ -301,7 +304,7 @@ class BlockwisePolicy:
         rows = torch.arange(blockwise.rows, device=positions.device)
         rules(first_lprobs, blockwise.length, blockwise.tokens, rows, blockwise.sentence, blockwise.max_len)
         self.propose(blockwise, ctx, first_lprobs, None if attn is None else attn[:, 0],
-                     self.later_lprobs(base, heads, ctx))
+                     self.later_scores(base, heads, ctx))
         return blockwise
 
     def advance(self, state: BlockwiseState, ctx):
@@ -318,12 +321,15 @@ class BlockwisePolicy:
         # with an identity head 1 the k-head layer runs only where proposals are read (below)
         all_heads = None if self.decoder.heads.identity_first else self.heads(features)  # (rows, n, block, dim)
         lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)  # (rows, n, vocab)
-        history = torch.cat([state.tokens, block.new_full((state.rows, n), self.pad)], dim=1)
-        history[rows.unsqueeze(1), 1 + state.length.unsqueeze(1) + offsets] = block
+        rules = RowStepProcessors(ctx.processors)
+        history = None
+        if rules.reads_history:
+            history = torch.cat([state.tokens, block.new_full((state.rows, n), self.pad)], dim=1)
+            history[rows.unsqueeze(1), 1 + state.length.unsqueeze(1) + offsets] = block
         steps = (state.length.unsqueeze(1) + 1 + offsets).view(-1)  # (rows * n,)
         flat = lprobs.view(-1, lprobs.size(-1))
         row_of = rows.repeat_interleave(n)  # (rows * n,)
-        RowStepProcessors(ctx.processors)(flat, steps, history, row_of, state.sentence, state.max_len)
+        rules(flat, steps, history, row_of, state.sentence, state.max_len)
         best = lprobs.topk(1, dim=-1).indices.squeeze(2)  # (rows, n): greedy's choice after each block token
         accepted = self.accepted_prefix(block, lprobs, best, ctx.eos)  # (rows, n)
         count = accepted.sum(dim=1)  # (rows,) >= 1
@@ -348,7 +354,7 @@ class BlockwisePolicy:
         first_lprobs = lprobs[alive, last]  # (rows, vocab), already processed
         first_attn = None if attn is None else attn[alive, last]
         heads = None if all_heads is None else all_heads[alive, last]  # (rows, block, dim)
-        self.propose(state, ctx, first_lprobs, first_attn, self.later_lprobs(features[alive, last], heads, ctx))
+        self.propose(state, ctx, first_lprobs, first_attn, self.later_scores(features[alive, last], heads, ctx))
 
     def accepted_prefix(self, block, lprobs, best, eos) -> Tensor:
         """(rows, n) bool: the tokens of each row's block that are accepted (a prefix)."""
@@ -360,8 +366,10 @@ class BlockwisePolicy:
         ok &= (is_eos.cumsum(dim=1) - is_eos.long()).eq(0)  # nothing after an eos
         return ok.long().cumprod(dim=1).bool()
 
-    def later_lprobs(self, base, heads, ctx):
-        """Log-probabilities (rows, block - 1, vocab) of heads 2.. at decoder outputs ``base`` (rows, dim).
+    def later_scores(self, base, heads, ctx):
+        """Scores (rows, block - 1, vocab) of heads 2.. at decoder outputs ``base`` (rows, dim): their
+        logits, as the runner scales them. Only their argmax is read, after the step processors, and
+        a log-softmax would shift each row without moving it (the processors mask or shift columns).
 
         ``heads`` (rows, block, dim): their heads where already computed in full
         precision (a model without identity-first), else None.
@@ -370,30 +378,46 @@ class BlockwisePolicy:
             return None
         if self.proposer is None:
             heads = self.heads(base) if heads is None else heads
-            return self.log_probs(heads[:, 1:], ctx)
+            return self.log_probs(heads[:, 1:], ctx, normalize=False)
         if not self.proposer.is_current(self.decoder):  # the model's weights changed since the int8 copy
             self.proposer = Int8Proposer(self.decoder)
         later = self.proposer.later_heads(base) if heads is None else heads[:, 1:]  # (rows, k - 1, dim)
-        return self.log_probs(later[:, : self.block_size - 1], ctx, project=self.proposer.logits)
+        return self.log_probs(later[:, : self.block_size - 1], ctx, project=self.proposer.logits, normalize=False)
 
-    def propose(self, state: BlockwiseState, ctx, first_lprobs, first_attn, later_lprobs):
+    def propose(self, state: BlockwiseState, ctx, first_lprobs, first_attn, later_scores):
         """Set the next block: greedy's token from ``first_lprobs`` (rows, vocab),
-        processed) then one token per later head from ``later_lprobs`` (rows,
+        processed) then one token per later head from ``later_scores`` (rows,
         block - 1, vocab), each processed with the proposals before it as context."""
-        rows = torch.arange(state.rows, device=state.tokens.device)
         first_lprob, first = first_lprobs.topk(1, dim=-1)  # (rows, 1) each
-        history = torch.cat([state.tokens, state.tokens.new_full((state.rows, self.block_size), self.pad)], dim=1)
-        history[rows, 1 + state.length] = first.squeeze(1)
-        if self.block_size > 1:
-            rules = RowStepProcessors(ctx.processors)
-            for head in range(1, self.block_size):
-                scores = later_lprobs[:, head - 1]
-                rules(scores, state.length + head, history, rows, state.sentence, state.max_len)
-                history[rows, 1 + state.length + head] = scores.topk(1, dim=-1).indices.squeeze(1)
-        columns = 1 + state.length.unsqueeze(1) + torch.arange(self.block_size, device=rows.device)
-        state.proposals = history[rows.unsqueeze(1), columns]  # (rows, block)
         state.first_lprob = first_lprob.squeeze(1)
         state.first_attn = first_attn
+        if self.block_size == 1:
+            state.proposals = first
+            return
+        rules = RowStepProcessors(ctx.processors)
+        if rules.reads_history:
+            state.proposals = self.propose_in_turn(state, rules, first, later_scores)
+            return
+        # no processor reads earlier tokens: every later head is processed at once, at its own step
+        later = self.block_size - 1
+        rows = torch.arange(state.rows, device=first.device)
+        steps = (state.length.unsqueeze(1) + 1 + torch.arange(later, device=first.device)).view(-1)  # (rows * later,)
+        flat = later_scores.reshape(-1, later_scores.size(-1))  # (rows * later, vocab)
+        rules(flat, steps, None, rows.repeat_interleave(later), state.sentence, state.max_len)
+        best = flat.topk(1, dim=-1).indices.view(state.rows, later)  # (rows, later), ties as propose_in_turn
+        state.proposals = torch.cat([first, best], dim=1)  # (rows, block)
+
+    def propose_in_turn(self, state, rules, first, later_scores):
+        """Proposals (rows, block), each later head processed with the proposals before it as history."""
+        rows = torch.arange(state.rows, device=first.device)
+        history = torch.cat([state.tokens, state.tokens.new_full((state.rows, self.block_size), self.pad)], dim=1)
+        history[rows, 1 + state.length] = first.squeeze(1)
+        for head in range(1, self.block_size):
+            scores = later_scores[:, head - 1]
+            rules(scores, state.length + head, history, rows, state.sentence, state.max_len)
+            history[rows, 1 + state.length + head] = scores.topk(1, dim=-1).indices.squeeze(1)
+        columns = 1 + state.length.unsqueeze(1) + torch.arange(self.block_size, device=rows.device)
+        return history[rows.unsqueeze(1), columns]  # (rows, block)
 
     # ---- the model ---------------------------------------------------------------------------
     def heads(self, features):
@@ -406,9 +430,10 @@ class BlockwisePolicy:
         return features, attn
 
     @staticmethod
-    def log_probs(features, ctx, project=None):
+    def log_probs(features, ctx, project=None, normalize=True):
         """Log-probabilities (..., vocab) of head features (..., dim), as the runner computes them
-        (``project``: features -> logits in place of the model's projection)."""
+        (``project``: features -> logits in place of the model's projection; ``normalize=False``:
+        the scaled logits, without the log-softmax)."""
         runner = ctx.runner
         squeeze = features.dim() == 2
         # contiguous: the decoder's output is a transposed view, on which a 3-D linear is several times slower
@@ -422,7 +447,7 @@ class BlockwisePolicy:
             logits = runner.projection(features, decoder)
         if runner.temperature != 1.0:
             logits = logits.div_(runner.temperature)
-        lprobs = utils.log_softmax(logits, dim=-1)
+        lprobs = utils.log_softmax(logits, dim=-1) if normalize else logits.float()
         return lprobs[:, 0] if squeeze else lprobs
 
 

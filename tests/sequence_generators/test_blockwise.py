@@ -168,6 +168,30 @@ def test_min_block_accepts_at_least_that_many_tokens(loaded):
     assert iterations <= sum(math.ceil(len(tokens) / 3) for tokens, _ in outputs.values())
 
 
+def test_later_heads_proposed_at_once_equal_proposals_in_turn(loaded, monkeypatch):
+    """Without processors that read earlier tokens, heads 2..k are processed in one call; with
+    --blockwise-min-block 4 every proposal is accepted unverified, so the outputs show the
+    proposals. They must equal those of the one-head-at-a-time path (length limits, unk penalty)."""
+    model, task = loaded(4)
+    options = dict(decoder="blockwise", blockwise_min_block=4, min_len=5, unkpen=0.5, max_len_a=0, max_len_b=10)
+    at_once, _ = decode(model, task, 64, **options)
+    greedy, _ = decode(model, task, 64, decoder="greedy", min_len=5, unkpen=0.5, max_len_a=0, max_len_b=10)
+    assert any(at_once[s][0] != greedy[s][0] for s in greedy)  # the unverified proposals do show
+
+    original_init = RowStepProcessors.__init__
+
+    def in_turn(self, processors):
+        original_init(self, processors)
+        self.reads_history = True  # as with a forced prefix or an n-gram ban
+
+    monkeypatch.setattr(RowStepProcessors, "__init__", in_turn)
+    one_by_one, _ = decode(model, task, 64, **options)
+    assert sorted(one_by_one) == sorted(at_once)
+    for sentence, (tokens, scores) in at_once.items():
+        assert tokens == one_by_one[sentence][0], sentence
+        assert torch.equal(scores, one_by_one[sentence][1]), sentence
+
+
 def test_ordinal_distance_accepts_close_numbers_only():
     dictionary = Dictionary()
     for symbol in ("3", "4", "7", "cat", "dog", "-1"):
@@ -297,7 +321,7 @@ def test_int8_proposals_off_the_cpu_are_refused(loaded):
     moved_later.to("meta")
     assert not policy.proposer.is_current(moved_later.decoder)
     with pytest.raises(ValueError, match="runs on the CPU"):
-        policy.later_lprobs(torch.zeros(1, 1, device="meta"), None, None)
+        policy.later_scores(torch.zeros(1, 1, device="meta"), None, None)
 
 
 def test_a_smaller_block_uses_the_first_heads(loaded):
