@@ -66,9 +66,11 @@ def assert_unchanged_by_whole_vocabulary_file(task, model, path, decoder, beam):
     return assert_unchanged_by_projection(task, model, decoder, beam, cluster_projection=str(path))
 
 
-def assert_unchanged_by_projection(task, model, decoder, beam, **projection_options):
-    plain, no_projection = decode(task, model, decoder, beam)
-    projected, projection = decode(task, model, decoder, beam, **projection_options)
+def assert_unchanged_by_projection(task, model, decoder, beam, common_options=None, **projection_options):
+    """``common_options``: generation options of both runs (with and without the projection)."""
+    common_options = common_options or {}
+    plain, no_projection = decode(task, model, decoder, beam, **common_options)
+    projected, projection = decode(task, model, decoder, beam, **common_options, **projection_options)
     assert no_projection is None
     assert projection is not None, f"--decoder {decoder} ignored {projection_options}"
     stats = projection.statistics.as_dict()
@@ -97,6 +99,18 @@ def test_time_projection_times_the_full_projection_and_changes_nothing(toy, mode
                                            time_projection=True)
     assert stats["projection_seconds"] > 0 and stats["projection_full_vocab_steps"] == stats["projection_steps"]
     assert stats["projection_ms_per_step"] == pytest.approx(1000 * stats["projection_seconds"] / stats["projection_steps"])
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "beam"])
+def test_whole_vocabulary_file_changes_nothing_with_onednn_products(toy, model, full_coverage_path, decoder):
+    """--onednn-linear composes with --cluster-projection: the full projection the file leaves in place
+    goes through the same oneDNN product as the decoder's own projection."""
+    from fairseq_fastgen.ops.onednn_linear import onednn_available
+
+    if not onednn_available():
+        pytest.skip("this torch has no oneDNN")
+    assert_unchanged_by_projection(toy.task, model, decoder, 1 if decoder == "greedy" else 4,
+                                   common_options={"onednn_linear": True}, cluster_projection=str(full_coverage_path))
 
 
 def test_whole_vocabulary_file_changes_nothing_in_blockwise(khead, khead_full_coverage_path):
