@@ -271,9 +271,7 @@ class KHeadTransformerDecoder(TransformerDecoderBase):
                 self.drop_last_positions(cache, dropped)
             return
         keep = ~buffer["prev_key_padding_mask"].bool()  # (rows, cached)
-        keep[:, keep.size(1) - accepted.size(1):] &= accepted
-        if bool(keep.all()):
-            return
+        keep[:, keep.size(1) - accepted.size(1):] &= accepted  # some row drops a new position here
         width = int(keep.sum(dim=1).max())
         order = torch.sort(keep.int(), dim=1, stable=True).indices[:, -width:]  # (rows, width): dropped ones first
         kept_padding = ~keep.gather(1, order)  # (rows, width)

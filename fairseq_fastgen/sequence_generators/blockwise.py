@@ -215,7 +215,8 @@ class BlockwiseState:
     (column 0 is bos); columns past the row's ``length`` hold padding.
     """
 
-    def __init__(self, start: DecodingState, pad: int):
+    def __init__(self, start: DecodingState, pad: int, rules: RowStepProcessors):
+        self.rules = rules  # the decode's step processors, for rows at different steps
         rows, capacity = start.rows, int(start.max_len.max()) + 1  # at most max_len tokens and eos
         self.runner = start.runner
         self.tokens = start.tokens.new_full((rows, 1 + capacity), pad)  # (rows, 1 + capacity)
@@ -294,15 +295,14 @@ class BlockwisePolicy:
 
     def start(self, state: DecodingState, ctx) -> BlockwiseState:
         """Run the bos position; its heads propose the first block."""
-        blockwise = BlockwiseState(state, self.pad)
+        blockwise = BlockwiseState(state, self.pad, RowStepProcessors(ctx.processors))
         positions = state.tokens.new_zeros((state.rows, 1))
         features, attn = self.run_block(blockwise, state.tokens, positions, ctx)  # (rows, 1, dim)
         base = features[:, 0]  # (rows, dim)
         heads = None if self.decoder.heads.identity_first else self.heads(base)  # (rows, block, dim)
         first_lprobs = self.log_probs(base if heads is None else heads[:, 0], ctx)  # (rows, vocab)
-        rules = RowStepProcessors(ctx.processors)
         rows = torch.arange(blockwise.rows, device=positions.device)
-        rules(first_lprobs, blockwise.length, blockwise.tokens, rows, blockwise.sentence, blockwise.max_len)
+        blockwise.rules(first_lprobs, blockwise.length, blockwise.tokens, rows, blockwise.sentence, blockwise.max_len)
         self.propose(blockwise, ctx, first_lprobs, None if attn is None else attn[:, 0],
                      self.later_scores(base, heads, ctx))
         return blockwise
@@ -321,7 +321,7 @@ class BlockwisePolicy:
         # with an identity head 1 the k-head layer runs only where proposals are read (below)
         all_heads = None if self.decoder.heads.identity_first else self.heads(features)  # (rows, n, block, dim)
         lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)  # (rows, n, vocab)
-        rules = RowStepProcessors(ctx.processors)
+        rules = state.rules
         history = None
         if rules.reads_history:
             history = torch.cat([state.tokens, block.new_full((state.rows, n), self.pad)], dim=1)
@@ -394,7 +394,7 @@ class BlockwisePolicy:
         if self.block_size == 1:
             state.proposals = first
             return
-        rules = RowStepProcessors(ctx.processors)
+        rules = state.rules
         if rules.reads_history:
             state.proposals = self.propose_in_turn(state, rules, first, later_scores)
             return
