@@ -36,11 +36,11 @@ import time
 from typing import Dict, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, output_projection_of
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
+from fairseq_fastgen.ops.onednn_linear import attached_to, linear_like
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.registry import option_value
 
@@ -121,7 +121,11 @@ class ClusterProjection(TimedFullProjection):
     def project(self, features: Tensor, linear: torch.nn.Linear):
         centroids, sqnorms, active_sets = self._tensors_on(features.device)
         states = features.reshape(-1, features.size(-1))  # (rows * n, hidden)
-        clusters = nearest_clusters(states, centroids, sqnorms)  # (rows * n,)
+        if attached_to(linear):  # --onednn-linear: the distances through oneDNN too, as -2 C h + ||C||^2
+            distances = linear_like(linear, states.float(), self._minus_twice(centroids), sqnorms)
+            clusters = distances.argmin(dim=1)  # (rows * n,)
+        else:
+            clusters = nearest_clusters(states, centroids, sqnorms)  # (rows * n,)
         mask, columns = cluster_union_mask(clusters, active_sets, self.vocab_size)  # (vocab,), (active,)
         logits = project_onto_columns(features, linear, mask, columns)  # (rows, n, vocab)
         if self.full_normalizer is not None and columns.numel() < self.vocab_size:
@@ -136,6 +140,13 @@ class ClusterProjection(TimedFullProjection):
                 ClusterActiveSets(cf.offsets.to(device), cf.tokens.to(device)),
             )
         return self._tensors_by_device[device]
+
+    def _minus_twice(self, centroids: Tensor) -> Tensor:
+        """-2 C (clusters, hidden), kept per device (scaling by 2 is exact)."""
+        key = ("minus_twice", centroids.device)
+        if key not in self._tensors_by_device:
+            self._tensors_by_device[key] = centroids.mul(-2).contiguous()
+        return self._tensors_by_device[key]
 
 
 class FullNormalizer:
@@ -169,7 +180,8 @@ def nearest_clusters(states: Tensor, centroids: Tensor, centroid_sqnorms: Tensor
 
 
 def project_onto_columns(features: Tensor, linear: torch.nn.Linear, mask: Tensor, columns: Tensor) -> Tensor:
-    """Logits (rows, n, vocab) of ``linear`` on the union columns only, -inf elsewhere.
+    """Logits (rows, n, vocab) of ``linear`` on the union columns only, -inf elsewhere
+(with ``--onednn-linear`` attached to ``linear``, through oneDNN as well).
 
     features (rows, n, hidden); mask (vocab,) bool, true on the union;
     columns (active,) its ascending token ids.
@@ -189,7 +201,7 @@ def project_onto_columns(features: Tensor, linear: torch.nn.Linear, mask: Tensor
     # flattened: fairseq's features are a transposed view, on which a 3-D linear with a weight
     # that needs no grad (this one) runs unfolded, 4-5x slower on CPU at 320 rows (measured)
     states = features.reshape(-1, features.size(-1))  # (rows * n, hidden)
-    reduced = F.linear(states, weight, bias)[:, :active].view(*features.shape[:-1], active)  # (rows, n, active)
+    reduced = linear_like(linear, states, weight, bias)[:, :active].view(*features.shape[:-1], active)  # (rows, n, active)
     logits = features.new_full((*features.shape[:-1], vocab_size), -math.inf)  # (rows, n, vocab)
     return logits.index_copy_(-1, columns, reduced)
 

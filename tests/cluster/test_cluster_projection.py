@@ -2,6 +2,7 @@
 brute-force distance, union of the chosen clusters' sets as a Python set,
 full logits where the union holds a token, -inf elsewhere."""
 
+import importlib
 import math
 from types import SimpleNamespace
 
@@ -12,6 +13,11 @@ from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
 from fairseq_fastgen.cluster.projection import (
     DENSE_FRACTION, ClusterProjection, FullNormalizer, attach, attached_projection, detach, padded_width,
 )
+
+from fairseq_fastgen.ops.onednn_linear import OneDNNLinears, onednn_available, onednn_linear
+
+# the module (the package exports its function under the same name)
+onednn_module = importlib.import_module("fairseq_fastgen.ops.onednn_linear")
 
 VOCAB, HIDDEN, CLUSTERS = 80, 8, 6
 
@@ -161,3 +167,41 @@ def test_reduced_width_takes_few_sizes_and_wastes_at_most_an_eighth():
     assert widths == sorted(widths) and widths[-1] == 32008
     for octave in range(4, 15):  # the actives of each power of two: 8 widths, and the next power of two
         assert len({padded_width(a, 32008) for a in range(1 << octave, 2 << octave)}) == 9
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+@pytest.mark.parametrize("rows", [64, 320])
+def test_onednn_linear_computes_the_reduced_projection_and_the_distances(rows, monkeypatch):
+    """With --onednn-linear attached to the projection, the centroid distances and the
+    product on the union's rows run through oneDNN (both shapes are large enough) and
+    give the direct computation's logits within fp32 rounding, -inf at the same places."""
+    vocab, hidden, clusters = 8008, 256, 250
+    generator = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(hidden, vocab).requires_grad_(False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(vocab, hidden, generator=generator) * 0.05)
+    centroids = torch.randn(clusters, hidden, generator=generator)
+    token_lists = [torch.randperm(vocab, generator=generator)[:6].tolist() for _ in range(clusters)]
+    nearest = torch.randint(0, clusters, (rows,), generator=generator)
+    features = (centroids[nearest] + 0.01 * torch.randn(rows, hidden, generator=generator)).view(rows, 1, hidden)
+    cluster_file = ClusterFile.build(centroids, token_lists, ModelFingerprint(vocab, hidden, "-"), top_k=1, states=0)
+    calls = []
+
+    def counted(x, weight, bias):
+        calls.append(tuple(weight.shape))
+        return onednn_linear(x, weight, bias)
+
+    monkeypatch.setattr(onednn_module, "onednn_linear", counted)
+    with OneDNNLinears(linear).attached():
+        logits = ClusterProjection(cluster_file)(features, SimpleNamespace(output_projection=linear))
+    union = set()
+    for cluster in nearest.tolist():
+        union.update(token_lists[cluster])
+    assert len(union) < DENSE_FRACTION * vocab
+    assert calls == [(clusters, hidden), (padded_width(len(union), vocab), hidden)]
+    in_union = torch.tensor([token in union for token in range(vocab)])
+    assert torch.equal(torch.isfinite(logits), in_union.expand(rows, 1, vocab))
+    full = torch.nn.functional.linear(features, linear.weight, linear.bias)  # torch's own product
+    bound = 2 * hidden * torch.finfo(torch.float32).eps * torch.nn.functional.linear(
+        features.abs().double(), linear.weight.abs().double(), linear.bias.abs().double())
+    assert ((logits.double() - full.double()).abs()[..., in_union] <= bound[..., in_union]).all()
