@@ -21,7 +21,8 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    shared by the beams unless ``--no-shared-encoder-cache``, n-gram banning
    that works on CPU).  For every decoder, ``--onednn-linear`` routes the
    model's linear layers through oneDNN while that generator generates
-   (:mod:`fairseq_fastgen.ops.onednn_linear`).
+   (:mod:`fairseq_fastgen.ops.onednn_linear`), and ``--reuse-large-allocations``
+   sets the process's malloc thresholds (:mod:`fairseq_fastgen.ops.heap`).
 4. ``data_utils.batch_by_size``: fairseq drops the last batch when its size is
    not a multiple of ``--required-batch-size-multiple`` (default 8), so
    fairseq-generate silently loses sentences; we keep that batch.  And
@@ -139,6 +140,9 @@ def _install_build_generator():
         from fairseq_fastgen.ops.onednn_linear import use_onednn_linears
 
         use_onednn_linears(generator, models, args)  # --onednn-linear, every decoder
+        from fairseq_fastgen.ops.heap import use_heap_for_large_buffers
+
+        use_heap_for_large_buffers(args)  # --reuse-large-allocations (the process's malloc settings)
         generator.fastgen_decoder = name
         generators_built.append(generator)
         return generator
