@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fairseq_fastgen.bench.memory import rss_mib
 from fairseq_fastgen.ops.onednn_linear import onednn_linear, pack_weight
 
 WEIGHTS = {"attention 256x256": (256, 256), "fc1 1024x256": (1024, 256), "fc2 256x1024": (256, 1024),
@@ -36,14 +37,10 @@ def median_ms(call, repeat):
     return 1e3 * sorted(times)[len(times) // 2]
 
 
-def resident_mib():
-    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
-
-
 def new_shapes(max_rows=320):
     weight = torch.randn(8008, 256)
     packed = pack_weight(weight)
-    before, first, second = resident_mib(), 0.0, 0.0
+    before, first, second = rss_mib(), 0.0, 0.0
     for rows in range(1, max_rows + 1):
         x = torch.randn(rows, 256)
         for call in range(2):
@@ -51,7 +48,7 @@ def new_shapes(max_rows=320):
             onednn_linear(x, packed, None)
             elapsed = time.perf_counter() - start
             first, second = (first + elapsed, second) if call == 0 else (first, second + elapsed)
-    print(f"{max_rows} row counts on the 8008 x 256 weight: resident memory +{resident_mib() - before:.0f} MiB, "
+    print(f"{max_rows} row counts on the 8008 x 256 weight: resident memory +{rss_mib() - before:.0f} MiB, "
           f"first calls {1e3 * (first - second) / max_rows:.2f} ms slower than second calls on average")
 
 

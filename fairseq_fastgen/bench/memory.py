@@ -32,7 +32,8 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _rss_mib() -> float:
+def rss_mib() -> float:
+    """The process's resident memory now (VmRSS), in MiB; nan where /proc has none."""
     try:
         return _status_kib("VmRSS") / 1024
     except (OSError, KeyError):
@@ -56,7 +57,7 @@ class PeakMemory:
 
     def __enter__(self):
         self.per_config = _reset_peak_rss()
-        self.rss_before = _rss_mib()
+        self.rss_before = rss_mib()
         if self.cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -33,7 +33,7 @@ import contextlib
 import functools
 import math
 import time
-from typing import Dict, Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -119,34 +119,37 @@ class ClusterProjection(TimedFullProjection):
         self._tensors_by_device = {}
 
     def project(self, features: Tensor, linear: torch.nn.Linear):
-        centroids, sqnorms, active_sets = self._tensors_on(features.device)
+        on_device = self._tensors_on(features.device)
         states = features.reshape(-1, features.size(-1))  # (rows * n, hidden)
         if attached_to(linear):  # --onednn-linear: the distances through oneDNN too, as -2 C h + ||C||^2
-            distances = linear_like(linear, states.float(), self._minus_twice(centroids), sqnorms)
+            distances = linear_like(linear, states.float(), on_device.minus_twice_centroids, on_device.sqnorms)
             clusters = distances.argmin(dim=1)  # (rows * n,)
         else:
-            clusters = nearest_clusters(states, centroids, sqnorms)  # (rows * n,)
-        mask, columns = cluster_union_mask(clusters, active_sets, self.vocab_size)  # (vocab,), (active,)
+            clusters = nearest_clusters(states, on_device.centroids, on_device.sqnorms)  # (rows * n,)
+        mask, columns = cluster_union_mask(clusters, on_device.active_sets, self.vocab_size)  # (vocab,), (active,)
         logits = project_onto_columns(features, linear, mask, columns)  # (rows, n, vocab)
         if self.full_normalizer is not None and columns.numel() < self.vocab_size:
             self.full_normalizer.put_outside_mass(logits, features, linear, mask)
         return logits, columns.numel()
 
-    def _tensors_on(self, device):
+    def _tensors_on(self, device) -> "ClusterTensors":
         if device not in self._tensors_by_device:
             cf = self.cluster_file
-            self._tensors_by_device[device] = (
-                cf.centroids.to(device), cf.centroid_sqnorms.to(device),
+            centroids = cf.centroids.to(device)
+            self._tensors_by_device[device] = ClusterTensors(
+                centroids, centroids.mul(-2), cf.centroid_sqnorms.to(device),
                 ClusterActiveSets(cf.offsets.to(device), cf.tokens.to(device)),
             )
         return self._tensors_by_device[device]
 
-    def _minus_twice(self, centroids: Tensor) -> Tensor:
-        """-2 C (clusters, hidden), kept per device (scaling by 2 is exact)."""
-        key = ("minus_twice", centroids.device)
-        if key not in self._tensors_by_device:
-            self._tensors_by_device[key] = centroids.mul(-2).contiguous()
-        return self._tensors_by_device[key]
+
+class ClusterTensors(NamedTuple):
+    """A cluster file's tensors on one device."""
+
+    centroids: Tensor  # (clusters, hidden)
+    minus_twice_centroids: Tensor  # (clusters, hidden) -2 C, the weight of the distances through a linear product
+    sqnorms: Tensor  # (clusters,) ||C||^2
+    active_sets: ClusterActiveSets
 
 
 class FullNormalizer:
@@ -181,7 +184,7 @@ def nearest_clusters(states: Tensor, centroids: Tensor, centroid_sqnorms: Tensor
 
 def project_onto_columns(features: Tensor, linear: torch.nn.Linear, mask: Tensor, columns: Tensor) -> Tensor:
     """Logits (rows, n, vocab) of ``linear`` on the union columns only, -inf elsewhere
-(with ``--onednn-linear`` attached to ``linear``, through oneDNN as well).
+    (with ``--onednn-linear`` attached to ``linear``, through oneDNN as well).
 
     features (rows, n, hidden); mask (vocab,) bool, true on the union;
     columns (active,) its ascending token ids.
@@ -201,7 +204,8 @@ def project_onto_columns(features: Tensor, linear: torch.nn.Linear, mask: Tensor
     # flattened: fairseq's features are a transposed view, on which a 3-D linear with a weight
     # that needs no grad (this one) runs unfolded, 4-5x slower on CPU at 320 rows (measured)
     states = features.reshape(-1, features.size(-1))  # (rows * n, hidden)
-    reduced = linear_like(linear, states, weight, bias)[:, :active].view(*features.shape[:-1], active)  # (rows, n, active)
+    reduced = linear_like(linear, states, weight, bias)[:, :active]  # (rows * n, active)
+    reduced = reduced.view(*features.shape[:-1], active)  # (rows, n, active)
     logits = features.new_full((*features.shape[:-1], vocab_size), -math.inf)  # (rows, n, vocab)
     return logits.index_copy_(-1, columns, reduced)
 

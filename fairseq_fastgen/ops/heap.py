@@ -21,6 +21,7 @@ is missing (macOS, musl) nothing changes and the call says so.
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 logger = logging.getLogger(__name__)
@@ -45,9 +46,11 @@ def _mallopt():
     return mallopt
 
 
+@functools.lru_cache(maxsize=None)
 def reuse_large_allocations() -> bool:
     """Serve allocations up to HEAP_THRESHOLD_BYTES from the heap, for the rest of the process.
-    Returns whether the C library took the settings."""
+    Returns whether the C library took the settings.  Process-wide, so it runs once: later
+    calls (every generator built with the option) return the first call's answer."""
     mallopt = _mallopt()
     taken = mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, HEAP_THRESHOLD_BYTES)) and bool(
         mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))

@@ -13,7 +13,6 @@ from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
 from fairseq_fastgen.cluster.projection import (
     DENSE_FRACTION, ClusterProjection, FullNormalizer, attach, attached_projection, detach, padded_width,
 )
-
 from fairseq_fastgen.ops.onednn_linear import OneDNNLinears, onednn_available, onednn_linear
 
 # the module (the package exports its function under the same name)
