@@ -209,7 +209,7 @@ class KHeadTransformerDecoder(TransformerDecoderBase):
         Returns the base decoder output (rows, n, dim) (apply ``heads`` for the
         head features) and the encoder attention (rows, n, src_len) or None.
         """
-        rows, n = tokens.shape
+        n = tokens.size(1)  # new positions per row
         x = self.embed_scale * self.embed_tokens(tokens)  # (rows, n, dim)
         if self.quant_noise is not None:
             x = self.quant_noise(x)
@@ -223,15 +223,18 @@ class KHeadTransformerDecoder(TransformerDecoderBase):
 
         encoder_states = _first(encoder_out, "encoder_out")  # (src_len, rows, dim) or None
         encoder_mask = _first(encoder_out, "encoder_padding_mask")  # (rows, src_len) or None
-        causal = utils.fill_with_neg_inf(x.new_zeros(n, n)).triu(1)  # (n, n)
-        self_attn_mask = torch.cat([x.new_zeros(n, self.cached_length(cache)), causal], dim=1)  # (n, cached + n)
-        new_keys_padding = tokens.new_zeros((rows, n), dtype=torch.bool)  # keeps the cache's mask growing
+        self_attn_mask = None  # (n, cached + n): causal among the new positions
+        if n > 1:
+            causal = utils.fill_with_neg_inf(x.new_zeros(n, n)).triu(1)  # (n, n)
+            self_attn_mask = torch.cat([x.new_zeros(n, self.cached_length(cache)), causal], dim=1)
+        # the new positions are never padding: without a key padding mask the attention
+        # extends the cache's own mask (left padding after a rollback) with zeros, and
+        # while the cache has none (rows all aligned), it masks nothing
         attn = None
         for index, layer in enumerate(self.layers):
             last = index == self.num_layers - 1
             x, layer_attn, _ = layer(
-                x, encoder_states, encoder_mask, cache,
-                self_attn_mask=self_attn_mask, self_attn_padding_mask=new_keys_padding,
+                x, encoder_states, encoder_mask, cache, self_attn_mask=self_attn_mask,
                 need_attn=last, need_head_weights=last,
             )
             if last and layer_attn is not None:
@@ -270,7 +273,12 @@ class KHeadTransformerDecoder(TransformerDecoderBase):
             if dropped:
                 self.drop_last_positions(cache, dropped)
             return
-        keep = ~buffer["prev_key_padding_mask"].bool()  # (rows, cached)
+        padding = buffer.get("prev_key_padding_mask")  # (rows, cached); None: no padding yet
+        if padding is None:
+            rows, _, cached, _ = buffer["prev_key"].shape  # (rows, heads, cached, head_dim)
+            keep = accepted.new_ones((rows, cached), dtype=torch.bool)
+        else:
+            keep = ~padding.bool()  # (rows, cached)
         keep[:, keep.size(1) - accepted.size(1):] &= accepted  # some row drops a new position here
         width = int(keep.sum(dim=1).max())
         order = torch.sort(keep.int(), dim=1, stable=True).indices[:, -width:]  # (rows, width): dropped ones first
@@ -291,7 +299,8 @@ class KHeadTransformerDecoder(TransformerDecoderBase):
             buffer = layer.self_attn._get_input_buffer(cache)
             for name in ("prev_key", "prev_value"):  # (rows, heads, cached, head_dim)
                 buffer[name] = buffer[name][:, :, :-dropped]
-            buffer["prev_key_padding_mask"] = buffer["prev_key_padding_mask"][:, :-dropped]  # (rows, cached)
+            padding = buffer.get("prev_key_padding_mask")  # (rows, cached) or None
+            buffer["prev_key_padding_mask"] = None if padding is None else padding[:, :-dropped]
             layer.self_attn._set_input_buffer(cache, buffer)
 
 

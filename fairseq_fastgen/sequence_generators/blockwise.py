@@ -328,7 +328,7 @@ class BlockwisePolicy:
             history[rows.unsqueeze(1), 1 + state.length.unsqueeze(1) + offsets] = block
         steps = (state.length.unsqueeze(1) + 1 + offsets).view(-1)  # (rows * n,)
         flat = lprobs.view(-1, lprobs.size(-1))
-        row_of = rows.repeat_interleave(n)  # (rows * n,)
+        row_of = rows.unsqueeze(1).expand(-1, n).reshape(-1)  # (rows * n,)
         rules(flat, steps, history, row_of, state.sentence, state.max_len)
         best = lprobs.topk(1, dim=-1).indices.squeeze(2)  # (rows, n): greedy's choice after each block token
         accepted = self.accepted_prefix(block, lprobs, best, ctx.eos)  # (rows, n)
@@ -343,10 +343,12 @@ class BlockwisePolicy:
 
         last = count - 1  # the last accepted position proposes the next block
         finished = block[rows, last].eq(ctx.eos)
-        for row in finished.nonzero().squeeze(1).tolist():
+        finished_rows = finished.nonzero().squeeze(1).tolist()
+        for row in finished_rows:
             ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state.finished_row(row), 0)])
-        alive = (~finished).nonzero().squeeze(1)
-        if alive.numel() < state.rows:
+        alive = rows  # (rows,) the rows that go on
+        if finished_rows:
+            alive = (~finished).nonzero().squeeze(1)
             state.select(alive)
             last = last[alive]
         if state.rows == 0:
@@ -403,7 +405,7 @@ class BlockwisePolicy:
         rows = torch.arange(state.rows, device=first.device)
         steps = (state.length.unsqueeze(1) + 1 + torch.arange(later, device=first.device)).view(-1)  # (rows * later,)
         flat = later_scores.reshape(-1, later_scores.size(-1))  # (rows * later, vocab)
-        rules(flat, steps, None, rows.repeat_interleave(later), state.sentence, state.max_len)
+        rules(flat, steps, None, rows.unsqueeze(1).expand(-1, later).reshape(-1), state.sentence, state.max_len)
         best = flat.topk(1, dim=-1).indices.view(state.rows, later)  # (rows, later), ties as propose_in_turn
         state.proposals = torch.cat([first, best], dim=1)  # (rows, block)
 
