@@ -363,7 +363,8 @@ class BlockwisePolicy:
         n = block.size(1)
         verified = self.acceptance.accepts(block[:, 1:], lprobs[:, :-1], best[:, :-1])  # (rows, n - 1)
         ok = torch.cat([verified.new_ones((block.size(0), 1)), verified], dim=1)
-        ok |= torch.arange(n, device=block.device).lt(self.min_block).unsqueeze(0)
+        if self.min_block > 1:
+            ok |= torch.arange(n, device=block.device).lt(self.min_block).unsqueeze(0)
         is_eos = block.eq(eos)
         ok &= (is_eos.cumsum(dim=1) - is_eos.long()).eq(0)  # nothing after an eos
         return ok.long().cumprod(dim=1).bool()
