@@ -275,8 +275,7 @@ class KHeadTransformerDecoder(TransformerDecoderBase):
             return
         padding = buffer.get("prev_key_padding_mask")  # (rows, cached); None: no padding yet
         if padding is None:
-            rows, _, cached, _ = buffer["prev_key"].shape  # (rows, heads, cached, head_dim)
-            keep = accepted.new_ones((rows, cached), dtype=torch.bool)
+            keep = accepted.new_ones((accepted.size(0), self.cached_length(cache)), dtype=torch.bool)  # (rows, cached)
         else:
             keep = ~padding.bool()  # (rows, cached)
         keep[:, keep.size(1) - accepted.size(1):] &= accepted  # some row drops a new position here

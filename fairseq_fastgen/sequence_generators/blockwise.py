@@ -360,11 +360,10 @@ class BlockwisePolicy:
 
     def accepted_prefix(self, block, lprobs, best, eos) -> Tensor:
         """(rows, n) bool: the tokens of each row's block that are accepted (a prefix)."""
-        n = block.size(1)
         verified = self.acceptance.accepts(block[:, 1:], lprobs[:, :-1], best[:, :-1])  # (rows, n - 1)
         ok = torch.cat([verified.new_ones((block.size(0), 1)), verified], dim=1)
         if self.min_block > 1:
-            ok |= torch.arange(n, device=block.device).lt(self.min_block).unsqueeze(0)
+            ok |= torch.arange(block.size(1), device=block.device).lt(self.min_block).unsqueeze(0)
         is_eos = block.eq(eos)
         ok &= (is_eos.cumsum(dim=1) - is_eos.long()).eq(0)  # nothing after an eos
         return ok.long().cumprod(dim=1).bool()
