@@ -61,6 +61,13 @@ class PluginOptions(FairseqDataclass):
                           "64 over a 32k vocabulary on our CPU; the same outputs; the setting holds for the rest "
                           "of the process, whose freed memory then stays with it (every decoder)"},
     )
+    no_inference_mode: bool = field(
+        default=False,
+        metadata={"help": "generate under torch.no_grad, as stock fairseq, instead of torch.inference_mode, "
+                          "whose torch calls skip autograd's version counters and view tracking: the same "
+                          "outputs, faster where a step makes many small calls (small batches, the CPU) "
+                          "(every decoder)"},
+    )
     postprocess_workers: int = field(
         default=0,
         metadata={"help": "fairseq-generate: detokenize, score and print in this many background workers "

@@ -23,6 +23,8 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    model's linear layers through oneDNN while that generator generates
    (:mod:`fairseq_fastgen.ops.onednn_linear`), and ``--reuse-large-allocations``
    sets the process's malloc thresholds (:mod:`fairseq_fastgen.ops.heap`).
+   Every generator generates under ``torch.inference_mode`` unless
+   ``--no-inference-mode`` (:mod:`fairseq_fastgen.ops.inference_mode`).
 4. ``data_utils.batch_by_size``: fairseq drops the last batch when its size is
    not a multiple of ``--required-batch-size-multiple`` (default 8), so
    fairseq-generate silently loses sentences; we keep that batch.  And
@@ -143,6 +145,9 @@ def _install_build_generator():
         from fairseq_fastgen.ops.heap import use_heap_for_large_buffers
 
         use_heap_for_large_buffers(args)  # --reuse-large-allocations (the process's malloc settings)
+        from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
+
+        generate_in_inference_mode(generator, args)  # unless --no-inference-mode, every decoder
         generator.fastgen_decoder = name
         generators_built.append(generator)
         return generator

@@ -164,7 +164,8 @@ class FastgenGenerator(nn.Module):
             raise ValueError(f"--decoder {self.name} does not support lexical constraints")
         if bos_token is not None and bos_token != self.eos:
             raise ValueError(f"--decoder {self.name} starts from eos; bos_token={bos_token} is not supported")
-        self.model.eval()
+        if self.model.training:  # a generator built once may serve validation during training
+            self.model.eval()
         pool = self.make_pool(sample["net_input"], prefix_tokens)
         ctx = DecodeContext(
             self.runner, build_processors(self.tgt_dict, self.gen_cfg, prefix_tokens), pool,

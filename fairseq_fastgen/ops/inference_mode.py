@@ -1,0 +1,51 @@
+"""Generation under ``torch.inference_mode`` instead of ``torch.no_grad`` (off: ``--no-inference-mode``).
+
+Stock fairseq generates under ``torch.no_grad``.  Every torch call there still
+keeps autograd's bookkeeping: version counters bumped by in-place writes, and
+the base of every view recorded.  Under ``torch.inference_mode`` tensors carry
+neither, so each call costs less; the kernels, and therefore the values, are
+the same.  Decoding at small batches on the CPU makes hundreds of small calls
+per step, where this bookkeeping is a visible share of the time
+(docs/benchmarks.md, issue 9).
+
+Tensors made under inference mode refuse in-place writes outside it, and
+fairseq-generate writes into the hypotheses it gets (it converts their
+positional scores to base 2 in place).  The wrapper therefore returns copies
+made outside inference mode: a few small tensors per hypothesis, against the
+hundreds of calls per step it saves.
+"""
+
+import functools
+
+import torch
+from torch import Tensor
+
+
+def generate_in_inference_mode(generator, gen_cfg):
+    """Unless ``--no-inference-mode``: ``generator.generate`` runs under ``torch.inference_mode``
+    (every decoder, stock beam search included)."""
+    from fairseq_fastgen.sequence_generators.registry import option_value  # noqa: registry imports the ops' users
+
+    if option_value(gen_cfg, "no_inference_mode"):
+        return
+    generate = generator.generate
+
+    @functools.wraps(generate)
+    def generate_in_inference_mode(*args, **kwargs):
+        with torch.inference_mode():
+            hypotheses = generate(*args, **kwargs)
+        return ordinary_tensors(hypotheses)
+
+    generator.generate = generate_in_inference_mode
+
+
+def ordinary_tensors(value):
+    """``value`` (tensors in lists, tuples and dicts: a generator's hypotheses) with every
+    inference tensor replaced by an ordinary copy, which can be written in place."""
+    if isinstance(value, Tensor):
+        return value.clone() if value.is_inference() else value
+    if isinstance(value, dict):
+        return {key: ordinary_tensors(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(ordinary_tensors(item) for item in value)
+    return value
