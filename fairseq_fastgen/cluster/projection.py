@@ -30,7 +30,6 @@ the same way (fastgen-bench turns it on for the configurations without a file).
 """
 
 import contextlib
-import functools
 import math
 import time
 from typing import Dict, NamedTuple, Optional
@@ -40,6 +39,7 @@ from torch import Tensor
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, output_projection_of
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
+from fairseq_fastgen.ops.generate_context import generate_within
 from fairseq_fastgen.ops.onednn_linear import attached_to, linear_like
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.registry import option_value
@@ -323,14 +323,7 @@ def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam") -
         raise ValueError(f"--cluster-projection holds the clusters of one model; got an ensemble of {len(models)}")
     projection = projection_from_options(gen_cfg, models[0])
     decoder = models[0].decoder
-    generate = generator.generate
-
-    @functools.wraps(generate)
-    def generate_with_projection(*args, **kwargs):
-        with attached(decoder, projection):
-            return generate(*args, **kwargs)
-
-    generator.generate = generate_with_projection
+    generate_within(generator, lambda: attached(decoder, projection))
     generator.projection = projection
     generator.counters = ProjectionCounters(decoder_name, projection.statistics)
     return projection

@@ -15,10 +15,10 @@ made outside inference mode: a few small tensors per hypothesis, against the
 hundreds of calls per step it saves.
 """
 
-import functools
-
 import torch
 from torch import Tensor
+
+from fairseq_fastgen.ops.generate_context import generate_within
 
 
 def generate_in_inference_mode(generator, gen_cfg):
@@ -26,17 +26,8 @@ def generate_in_inference_mode(generator, gen_cfg):
     (every decoder, stock beam search included)."""
     from fairseq_fastgen.sequence_generators.registry import option_value  # noqa: registry imports the ops' users
 
-    if option_value(gen_cfg, "no_inference_mode"):
-        return
-    generate = generator.generate
-
-    @functools.wraps(generate)
-    def generate_in_inference_mode(*args, **kwargs):
-        with torch.inference_mode():
-            hypotheses = generate(*args, **kwargs)
-        return ordinary_tensors(hypotheses)
-
-    generator.generate = generate_in_inference_mode
+    if not option_value(gen_cfg, "no_inference_mode"):
+        generate_within(generator, torch.inference_mode, after=ordinary_tensors)
 
 
 def ordinary_tensors(value):

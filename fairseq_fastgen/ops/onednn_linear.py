@@ -24,12 +24,13 @@ gradient, or a layer's weight is not fp32, the layer keeps its own forward.
 """
 
 import contextlib
-import functools
 from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from fairseq_fastgen.ops.generate_context import generate_within
 
 # oneDNN chooses the packed layout for an expected number of rows; measured
 # (8008 x 256, one thread): a hint of 64 rows packs a layout as fast at 1 and 4
@@ -172,14 +173,13 @@ def use_onednn_linears(generator, models, gen_cfg):
     if not option_value(gen_cfg, "onednn_linear"):
         return
     linears = [OneDNNLinears(model) for model in models]
-    generate = generator.generate
 
-    @functools.wraps(generate)
-    def generate_with_onednn(*args, **kwargs):
+    @contextlib.contextmanager
+    def every_model_attached():
         with contextlib.ExitStack() as stack:
             for model_linears in linears:
                 stack.enter_context(model_linears.attached())
-            return generate(*args, **kwargs)
+            yield
 
-    generator.generate = generate_with_onednn
+    generate_within(generator, every_model_attached)
     generator.onednn_linears = linears
