@@ -27,6 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy
 import torch
 from torch import Tensor
 
@@ -195,6 +196,25 @@ class RowStepProcessors:
                     processor(scores, StepView(history[rows, : step + 1], sentence[rows], max_len[rows]))
                     lprobs[at_step] = scores
 
+    def one_row(self, lprobs, first_step: int, max_len: int):
+        """Edit ``lprobs`` (m, vocab) of ONE row at the consecutive steps ``first_step`` ..
+        ``first_step + m - 1`` in place, as ``__call__`` would, with Python integers for the steps
+        and the row's ``max_len``. Only without processors that read the history."""
+        assert not self.reads_history
+        m = lprobs.size(0)
+        for processor in self.processors:
+            if not isinstance(processor, LengthLimits):  # ForbidPad, UnkPenalty: read nothing but lprobs
+                processor(lprobs, None)
+                continue
+            short_from, short_to = max(processor.prefix_len, first_step), min(processor.min_len, first_step + m)
+            if short_from < short_to:  # steps where eos comes too early
+                lprobs[short_from - first_step: short_to - first_step, processor.eos] = -math.inf
+            at_limit = max(max_len - first_step, 0)  # the first index whose step is >= max_len
+            if at_limit < m:
+                eos_scores = lprobs[at_limit:, processor.eos].clone()
+                lprobs[at_limit:] = -math.inf
+                lprobs[at_limit:, processor.eos] = eos_scores
+
     @staticmethod
     def length_limits(limits: LengthLimits, lprobs, steps, max_len):
         """``LengthLimits`` with one step per row."""
@@ -292,6 +312,9 @@ class BlockwisePolicy:
         self.min_block = min_block
         self.pad = pad
         self.proposer = Int8Proposer(decoder) if int8_proposals else None
+        # a lone row with exact acceptance takes advance_one_row: the same computation with Python
+        # integers in place of the small tensors of per-row bookkeeping (batch 1, a batch's last row)
+        self.one_row_path = isinstance(acceptance, ExactMatch) and min_block == 1
 
     def start(self, state: DecodingState, ctx) -> BlockwiseState:
         """Run the bos position; its heads propose the first block."""
@@ -308,6 +331,9 @@ class BlockwisePolicy:
         return blockwise
 
     def advance(self, state: BlockwiseState, ctx):
+        if state.rows == 1 and self.one_row_path and not state.rules.reads_history:
+            self.advance_one_row(state, ctx)
+            return
         rows = torch.arange(state.rows, device=state.tokens.device)
         remaining = int((state.max_len + 1 - state.length).max())  # tokens a row may still take, eos included
         block = state.proposals[:, : min(self.block_size, remaining)]  # (rows, n)
@@ -357,6 +383,68 @@ class BlockwisePolicy:
         first_attn = None if attn is None else attn[alive, last]
         heads = None if all_heads is None else all_heads[alive, last]  # (rows, block, dim)
         self.propose(state, ctx, first_lprobs, first_attn, self.later_scores(features[alive, last], heads, ctx))
+
+    def advance_one_row(self, state: BlockwiseState, ctx):
+        """``advance`` for a single row, exact acceptance, no processor reading the history:
+        the same products and the same float operations on the scores (so bitwise the same
+        hypotheses), with the acceptance, the row's steps and its length limits in Python."""
+        length, max_len = int(state.length[0]), int(state.max_len[0])
+        n = min(self.block_size, max_len + 1 - length)  # tokens it may still take, eos included
+        block = state.proposals[:, :n]  # (1, n)
+        positions = torch.arange(length + 1, length + 1 + n, device=block.device)
+        positions = positions.clamp_(max=self.decoder.max_positions() - 1).unsqueeze(0)  # (1, n)
+        features, attn = self.run_block(state, block, positions, ctx)  # (1, n, dim), (1, n, src_len)
+        ctx.counters.add("row_iterations", 1)
+        all_heads = None if self.decoder.heads.identity_first else self.heads(features)  # (1, n, block, dim)
+        lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)  # (1, n, vocab)
+        state.rules.one_row(lprobs[0], length + 1, max_len)
+        best = lprobs[0].topk(1, dim=-1).indices.view(-1).tolist()  # greedy's choice after each block token
+        proposed = block[0].tolist()
+        count = self.accepted_count(proposed, best, ctx.eos)
+
+        # the accepted tokens' scores: one float32 addition per token, as greedy (numpy's float32 is IEEE's)
+        token_lprobs = [state.first_lprob.item()]
+        if count > 1:
+            verified = lprobs[0, torch.arange(count - 1, device=block.device), block[0, 1:count]]  # (count - 1,)
+            token_lprobs += verified.tolist()
+        cumulative = [numpy.float32(state.score.item())]
+        for lprob in token_lprobs:
+            cumulative.append(cumulative[-1] + numpy.float32(lprob))
+        state.tokens[0, 1 + length: 1 + length + count] = block[0, :count]
+        state.cum_scores[0, length: length + count] = torch.tensor(cumulative[1:], dtype=state.cum_scores.dtype)
+        state.score = state.cum_scores[0, length + count - 1: length + count]  # (1,)
+        if attn is not None:
+            token_attn = torch.cat([state.first_attn, attn[0, : count - 1]])  # (count, src_len)
+            if state.attn is None:
+                state.attn = attn.new_zeros((1, attn.size(2), state.cum_scores.size(1)))
+            state.attn[0, :, length: length + count] = token_attn.t()
+        state.length = state.length + count
+        if count < n:  # drop the rejected positions from the self-attention cache
+            self.decoder.drop_last_positions(state.cache, n - count)
+
+        last = count - 1  # the last accepted position proposes the next block
+        if proposed[last] == ctx.eos:
+            ctx.finish(int(state.sentence[0]), [ctx.hypothesis(state.finished_row(0), 0)])
+            state.select(state.length.new_zeros(0))
+            return
+        heads = None if all_heads is None else all_heads[:, last]  # (1, block, dim)
+        later = self.later_scores(features[:, last], heads, ctx)  # (1, block - 1, vocab) or None
+        first_lprob, first = lprobs[:, last].topk(1, dim=-1)  # (1, 1) each, already processed
+        state.first_lprob, state.first_attn = first_lprob.view(1), None if attn is None else attn[:, last]
+        if later is None:  # a block of 1
+            state.proposals = first
+            return
+        state.rules.one_row(later[0], length + count + 1, max_len)
+        state.proposals = torch.cat([first, later[0].topk(1, dim=-1).indices.view(1, -1)], dim=1)  # (1, block)
+
+    @staticmethod
+    def accepted_count(proposed, best, eos) -> int:
+        """``accepted_prefix`` of one row with exact acceptance, in Python: how many tokens of the
+        block ``proposed`` (list) to accept, given greedy's choice ``best`` (list) after each."""
+        count = 1  # the first is greedy's own choice; then the longest verified prefix, nothing after an eos
+        while count < len(proposed) and proposed[count - 1] != eos and proposed[count] == best[count - 1]:
+            count += 1
+        return count
 
     def accepted_prefix(self, block, lprobs, best, eos) -> Tensor:
         """(rows, n) bool: the tokens of each row's block that are accepted (a prefix)."""

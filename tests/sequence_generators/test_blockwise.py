@@ -19,7 +19,9 @@ from fairseq.dataclass.configs import GenerationConfig
 from fairseq_fastgen import toy
 from fairseq_fastgen.sequence_generators.blockwise import OrdinalDistance, RowStepProcessors, ordinal_values
 from fairseq_fastgen.sequence_generators.int8_proposals import Int8Linear
-from fairseq_fastgen.sequence_generators.processors import BanRepeatedNgrams, ForcePrefix, LengthLimits
+from fairseq_fastgen.sequence_generators.processors import (
+    BanRepeatedNgrams, ForbidPad, ForcePrefix, LengthLimits, UnkPenalty,
+)
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
 pytestmark = [pytest.mark.xdist_group("toy_khead"), pytest.mark.usefixtures("one_thread")]
@@ -79,15 +81,22 @@ def assert_statistics(stats, outputs, batches):
 
 
 def record_blocks(generator):
-    """Wrap the policy's acceptance to record every (block, accepted) pair."""
-    records, accepted_prefix = [], generator.policy.accepted_prefix
+    """Wrap the policy's acceptance (of several rows, and of a lone row) to record every
+    (block, accepted) pair."""
+    records, policy = [], generator.policy
+    accepted_prefix, accepted_count = policy.accepted_prefix, policy.accepted_count
 
     def recording(block, lprobs, best, eos):
         accepted = accepted_prefix(block, lprobs, best, eos)
         records.append((block.clone(), accepted.clone()))
         return accepted
 
-    generator.policy.accepted_prefix = recording
+    def recording_one_row(proposed, best, eos):
+        count = accepted_count(proposed, best, eos)
+        records.append((torch.tensor([proposed]), torch.arange(len(proposed)).lt(count).unsqueeze(0)))
+        return count
+
+    policy.accepted_prefix, policy.accepted_count = recording, recording_one_row
     return records
 
 
@@ -232,6 +241,63 @@ def test_row_step_processors_equal_the_processors_at_each_rows_step():
         for processor in processors:
             processor(alone, state)
         assert torch.equal(together[row], alone[0]), row
+
+
+def test_one_row_processing_equals_the_processors_at_each_step():
+    """RowStepProcessors.one_row (one row, consecutive steps, Python integers) == __call__."""
+    generator = torch.Generator().manual_seed(1)
+    eos, pad, unk, vocab, m = 2, 1, 3, 9, 4
+    lprobs = torch.randn(m, vocab, generator=generator).log_softmax(dim=-1)
+    lprobs[1, 5] = math.nan
+    cases = 0
+    for prefix_len, min_len in [(0, 0), (0, 3), (2, 5)]:
+        processors = [ForbidPad(pad), UnkPenalty(unk, 0.5), LengthLimits(eos, min_len=min_len, prefix_len=prefix_len)]
+        rules = RowStepProcessors(processors)
+        for first_step in range(0, 7):
+            for max_len in range(first_step - 1, first_step + m + 1):
+                together, alone = lprobs.clone(), lprobs.clone()
+                steps = torch.arange(first_step, first_step + m)
+                rules(together, steps, None, torch.zeros(m, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                      torch.tensor([max_len]))
+                rules.one_row(alone, first_step, max_len)
+                assert torch.equal(together, alone), (prefix_len, min_len, first_step, max_len)
+                cases += not torch.equal(together[:, eos], lprobs[:, eos])  # eos banned or forced somewhere
+    assert cases > 20
+
+
+def decode_with_attention(generator, model, task):
+    """{sentence: (tokens, positional scores, attention)} at batch 1."""
+    batches = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=1,
+                                      disable_iterator_cache=True).next_epoch_itr(shuffle=False)
+    outputs = {}
+    for sample in batches:
+        hyp = generator.generate([model], sample)[0][0]
+        outputs[int(sample["id"])] = (hyp["tokens"].tolist(), hyp["positional_scores"], hyp["attention"])
+    return outputs
+
+
+@pytest.mark.parametrize("block_size, int8", [(2, False), (4, False), (2, True)])
+def test_one_row_path_is_bitwise_the_general_path(loaded, block_size, int8):
+    """A lone row takes BlockwisePolicy.advance_one_row; its hypotheses (tokens, scores and
+    attention) are bitwise those of the general path, with length limits, min length and unk penalty."""
+    model, task = loaded(block_size)
+    options = dict(beam=1, decoder="blockwise", min_len=3, unkpen=0.5, blockwise_int8_proposals=int8, **SOURCE_LENGTH)
+    one_row = task.build_generator([model], GenerationConfig(**options))
+    taken = []
+    advance_one_row = one_row.policy.advance_one_row
+    one_row.policy.advance_one_row = lambda state, ctx: taken.append(1) or advance_one_row(state, ctx)
+    general = task.build_generator([model], GenerationConfig(**options))
+    general.policy.one_row_path = False
+    fast, slow = decode_with_attention(one_row, model, task), decode_with_attention(general, model, task)
+    assert len(taken) == one_row.counters.counts["iterations"] > 200
+    assert sorted(fast) == sorted(slow) and len(fast) == 200
+    for sentence, (tokens, scores, attention) in slow.items():
+        assert fast[sentence][0] == tokens, sentence
+        assert torch.equal(fast[sentence][1], scores), sentence
+        assert torch.equal(fast[sentence][2], attention), sentence
+    assert one_row.counters.as_dict() == general.counters.as_dict()
+    limits = {s: len(task.dataset("test")[s]["source"]) - 1 for s in fast}
+    assert sum(len(tokens) == limits[s] + 1 for s, (tokens, _, _) in fast.items()) >= 20  # cut at the limit
 
 
 # ---- int8 proposals ------------------------------------------------------------------------------
