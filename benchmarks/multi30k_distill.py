@@ -16,7 +16,12 @@ Steps, each skipped when its output exists (so a rerun resumes):
    k = 1 frozen is the base model itself; k = 1 fine-tuned is the base trained for
    as many updates more as the other fine-tuned students;
 4. ``fastgen-bench`` on the test split for each model (greedy and blockwise, beam 1,
-   batch 64), then the table: BLEU and mean accepted block size per cell.
+   batch 64), then the table: BLEU and mean accepted block size per cell;
+5. ``speed`` (not in the default stages; run it with the machine otherwise idle):
+   ``fastgen-bench`` of every trained model at batch 1 and 64, one thread, three
+   timed passes, greedy and blockwise of the same model in the same run (with
+   oneDNN's products and int8 proposals: each decoder at its fastest), then the
+   table of sentences/s and blockwise against greedy per model.
 """
 
 import argparse
@@ -90,6 +95,46 @@ def bench_command(bin_dir, checkpoint, output_dir, threads):
             "--output-dir", str(output_dir)]
 
 
+SPEED_OPTIONS = ["--batch-size", "1,64", "--repeat", "3", "--onednn-linear", "--blockwise-int8-proposals"]
+
+
+def speed_command(bin_dir, checkpoint, output_dir):
+    command = bench_command(bin_dir, checkpoint, output_dir, threads=1)
+    at = command.index("--batch-size")
+    del command[at:at + 4]  # --batch-size 64 --repeat 1
+    return command + SPEED_OPTIONS
+
+
+def speed_rows(name, results_path):
+    """Table rows (one per batch size) of a speed bench: BLEU, block, sentences/s of greedy and blockwise."""
+    runs = json.loads(results_path.read_text())["configurations"]
+    rows = []
+    for batch_size in sorted({run["batch_size"] for run in runs}):
+        by_decoder = {run["decoder"]: run for run in runs
+                      if run["batch_size"] == batch_size and run["status"] == "ok" and not run["variant"]}
+        greedy, blockwise = by_decoder["greedy"], by_decoder.get("blockwise")
+        cells = [name, str(batch_size), f"{greedy['sentences_per_second']['median']:.1f}"]
+        if blockwise is None:  # a stock transformer: greedy only
+            cells += ["", "", f"{greedy['bleu']:.2f}", "1.00", ""]
+        else:
+            speed = blockwise["sentences_per_second"]["median"]
+            cells += [f"{speed:.1f}", f"**{speed / greedy['sentences_per_second']['median']:.2f}x**",
+                      f"{blockwise['bleu']:.2f}", f"{blockwise['statistics']['mean_accepted_block_size']:.2f}",
+                      f"{100 * blockwise['identical_rate']:.1f}%"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def print_speed_table(names, speed_dir):
+    print("| model | batch | greedy sentences/s | blockwise sentences/s | blockwise / greedy | BLEU | mean accepted "
+          "block | identical to greedy |")
+    print("|---" * 8 + "|")
+    for name in names:
+        results = speed_dir / name / "results.json"
+        if results.exists():
+            print("\n".join(speed_rows(name, results)))
+
+
 def cell_text(results_path):
     """'BLEU / mean accepted block size' of blockwise decoding; greedy (block 1) for a stock transformer."""
     if not results_path.exists():
@@ -124,7 +169,8 @@ def main(argv=None):
     parser.add_argument("--frozen-lr", type=float, default=0.002)
     parser.add_argument("--finetune-lr", type=float, default=0.0005)
     parser.add_argument("--two-stage", default=None, metavar="K-DATA",
-                        help="also fine-tune the frozen student kK-frozen-DATA (e.g. 4-regular) from its checkpoint "
+                        help="also fine-tune the frozen student kK-frozen-DATA (e.g. 4-regular; several: comma-separated) "
+                             "from its checkpoint "
                              "into kK-frozen-then-finetuned-DATA (--finetune-lr, --finetune-updates); the docs "
                              "table used --finetune-lr 0.0001 --finetune-updates 150")
     parser.add_argument("--finetune-subloss-mode", choices=["random", "mean"], default="random",
@@ -134,7 +180,8 @@ def main(argv=None):
                         help="comma-separated students to train, in this order (e.g. k8-frozen-regular,"
                              "k4-finetuned-distilled); default: every cell, frozen ones first")
     parser.add_argument("--stages", default="distill,throughput,students,bench",
-                        help="comma-separated stages to run (distill, throughput, students, bench)")
+                        help="comma-separated stages to run (distill, throughput, students, bench; speed: "
+                             "batch 1 and 64 timings of every trained model, --bench-dir/speed)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of fastgen-bench")
     add_base_model_options(parser)  # as benchmarks/multi30k.py built the base model
     args = parser.parse_args(argv)
@@ -173,15 +220,16 @@ def main(argv=None):
                  lambda k=k, regime=regime, data_kind=data_kind, save_dir=save_dir: train_student(
                      args, bin_dir, save_dir, base, k, regime, data_kind, distilled))
     models = [("k1-base", base)] + [(name, out / "table1" / name / "checkpoint_last.pt") for name in students]
-    if args.two_stage:
-        k, data_kind = args.two_stage.split("-")
+    for two_stage in args.two_stage.split(",") if args.two_stage else []:
+        k, data_kind = two_stage.split("-")
         name = f"k{k}-frozen-then-finetuned-{data_kind}"
         if args.finetune_subloss_mode == "mean":
             name += "-mean"
-        models.insert(0, (name, out / "table1" / name / "checkpoint_last.pt"))
+        checkpoint = out / "table1" / name / "checkpoint_last.pt"
+        models.insert(0, (name, checkpoint))
         if "students" in wanted:
             frozen = out / "table1" / cell_name(k, "frozen", data_kind) / "checkpoint_last.pt"
-            step(f"student {name}", models[0][1], lambda: train_student(
+            step(f"student {name}", checkpoint, lambda k=k, data_kind=data_kind, name=name, frozen=frozen: train_student(
                 args, bin_dir, out / "table1" / name, base, int(k), "finetuned", data_kind, distilled, restore=frozen))
     if "bench" in wanted:
         for name, checkpoint in models:
@@ -192,6 +240,17 @@ def main(argv=None):
                  lambda checkpoint=checkpoint, name=name: run_logged(
                      bench_command(bin_dir, checkpoint, bench_dir / name, args.threads), bench_dir / f"{name}.log"))
         print_table(ks, bench_dir)
+    if "speed" in wanted:
+        names = sorted((name for name, checkpoint in models if checkpoint.exists()),
+                       key=lambda name: (int(name[1:name.index("-")]), name))  # by k, frozen first
+        speed_dir = bench_dir / "speed"
+        speed_dir.mkdir(exist_ok=True)
+        for name, checkpoint in models:
+            if checkpoint.exists():
+                step(f"fastgen-bench {name}, batch 1 and 64", speed_dir / name / "results.json",
+                     lambda checkpoint=checkpoint, name=name: run_logged(
+                         speed_command(bin_dir, checkpoint, speed_dir / name), speed_dir / f"{name}.log"))
+        print_speed_table(names, speed_dir)
 
 
 if __name__ == "__main__":
