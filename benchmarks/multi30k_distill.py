@@ -88,21 +88,17 @@ def cells(ks):
             if not (k == 1 and regime == "frozen")]
 
 
-def bench_command(bin_dir, checkpoint, output_dir, threads):
+def bench_command(bin_dir, checkpoint, output_dir, threads, batch_sizes="64", repeat=1, extra=()):
     return [console_script("fastgen-bench"), str(bin_dir), "--path", str(checkpoint), "--cpu", "--threads", str(threads),
             "--post-process", "sentencepiece", "--decoders", "greedy,blockwise", "--beam", "1",
-            "--batch-size", "64", "--repeat", "1", "--reference", "greedy", "--no-ctranslate2",
-            "--output-dir", str(output_dir)]
-
-
-SPEED_OPTIONS = ["--batch-size", "1,64", "--repeat", "3", "--onednn-linear", "--blockwise-int8-proposals"]
+            "--batch-size", batch_sizes, "--repeat", str(repeat), "--reference", "greedy", "--no-ctranslate2",
+            "--output-dir", str(output_dir), *extra]
 
 
 def speed_command(bin_dir, checkpoint, output_dir):
-    command = bench_command(bin_dir, checkpoint, output_dir, threads=1)
-    at = command.index("--batch-size")
-    del command[at:at + 4]  # --batch-size 64 --repeat 1
-    return command + SPEED_OPTIONS
+    """The speed stage's bench: batch 1 and 64, three timed passes, one thread, each decoder at its fastest."""
+    return bench_command(bin_dir, checkpoint, output_dir, threads=1, batch_sizes="1,64", repeat=3,
+                         extra=("--onednn-linear", "--blockwise-int8-proposals"))
 
 
 def speed_rows(name, results_path):
@@ -241,16 +237,15 @@ def main(argv=None):
                      bench_command(bin_dir, checkpoint, bench_dir / name, args.threads), bench_dir / f"{name}.log"))
         print_table(ks, bench_dir)
     if "speed" in wanted:
-        names = sorted((name for name, checkpoint in models if checkpoint.exists()),
-                       key=lambda name: (int(name[1:name.index("-")]), name))  # by k, frozen first
+        trained = sorted(((name, checkpoint) for name, checkpoint in models if checkpoint.exists()),
+                         key=lambda model: (int(model[0][1:model[0].index("-")]), model[0]))  # by k, frozen first
         speed_dir = bench_dir / "speed"
         speed_dir.mkdir(exist_ok=True)
-        for name, checkpoint in models:
-            if checkpoint.exists():
-                step(f"fastgen-bench {name}, batch 1 and 64", speed_dir / name / "results.json",
-                     lambda checkpoint=checkpoint, name=name: run_logged(
-                         speed_command(bin_dir, checkpoint, speed_dir / name), speed_dir / f"{name}.log"))
-        print_speed_table(names, speed_dir)
+        for name, checkpoint in trained:
+            step(f"fastgen-bench {name}, batch 1 and 64", speed_dir / name / "results.json",
+                 lambda checkpoint=checkpoint, name=name: run_logged(
+                     speed_command(bin_dir, checkpoint, speed_dir / name), speed_dir / f"{name}.log"))
+        print_speed_table([name for name, _ in trained], speed_dir)
 
 
 if __name__ == "__main__":

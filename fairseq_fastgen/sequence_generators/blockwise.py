@@ -187,7 +187,7 @@ class RowStepProcessors:
             if isinstance(processor, (ForbidPad, UnkPenalty)):  # read nothing but lprobs
                 processor(lprobs, None)
             elif isinstance(processor, LengthLimits):
-                self.length_limits(processor, lprobs, steps, max_len[row_of])
+                processor.at_steps(lprobs, steps, max_len[row_of])
             else:
                 for step in steps.unique().tolist():
                     at_step = steps.eq(step).nonzero().squeeze(1)
@@ -201,30 +201,11 @@ class RowStepProcessors:
         ``first_step + m - 1`` in place, as ``__call__`` would, with Python integers for the steps
         and the row's ``max_len``. Only without processors that read the history."""
         assert not self.reads_history
-        m = lprobs.size(0)
         for processor in self.processors:
-            if not isinstance(processor, LengthLimits):  # ForbidPad, UnkPenalty: read nothing but lprobs
+            if isinstance(processor, LengthLimits):
+                processor.at_consecutive_steps(lprobs, first_step, max_len)
+            else:  # ForbidPad, UnkPenalty: read nothing but lprobs
                 processor(lprobs, None)
-                continue
-            short_from, short_to = max(processor.prefix_len, first_step), min(processor.min_len, first_step + m)
-            if short_from < short_to:  # steps where eos comes too early
-                lprobs[short_from - first_step: short_to - first_step, processor.eos] = -math.inf
-            at_limit = max(max_len - first_step, 0)  # the first index whose step is >= max_len
-            if at_limit < m:
-                eos_scores = lprobs[at_limit:, processor.eos].clone()
-                lprobs[at_limit:] = -math.inf
-                lprobs[at_limit:, processor.eos] = eos_scores
-
-    @staticmethod
-    def length_limits(limits: LengthLimits, lprobs, steps, max_len):
-        """``LengthLimits`` with one step per row."""
-        too_short = (steps >= limits.prefix_len) & (steps < limits.min_len)
-        lprobs[too_short, limits.eos] = -math.inf
-        at_limit = max_len <= steps
-        if at_limit.any():
-            eos_scores = lprobs[at_limit, limits.eos].clone()
-            lprobs[at_limit] = -math.inf
-            lprobs[at_limit, limits.eos] = eos_scores
 
 
 # ---- per-row state ---------------------------------------------------------------------------
@@ -273,10 +254,29 @@ class BlockwiseState:
         self.cum_scores[rows, columns] = cumulative[rows, offsets]
         self.score = cumulative.gather(1, (count - 1).unsqueeze(1)).squeeze(1)
         if token_attn is not None:
-            if self.attn is None:
-                self.attn = token_attn.new_zeros((self.rows, token_attn.size(2), self.cum_scores.size(1)))
-            self.attn[rows, :, columns] = token_attn[rows, offsets]
+            self.attention_buffer(token_attn)[rows, :, columns] = token_attn[rows, offsets]
         self.length = self.length + count
+
+    def accept_one_row(self, block, count: int, length: int, token_lprobs, token_attn):
+        """``accept`` for a lone row, with Python numbers: the first ``count`` tokens of ``block``
+        (1, n), the row holding ``length`` tokens before; ``token_lprobs``: their lprobs (floats,
+        float32 values); ``token_attn`` (count, src_len) or None."""
+        cumulative = [numpy.float32(self.score.item())]
+        for lprob in token_lprobs:  # one float32 addition per token, as greedy (numpy's float32 is IEEE's)
+            cumulative.append(cumulative[-1] + numpy.float32(lprob))
+        self.tokens[0, 1 + length: 1 + length + count] = block[0, :count]
+        self.cum_scores[0, length: length + count] = torch.tensor(cumulative[1:], dtype=self.cum_scores.dtype)
+        self.score = self.cum_scores[0, length + count - 1: length + count]  # (1,)
+        if token_attn is not None:
+            self.attention_buffer(token_attn)[0, :, length: length + count] = token_attn.t()
+        self.length = self.length + count
+
+    def attention_buffer(self, token_attn) -> Tensor:
+        """``attn`` (rows, src_len, capacity), made on the first call from the first tokens'
+        attention ``token_attn`` (..., src_len)."""
+        if self.attn is None:
+            self.attn = token_attn.new_zeros((self.rows, token_attn.size(-1), self.cum_scores.size(1)))
+        return self.attn
 
     def select(self, index: Tensor):
         """Keep (and reorder to) the rows in ``index``."""
@@ -398,27 +398,16 @@ class BlockwisePolicy:
         all_heads = None if self.decoder.heads.identity_first else self.heads(features)  # (1, n, block, dim)
         lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)  # (1, n, vocab)
         state.rules.one_row(lprobs[0], length + 1, max_len)
-        best = lprobs[0].topk(1, dim=-1).indices.view(-1).tolist()  # greedy's choice after each block token
+        top_lprobs, top = lprobs[0].topk(1, dim=-1)  # (n, 1) each: greedy's choice after each block token
         proposed = block[0].tolist()
-        count = self.accepted_count(proposed, best, ctx.eos)
+        count = self.accepted_count(proposed, top.view(-1).tolist(), ctx.eos)
 
-        # the accepted tokens' scores: one float32 addition per token, as greedy (numpy's float32 is IEEE's)
-        token_lprobs = [state.first_lprob.item()]
+        token_lprobs = [state.first_lprob.item()]  # the accepted tokens' lprobs
         if count > 1:
             verified = lprobs[0, torch.arange(count - 1, device=block.device), block[0, 1:count]]  # (count - 1,)
             token_lprobs += verified.tolist()
-        cumulative = [numpy.float32(state.score.item())]
-        for lprob in token_lprobs:
-            cumulative.append(cumulative[-1] + numpy.float32(lprob))
-        state.tokens[0, 1 + length: 1 + length + count] = block[0, :count]
-        state.cum_scores[0, length: length + count] = torch.tensor(cumulative[1:], dtype=state.cum_scores.dtype)
-        state.score = state.cum_scores[0, length + count - 1: length + count]  # (1,)
-        if attn is not None:
-            token_attn = torch.cat([state.first_attn, attn[0, : count - 1]])  # (count, src_len)
-            if state.attn is None:
-                state.attn = attn.new_zeros((1, attn.size(2), state.cum_scores.size(1)))
-            state.attn[0, :, length: length + count] = token_attn.t()
-        state.length = state.length + count
+        token_attn = None if attn is None else torch.cat([state.first_attn, attn[0, : count - 1]])  # (count, src_len)
+        state.accept_one_row(block, count, length, token_lprobs, token_attn)
         if count < n:  # drop the rejected positions from the self-attention cache
             self.decoder.drop_last_positions(state.cache, n - count)
 
@@ -429,8 +418,8 @@ class BlockwisePolicy:
             return
         heads = None if all_heads is None else all_heads[:, last]  # (1, block, dim)
         later = self.later_scores(features[:, last], heads, ctx)  # (1, block - 1, vocab) or None
-        first_lprob, first = lprobs[:, last].topk(1, dim=-1)  # (1, 1) each, already processed
-        state.first_lprob, state.first_attn = first_lprob.view(1), None if attn is None else attn[:, last]
+        first = top[last: last + 1]  # (1, 1): greedy's next token, from the processed lprobs at ``last``
+        state.first_lprob, state.first_attn = top_lprobs[last], None if attn is None else attn[:, last]
         if later is None:  # a block of 1
             state.proposals = first
             return

@@ -34,6 +34,8 @@ class LengthLimits:
     """eos is banned before ``min_len`` tokens and forced at the row's ``max_len``.
 
     As in fairseq, the minimum length does not apply while a prefix is forced.
+    ``__call__`` applies the rule to rows all at one step; ``at_steps`` and
+    ``at_consecutive_steps`` to rows at steps of their own (blockwise decoding).
     """
 
     def __init__(self, eos, min_len, prefix_len=0):
@@ -45,9 +47,32 @@ class LengthLimits:
             lprobs[:, self.eos] = NEG_INF
         at_limit = state.max_len <= step  # (rows,)
         if at_limit.any():
-            eos_scores = lprobs[at_limit, self.eos].clone()
-            lprobs[at_limit] = NEG_INF
-            lprobs[at_limit, self.eos] = eos_scores
+            self.only_eos(lprobs, at_limit)
+
+    def at_steps(self, lprobs, steps, max_len):
+        """lprobs (N, vocab), each row at its own step: steps, max_len (N,) long."""
+        too_short = (steps >= self.prefix_len) & (steps < self.min_len)
+        lprobs[too_short, self.eos] = NEG_INF
+        at_limit = max_len <= steps
+        if at_limit.any():
+            self.only_eos(lprobs, at_limit)
+
+    def at_consecutive_steps(self, lprobs, first_step: int, max_len: int):
+        """lprobs (m, vocab) of one row at the steps ``first_step`` .. ``first_step + m - 1``
+        (Python integers: no tensor is made for the steps)."""
+        m = lprobs.size(0)
+        short_from, short_to = max(self.prefix_len, first_step), min(self.min_len, first_step + m)
+        if short_from < short_to:  # the steps where eos would come too early
+            lprobs[short_from - first_step: short_to - first_step, self.eos] = NEG_INF
+        at_limit = max(max_len - first_step, 0)  # the first row whose step is >= max_len
+        if at_limit < m:
+            self.only_eos(lprobs, slice(at_limit, None))
+
+    def only_eos(self, lprobs, rows):
+        """Rows ``rows`` (a mask or a slice) of lprobs may only produce eos, at its score."""
+        eos_scores = lprobs[rows, self.eos].clone()
+        lprobs[rows] = NEG_INF
+        lprobs[rows, self.eos] = eos_scores
 
 
 class ForcePrefix:

@@ -54,7 +54,8 @@ def decode(model, task, batch_size, prefix_size=0, **options):
     return run_generator(generator, model, task, batch_size, prefix_size), generator
 
 
-def run_generator(generator, model, task, batch_size, prefix_size=0):
+def run_generator(generator, model, task, batch_size, prefix_size=0, attention=False):
+    """{sentence id: (tokens, positional scores[, attention])}."""
     batches = task.get_batch_iterator(  # a fresh iterator: fairseq reuses a task's first one, whatever its batch size
         dataset=task.dataset("test"), max_sentences=batch_size, disable_iterator_cache=True
     ).next_epoch_itr(shuffle=False)
@@ -64,6 +65,8 @@ def run_generator(generator, model, task, batch_size, prefix_size=0):
         for sentence, hyps in zip(sample["id"].tolist(), generator.generate([model], sample, prefix_tokens=prefix)):
             assert len(hyps) == 1
             outputs[sentence] = (hyps[0]["tokens"].tolist(), hyps[0]["positional_scores"])
+            if attention:
+                outputs[sentence] += (hyps[0]["attention"],)
     return outputs
 
 
@@ -265,17 +268,6 @@ def test_one_row_processing_equals_the_processors_at_each_step():
     assert cases > 20
 
 
-def decode_with_attention(generator, model, task):
-    """{sentence: (tokens, positional scores, attention)} at batch 1."""
-    batches = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=1,
-                                      disable_iterator_cache=True).next_epoch_itr(shuffle=False)
-    outputs = {}
-    for sample in batches:
-        hyp = generator.generate([model], sample)[0][0]
-        outputs[int(sample["id"])] = (hyp["tokens"].tolist(), hyp["positional_scores"], hyp["attention"])
-    return outputs
-
-
 @pytest.mark.parametrize("block_size, int8", [(2, False), (4, False), (2, True)])
 def test_one_row_path_is_bitwise_the_general_path(loaded, block_size, int8):
     """A lone row takes BlockwisePolicy.advance_one_row; its hypotheses (tokens, scores and
@@ -288,7 +280,8 @@ def test_one_row_path_is_bitwise_the_general_path(loaded, block_size, int8):
     one_row.policy.advance_one_row = lambda state, ctx: taken.append(1) or advance_one_row(state, ctx)
     general = task.build_generator([model], GenerationConfig(**options))
     general.policy.one_row_path = False
-    fast, slow = decode_with_attention(one_row, model, task), decode_with_attention(general, model, task)
+    fast = run_generator(one_row, model, task, 1, attention=True)
+    slow = run_generator(general, model, task, 1, attention=True)
     assert len(taken) == one_row.counters.counts["iterations"] > 200
     assert sorted(fast) == sorted(slow) and len(fast) == 200
     for sentence, (tokens, scores, attention) in slow.items():
