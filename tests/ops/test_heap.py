@@ -21,6 +21,7 @@ PROBE = r"""
 import ctypes, json, resource, sys
 import torch
 from fairseq_fastgen.ops.heap import reuse_large_allocations
+torch.set_num_threads(1)  # a parallel fill's threads allocate too, and can split the freed chunk
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in
@@ -31,7 +32,7 @@ libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MallInfo2
 taken = reuse_large_allocations() if sys.argv[1] == "reuse" else None
 passes = []
-for _ in range(6):  # a decoding loop: allocate, fill, free the same size each step
+for _ in range(8):  # a decoding loop: allocate, fill, free the same size each step
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     buffer = torch.full((16 * 1024 * 1024,), 1.0)  # 64 MiB of fp32
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
@@ -63,5 +64,8 @@ def test_large_buffers_come_from_the_heap_and_are_reused_only_with_the_option():
     assert reused["taken"] is True
     for one in reused["passes"]:
         assert one["mapped"] < 64 * MIB  # from the heap
-    # steady state (a step or two may still grow the heap): the freed bytes served again, no page faults
-    assert max(one["faults"] for one in reused["passes"][3:]) < pages // 10
+    # steady state (a step or two may still grow the heap): the freed bytes served again, no page faults.
+    # Rarely, on a loaded machine, some other allocation splits the freed chunk and the heap grows once more
+    # (seen once in 40 runs with torch's threads): one such step of the five is allowed.
+    steady = [one["faults"] for one in reused["passes"][3:]]
+    assert sum(faults < pages // 10 for faults in steady) >= len(steady) - 1, steady
