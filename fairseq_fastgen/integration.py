@@ -33,6 +33,10 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    selected decoder adjust the run (``prepare_cli``: streaming decoders read
    larger pools), run the plugin's asynchronous generate loop when
    ``--postprocess-workers`` > 0, and report the decoders' statistics.
+   In fairseq-interactive, ``make_batches`` is wrapped for the run
+   (:mod:`fairseq_fastgen.cli.oversized_lines`): a line longer than the model
+   reads is refused alone with an error naming it, instead of a traceback
+   that ends the run with the other lines untranslated.
 6. ``numpy.compat``: fairseq 0.12 reads ``np.compat.long`` (removed in numpy 2)
    when it builds a language model's dataset (``TokenBlockDataset``, eos break
    mode: fairseq-interactive and the hub interface of ``transformer_lm``) and a
@@ -246,12 +250,21 @@ def _wrap_generate_main(original_generate):
 
 
 def _wrap_interactive_main(original_interactive):
+    from fairseq_fastgen.cli.oversized_lines import OversizedLines
+
     @functools.wraps(original_interactive)
     def interactive_main(cfg):
         generators_built.clear()
         _prepare_decoder(cfg, "interactive")
-        result = original_interactive(cfg)
+        interactive_cli = sys.modules[original_interactive.__module__]
+        oversized = OversizedLines(interactive_cli.make_batches)
+        interactive_cli.make_batches = oversized.make_batches  # for this run only
+        try:
+            result = original_interactive(cfg)
+        finally:
+            interactive_cli.make_batches = oversized.original_make_batches
         report_statistics(cfg.generation, sys.stdout)
+        oversized.exit_if_refused()
         return result
 
     return interactive_main

@@ -144,3 +144,29 @@ def test_interactive_greedy_answers_every_line_in_order(toy_model):
     solo = interactive(toy_model, [test_lines[0]], "--beam", "1")
     first = [line for line in result.stdout.splitlines() if line.startswith("H-0")]
     assert first == [line for line in solo.stdout.splitlines() if line.startswith("H-0")]
+
+
+@pytest.mark.parametrize("decoder, beam", [("greedy", 1), ("var-stream", 4)])
+def test_interactive_refuses_an_oversized_line_alone(toy_model, decoder, beam):
+    """Stock fairseq-interactive ends with a traceback at a line longer than the model reads, and the other
+    lines of its buffer, and every later line, are never translated; the plugin refuses that line alone."""
+    test_lines = (toy_model.raw / "test.en").read_text().splitlines()[:5]
+    too_long = " ".join(test_lines[0].split() * 200)  # far beyond the toy's 64 source positions
+    lines = test_lines[:2] + [too_long] + test_lines[2:]
+    options = ["--decoder", decoder, "--beam", str(beam)]
+    result = interactive(toy_model, lines, *options, "--buffer-size", "4", "--batch-size", "2")
+    assert result.returncode == 1
+    assert sorted(hypotheses(result.stdout)) == [0, 1, 3, 4, 5]
+    assert re.search(r"sentence 2 has \d+ tokens .* not translated", result.stderr)
+    assert "sentence ids 2);" in result.stderr
+    # the others are what they are without the long line (one line per batch on both sides: same batches)
+    alone = interactive(toy_model, lines, *options)
+    without = interactive(toy_model, test_lines, *options)
+    assert alone.returncode == 1 and without.returncode == 0, without.stderr[-2000:]
+    got = {sid: text for sid, (text, _) in hypotheses(alone.stdout).items()}
+    expected = {sid + (sid >= 2): text for sid, (text, _) in hypotheses(without.stdout).items()}
+    assert got == expected
+    # asked to skip such lines, fairseq's own behaviour: skipped with a warning, exit 0
+    skipped = interactive(toy_model, lines, *options, "--skip-invalid-size-inputs-valid-test")
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert sorted(hypotheses(skipped.stdout)) == [0, 1, 3, 4, 5]
