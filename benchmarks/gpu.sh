@@ -10,6 +10,8 @@
 # 3. blockwise against greedy decoding of the same k-head model at batch 1 (300 sentences, 5 timed passes);
 # 4. beam search at beam 4 and 5, batch 64, --no-repeat-ngram-size 3: the plugin's optimizations on, each off, all
 #    off (identical outputs, speed, peak CUDA memory).
+# 5. the same as whole fairseq-generate processes at beam 4, stock fairseq-generate beside the plugin (about 25 s a
+#    process on an H100 machine, 12 processes; session 15 ran out of GPU time here, so this step has no figures yet).
 set -u -o pipefail
 DATA=$1 KHEAD=$2 STOCK=$3 OUT=$4
 PYTHON=${PYTHON:-python3}
@@ -31,3 +33,8 @@ $PYTHON -m fairseq_fastgen.bench "$DATA" --path "$STOCK" --decoders beam --beam 
   --variant 'stockloop=--no-lean-beam-loop' --variant 'alloff=--no-shared-encoder-cache --no-lean-beam-loop --no-inference-mode' \
   --output-dir "$OUT/beam" > "$OUT/beam.log" 2>&1
 grep "^|" "$OUT/beam.log"
+echo "== 5. whole processes: stock fairseq-generate and the plugin, beam 4"
+$PYTHON -m fairseq_fastgen.bench "$DATA" --path "$STOCK" --whole-process --decoders beam --beam 4 --batch-size 64 \
+  --repeat 2 --no-repeat-ngram-size 3 --post-process sentencepiece --variant 'copies=--no-shared-encoder-cache' \
+  --variant 'stockloop=--no-lean-beam-loop' --output-dir "$OUT/whole-process" > "$OUT/whole-process.log" 2>&1
+grep "^|" "$OUT/whole-process.log"
