@@ -16,7 +16,7 @@ the option, fairseq's own behaviour is kept.
 """
 
 import sys
-from typing import List, Tuple
+from typing import List
 
 import numpy
 import torch
@@ -25,11 +25,10 @@ import torch
 class OversizedLines:
     """``make_batches`` for fairseq-interactive that refuses oversized lines one by one."""
 
-    def __init__(self, original_make_batches, stream=sys.stderr):
+    def __init__(self, original_make_batches):
         self.original_make_batches = original_make_batches
-        self.stream = stream
         self.lines_seen = 0  # sentence id of the next buffer's first line (fairseq's start_id)
-        self.refused: List[Tuple[int, int]] = []  # (sentence id, tokens with eos)
+        self.refused: List[int] = []  # sentence ids
 
     def make_batches(self, lines, cfg, task, max_positions, encode_fn):
         first_id = self.lines_seen
@@ -55,16 +54,16 @@ class OversizedLines:
         fitting, too_long = dataset.filter_indices_by_size(numpy.arange(len(lines), dtype=numpy.int64), max_positions)
         for index in too_long:
             sentence_id = first_id + int(index)
-            self.refused.append((sentence_id, int(lengths[index])))
+            self.refused.append(sentence_id)
             print(f"fairseq-interactive: sentence {sentence_id} has {int(lengths[index])} tokens (with eos), more "
                   f"than this model reads (max positions {max_positions}); not translated. Shorten it, or pass "
                   f"--skip-invalid-size-inputs-valid-test to skip such lines without an error.",
-                  file=self.stream, flush=True)
+                  file=sys.stderr, flush=True)
         return sorted(int(index) for index in fitting)
 
     def exit_if_refused(self):
         """After the input: exit with status 1 naming every refused sentence, if any."""
         if self.refused:
-            ids = ", ".join(str(sentence_id) for sentence_id, _ in self.refused)
+            ids = ", ".join(map(str, self.refused))
             raise SystemExit(f"fairseq-interactive: {len(self.refused)} of {self.lines_seen} sentences were too "
                              f"long and not translated (sentence ids {ids}); every other sentence was translated")

@@ -340,13 +340,7 @@ class BlockwisePolicy:
         n = block.size(1)
         offsets = torch.arange(n, device=block.device)
         positions = (state.length.unsqueeze(1) + 1 + offsets).clamp(max=self.decoder.max_positions() - 1)
-        features, attn = self.run_block(state, block, positions, ctx)  # (rows, n, dim), (rows, n, src_len)
-        ctx.counters.add("row_iterations", state.rows)
-
-        # verify: p_1 after block token j scores block token j + 1
-        # with an identity head 1 the k-head layer runs only where proposals are read (below)
-        all_heads = None if self.decoder.heads.identity_first else self.heads(features)  # (rows, n, block, dim)
-        lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)  # (rows, n, vocab)
+        features, attn, all_heads, lprobs = self.score_block(state, block, positions, ctx)
         rules = state.rules
         history = None
         if rules.reads_history:
@@ -393,10 +387,7 @@ class BlockwisePolicy:
         block = state.proposals[:, :n]  # (1, n)
         positions = torch.arange(length + 1, length + 1 + n, device=block.device)
         positions = positions.clamp_(max=self.decoder.max_positions() - 1).unsqueeze(0)  # (1, n)
-        features, attn = self.run_block(state, block, positions, ctx)  # (1, n, dim), (1, n, src_len)
-        ctx.counters.add("row_iterations", 1)
-        all_heads = None if self.decoder.heads.identity_first else self.heads(features)  # (1, n, block, dim)
-        lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)  # (1, n, vocab)
+        features, attn, all_heads, lprobs = self.score_block(state, block, positions, ctx)
         state.rules.one_row(lprobs[0], length + 1, max_len)
         top_lprobs, top = lprobs[0].topk(1, dim=-1)  # (n, 1) each: greedy's choice after each block token
         proposed = block[0].tolist()
@@ -425,6 +416,18 @@ class BlockwisePolicy:
             return
         state.rules.one_row(later[0], length + count + 1, max_len)
         state.proposals = torch.cat([first, later[0].topk(1, dim=-1).indices.view(1, -1)], dim=1)  # (1, block)
+
+    def score_block(self, state, block, positions, ctx):
+        """One decoder pass over each row's ``block`` (rows, n) at ``positions`` (rows, n), and head 1's
+        verification scores: p_1 after block token j scores block token j + 1. Returns the decoder
+        features (rows, n, dim), attention (rows, n, src_len) or None, every head (rows, n, block, dim)
+        where computed in full precision (None with an identity head 1: the k-head layer then runs
+        only where proposals are read) and head 1's lprobs (rows, n, vocab), not yet processed."""
+        features, attn = self.run_block(state, block, positions, ctx)
+        ctx.counters.add("row_iterations", state.rows)
+        all_heads = None if self.decoder.heads.identity_first else self.heads(features)
+        lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)
+        return features, attn, all_heads, lprobs
 
     @staticmethod
     def accepted_count(proposed, best, eos) -> int:
