@@ -23,6 +23,14 @@ class PluginOptions(FairseqDataclass):
         default="beam",
         metadata={"help": "decoding algorithm of fairseq_fastgen; 'beam' is stock fairseq beam search"},
     )
+    step_engine: ChoiceEnum(["fairseq", "static", "compiled"]) = field(
+        default="fairseq",
+        metadata={"help": "what runs each decoder step of the plugin's decoders: 'fairseq' (fairseq's incremental "
+                          "decoder), 'static' (preallocated keys/values, eager: bitwise fairseq's hypotheses) or "
+                          "'compiled' (the static step through torch.compile, fixed shapes per row bucket: the same "
+                          "tokens, scores within float rounding); a model or decoder the engine cannot serve falls "
+                          "back to 'fairseq' with one line saying why"},
+    )
     decoder_stats_json: Optional[str] = field(
         default=None,
         metadata={"help": "write the decoder's statistics (iterations, model calls, ...) as JSON to this file"},

@@ -550,6 +550,7 @@ class BlockwiseGenerator(FastgenGenerator):
     """Blockwise parallel decoding with a k-head model (see the module docstring)."""
 
     name = "blockwise"
+    engines = ("fairseq",)  # its multi-position step (forward_block) and rollback are fairseq-cache code
 
     def new_counters(self):
         return BlockwiseCounters(self.name)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.processors import apply_processors, build_processors, row_max_len
-from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.engine import ENGINES, build_runner, cache_capacity
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
 
@@ -74,7 +74,7 @@ class DecodeContext:
         bos = torch.full((sentences.numel(), 1), self.eos, dtype=torch.long, device=sentences.device)
         return DecodingState(
             self.runner, bos, sentences.clone(), self.pool.max_len.index_select(0, sentences),
-            encoder_out, self.runner.new_cache(), net_input["src_tokens"].size(1),
+            encoder_out, self.runner.new_cache(cache_capacity(self.pool.max_len)), net_input["src_tokens"].size(1),
         )
 
     def next_lprobs(self, state: DecodingState):
@@ -128,6 +128,7 @@ class FastgenGenerator(nn.Module):
     """Base of the plugin's decoders; subclasses set ``name`` and build a policy."""
 
     name = "?"
+    engines = ENGINES  # the --step-engine settings this decoder runs on; others fall back to fairseq
 
     def __init__(self, model, tgt_dict, gen_cfg, policy, scheduler=None, projection=None):
         super().__init__()
@@ -139,7 +140,7 @@ class FastgenGenerator(nn.Module):
         self.eos = tgt_dict.eos()
         self.pad = tgt_dict.pad()
         self.symbols_to_strip_from_output = {self.eos}
-        self.runner = ModelRunner(model, temperature=gen_cfg.temperature, projection=projection)
+        self.runner = build_runner(model, gen_cfg, projection, self.name, self.engines)
         self.counters = self.new_counters()
         if hasattr(projection, "statistics"):
             self.counters.stats_sources.append(projection.statistics.as_dict)

@@ -9,6 +9,7 @@ encoder output and the incremental cache when rows are reordered or merged.
 from typing import Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq import utils
@@ -54,7 +55,8 @@ class ModelRunner:
 
     # ---- incremental cache -----------------------------------------------------
     @staticmethod
-    def new_cache() -> Dict[str, Dict[str, Optional[Tensor]]]:
+    def new_cache(capacity: int = 0) -> Dict[str, Dict[str, Optional[Tensor]]]:
+        """An empty cache; ``capacity`` (the longest target, with bos) lets a static engine preallocate."""
         return torch.jit.annotate(Dict[str, Dict[str, Optional[Tensor]]], {})
 
     @staticmethod
@@ -96,6 +98,18 @@ class ModelRunner:
                 merged[key][name] = torch.cat(parts, dim=0)
         return merged
 
+    @staticmethod
+    def widen_cache(cache, src_len: int, extra: int):
+        """Right-pad the cached encoder-decoder keys/values (and their padding mask) of a cache
+        whose source is ``src_len`` wide by ``extra`` masked positions (streaming merges)."""
+        for buffers in cache.values():
+            key_padding = buffers.get("prev_key_padding_mask")
+            if key_padding is None or key_padding.size(1) != src_len:
+                continue  # decoder self-attention: no source positions
+            buffers["prev_key"] = F.pad(buffers["prev_key"], (0, 0, 0, extra))  # (rows, heads, width, head_dim)
+            buffers["prev_value"] = F.pad(buffers["prev_value"], (0, 0, 0, extra))
+            buffers["prev_key_padding_mask"] = F.pad(key_padding, (0, extra), value=True)
+
     # ---- one decoder step ------------------------------------------------------
     def step(self, tokens: Tensor, encoder_out, cache):
         """Log-probabilities of the next token of every row.
@@ -106,12 +120,16 @@ class ModelRunner:
         """
         decoder = self.model.decoder
         features, extra = decoder.extract_features(tokens, encoder_out=encoder_out, incremental_state=cache)
-        features = features[:, -1:, :]  # (rows, 1, dim)
-        logits = decoder.output_layer(features) if self.projection is None else self.projection(features, decoder)
-        if self.temperature != 1.0:
-            logits = logits.div_(self.temperature)
-        lprobs = utils.log_softmax(logits, dim=-1)[:, -1, :]  # (rows, vocab)
         attn = extra.get("attn", [None])[0] if isinstance(extra, dict) else None
         if attn is not None:
             attn = attn[:, -1, :]  # (rows, src_len)
-        return lprobs, attn
+        return self.lprobs(features[:, -1:, :]), attn
+
+    def lprobs(self, features: Tensor) -> Tensor:
+        """features (rows, 1, dim) -> log-probabilities (rows, vocab): projection (full or the
+        projection's), temperature, log-softmax."""
+        decoder = self.model.decoder
+        logits = decoder.output_layer(features) if self.projection is None else self.projection(features, decoder)
+        if self.temperature != 1.0:
+            logits = logits.div_(self.temperature)
+        return utils.log_softmax(logits, dim=-1)[:, -1, :]  # (rows, vocab)

@@ -62,6 +62,7 @@ import torch.nn.functional as F
 
 from fairseq.dataclass import FairseqDataclass
 
+from fairseq_fastgen.engine import cache_capacity
 from fairseq_fastgen.sequence_generators.registry import option_value
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
@@ -253,13 +254,7 @@ class CompanionFreeLayout:
             encoder_out=[F.pad(encoder_states, (0, 0, 0, 0, 0, extra))],  # (width, rows, dim)
             encoder_padding_mask=[F.pad(padding, (0, extra), value=True)],  # (rows, width)
         )
-        for buffers in state.cache.values():
-            key_padding = buffers.get("prev_key_padding_mask")
-            if key_padding is None or key_padding.size(1) != state.src_len:
-                continue  # decoder self-attention: no source positions
-            buffers["prev_key"] = F.pad(buffers["prev_key"], (0, 0, 0, extra))  # (rows, heads, width, head_dim)
-            buffers["prev_value"] = F.pad(buffers["prev_value"], (0, 0, 0, extra))
-            buffers["prev_key_padding_mask"] = F.pad(key_padding, (0, extra), value=True)
+        state.runner.widen_cache(state.cache, state.src_len, extra)
         if state.attn is not None:
             state.attn = F.pad(state.attn, (0, 0, 0, extra))  # (rows, width, length)
         state.src_len = width
@@ -283,7 +278,7 @@ class CompanionFreeLayout:
         bos = torch.full((group.numel(), 1), ctx.eos, dtype=torch.long, device=group.device)
         return DecodingState(
             ctx.runner, bos, group.clone(), ctx.pool.max_len.index_select(0, group),
-            right_padded, ctx.runner.new_cache(), width,
+            right_padded, ctx.runner.new_cache(cache_capacity(ctx.pool.max_len)), width,
         )
 
 

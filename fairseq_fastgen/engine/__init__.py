@@ -1,0 +1,57 @@
+"""The decoder-step engine: which runner runs a decoder's steps (``--step-engine``).
+
+* ``fairseq``: fairseq's own incremental decoder (a dict cache grown with ``torch.cat``);
+* ``static``: :class:`~fairseq_fastgen.engine.runners.StaticRunner`, preallocated
+  buffers, eager, bitwise fairseq's hypotheses;
+* ``compiled``: :class:`~fairseq_fastgen.engine.compiled.CompiledRunner`, fixed shapes
+  through ``torch.compile`` (the same tokens; scores within float rounding).
+
+A model or decoder the engine cannot serve falls back to ``fairseq`` with one
+logged line saying why.
+"""
+
+import logging
+
+from fairseq_fastgen.sequence_generators.registry import option_value
+from fairseq_fastgen.sequence_generators.runner import ModelRunner
+
+ENGINES = ("fairseq", "static", "compiled")
+logger = logging.getLogger("fairseq_fastgen.engine")
+
+
+def cache_capacity(max_len) -> int:
+    """Target positions a cache needs for rows whose length limits are ``max_len`` (rows,): the bos,
+    up to ``max_len`` tokens and the forced eos."""
+    return int(max_len.max()) + 2 if max_len.numel() else 1
+
+
+def engine_refusal(model, decoder_name: str, decoder_engines) -> str:
+    """Why ``model`` decoded by ``decoder_name`` cannot run on the engine ('' if it can)."""
+    from fairseq_fastgen.engine.decoder_step import unsupported_reason
+
+    if "static" not in decoder_engines:
+        return f"--decoder {decoder_name} runs on fairseq's step only"
+    reason = unsupported_reason(model.decoder)
+    return reason or ""
+
+
+def build_runner(model, gen_cfg, projection, decoder_name: str, decoder_engines=ENGINES):
+    """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not."""
+    engine = option_value(gen_cfg, "step_engine")
+    temperature = option_value(gen_cfg, "temperature")
+    if engine not in ENGINES:
+        raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    if engine != "fairseq":
+        refusal = engine_refusal(model, decoder_name, decoder_engines)
+        if refusal:
+            logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
+            engine = "fairseq"
+    if engine == "static":
+        from fairseq_fastgen.engine.runners import StaticRunner
+
+        return StaticRunner(model, temperature, projection)
+    if engine == "compiled":
+        from fairseq_fastgen.engine.compiled import CompiledRunner
+
+        return CompiledRunner(model, temperature, projection)
+    return ModelRunner(model, temperature, projection)

@@ -1,0 +1,252 @@
+"""One decoder step of a fairseq ``TransformerDecoder`` over preallocated keys/values.
+
+:class:`DecoderStep` reads the parameters of the loaded fairseq decoder itself
+(no conversion) and runs the same layer arithmetic as fairseq's incremental
+decoder, with the cache in :class:`~fairseq_fastgen.engine.static_cache.StaticCache`
+buffers instead of a dict of tensors grown with ``torch.cat``.  Two forms:
+
+* :meth:`DecoderStep.exact`: every row at the same length; attention reads the
+  filled prefix of the buffers (a view).  The products, softmaxes and additions
+  are fairseq's, in fairseq's order and layouts, so its features are bitwise
+  fairseq's on the CPU (``tests/engine/test_static_engine.py``).
+* :meth:`DecoderStep.padded`: every shape fixed (rows, buffer capacity, source
+  width), each row at its own position; attention runs over the whole buffer
+  with the unwritten positions masked.  This is the form ``torch.compile``
+  turns into one compiled unit (``compiled.py``); the longer softmax sums in
+  another order, so scores move in the last bits.
+
+:func:`unsupported_reason` says why a decoder cannot run here (the runner then
+keeps fairseq's own step).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fairseq.models.transformer import TransformerDecoderBase
+from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+
+
+def unsupported_reason(decoder) -> Optional[str]:
+    """None when :class:`DecoderStep` computes exactly what ``decoder`` does, else why not."""
+    if not isinstance(decoder, TransformerDecoderBase):
+        return f"{type(decoder).__name__} is not a fairseq TransformerDecoder"
+    if decoder.cross_self_attention:
+        return "--cross-self-attention is not supported"
+    if decoder.quant_noise is not None:
+        return "quant-noise on the embeddings is not supported"
+    if decoder.embed_positions is not None and not isinstance(
+        decoder.embed_positions, (SinusoidalPositionalEmbedding, LearnedPositionalEmbedding)
+    ):
+        return f"positional embedding {type(decoder.embed_positions).__name__} is not supported"
+    for layer in decoder.layers:
+        if layer.encoder_attn is None:
+            return "a decoder without encoder attention is not supported"
+        extras = [layer.c_attn, layer.attn_ln, layer.ffn_layernorm, layer.w_resid]
+        if any(extra is not None for extra in extras):
+            return "NormFormer / head-scale layers are not supported"
+        for attention in (layer.self_attn, layer.encoder_attn):
+            if attention.bias_k is not None or attention.add_zero_attn or getattr(attention, "use_xformers", False):
+                return "attention with bias_kv, zero_attn or xformers is not supported"
+    return None
+
+
+class DecoderStep(nn.Module):
+    """The incremental step of ``decoder`` (shares its parameters)."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.decoder = decoder
+        self.layers = decoder.layers
+        attention = decoder.layers[0].self_attn
+        self.heads, self.head_dim = attention.num_heads, attention.head_dim
+        self.first_head = getattr(decoder, "heads", None)  # transformer_khead: head 1 of its k heads
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def position_table(self) -> Optional[Tensor]:
+        """Embedding of every target position, (positions, dim), indexed as fairseq does (from padding_idx + 1)."""
+        positions = self.decoder.embed_positions
+        if positions is None:
+            return None
+        if isinstance(positions, SinusoidalPositionalEmbedding):
+            return positions.weights  # a buffer: on the model's device
+        return positions.weight
+
+    def embed(self, last_tokens: Tensor, position_rows: Optional[Tensor]) -> Tensor:
+        """last_tokens (rows, 1); position_rows (rows or 1, 1, dim) or None -> x (1, rows, dim)."""
+        decoder = self.decoder
+        x = decoder.embed_scale * decoder.embed_tokens(last_tokens)  # (rows, 1, dim)
+        if decoder.project_in_dim is not None:
+            x = decoder.project_in_dim(x)
+        if position_rows is not None:
+            x += position_rows
+        if decoder.layernorm_embedding is not None:
+            x = decoder.layernorm_embedding(x)
+        return x.transpose(0, 1)
+
+    def finish(self, x: Tensor) -> Tensor:
+        """x (1, rows, dim) after the last layer -> features (rows, 1, dim) for the output projection."""
+        decoder = self.decoder
+        if decoder.layer_norm is not None:
+            x = decoder.layer_norm(x)
+        x = x.transpose(0, 1)
+        if decoder.project_out_dim is not None:
+            x = decoder.project_out_dim(x)
+        if self.first_head is not None:
+            x = self.first_head.first(x)
+        return x
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        """(length, rows, dim) -> (rows * heads, length, head_dim), fairseq's layout."""
+        return x.contiguous().view(x.size(0), -1, self.head_dim).transpose(0, 1)
+
+    def encoder_keys_values(self, encoder_states: Tensor) -> Tuple[list, list]:
+        """Per layer, the encoder-decoder keys and values (rows, heads, src_len, head_dim) of
+        ``encoder_states`` (src_len, rows, dim), laid out as fairseq's first step leaves them."""
+        rows = encoder_states.size(1)
+        keys, values = [], []
+        for layer in self.layers:
+            attention = layer.encoder_attn
+            keys.append(self.split_heads(attention.k_proj(encoder_states)).view(rows, self.heads, -1, self.head_dim))
+            values.append(self.split_heads(attention.v_proj(encoder_states)).view(rows, self.heads, -1, self.head_dim))
+        return keys, values
+
+    # ---- the exact form -----------------------------------------------------------------------
+    def exact(self, last_tokens: Tensor, position_rows, cache) -> Tuple[Tensor, Tensor]:
+        """Features (rows, 1, dim) and encoder attention of the last layer (rows, src_len) of one step.
+
+        Every row writes position ``cache.length`` of its buffers and attends to
+        positions ``0..cache.length``; ``cache.length`` then grows by one.
+        """
+        rows, position = last_tokens.size(0), cache.length
+        x = self.embed(last_tokens, position_rows)
+        attn = None
+        for index, layer in enumerate(self.layers):
+            residual = x
+            if layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+            attention = layer.self_attn
+            q = attention.q_proj(x)
+            k = attention.k_proj(x)
+            v = attention.v_proj(x)
+            q *= attention.scaling
+            q = self.split_heads(q)  # (rows * heads, 1, head_dim)
+            key_buffer, value_buffer = cache.self_keys[index], cache.self_values[index]  # (rows, heads, cap, hd)
+            key_buffer[:, :, position] = k.view(rows, self.heads, self.head_dim)
+            value_buffer[:, :, position] = v.view(rows, self.heads, self.head_dim)
+            keys = key_buffer[:, :, : position + 1].reshape(rows * self.heads, position + 1, self.head_dim)
+            values = value_buffer[:, :, : position + 1].reshape(rows * self.heads, position + 1, self.head_dim)
+            weights = F.softmax(torch.bmm(q, keys.transpose(1, 2)), dim=-1, dtype=torch.float32)
+            x = self.merge_heads(torch.bmm(weights, values), rows)
+            x = layer.residual_connection(attention.out_proj(x), residual)
+            if not layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+
+            last = index == self.num_layers - 1
+            x, weights = self.exact_encoder_attention(layer, x, index, cache, need_weights=last)
+            if last:
+                attn = weights.view(rows, self.heads, 1, -1).transpose(1, 0).mean(dim=0)  # (rows, 1, src_len)
+            x = self.feed_forward(layer, x)
+        cache.length += 1
+        return self.finish(x), attn[:, -1, :]
+
+    def exact_encoder_attention(self, layer, x, index, cache, need_weights: bool):
+        rows = x.size(1)
+        residual = x
+        if layer.normalize_before:
+            x = layer.encoder_attn_layer_norm(x)
+        attention = layer.encoder_attn
+        q = attention.q_proj(x)
+        q *= attention.scaling
+        q = self.split_heads(q)  # (rows * heads, 1, head_dim)
+        keys = cache.cross_keys[index].view(rows * self.heads, -1, self.head_dim)  # (rows * heads, src_len, hd)
+        values = cache.cross_values[index].view(rows * self.heads, -1, self.head_dim)
+        weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, 1, src_len)
+        if cache.cross_mask is not None:
+            src_len = weights.size(2)
+            weights = weights.view(rows, 1, self.heads, 1, src_len).masked_fill(
+                cache.cross_mask.view(rows, 1, 1, 1, src_len), float("-inf")
+            ).view(rows * self.heads, 1, src_len)
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32)
+        x = self.merge_heads(torch.bmm(weights, values), rows)
+        x = layer.residual_connection(attention.out_proj(x), residual)
+        if not layer.normalize_before:
+            x = layer.encoder_attn_layer_norm(x)
+        return x, (weights if need_weights else None)
+
+    def merge_heads(self, x: Tensor, rows: int) -> Tensor:
+        """(rows * heads, 1, head_dim) -> (1, rows, dim), fairseq's layout."""
+        return x.transpose(0, 1).contiguous().view(1, rows, self.heads * self.head_dim)
+
+    @staticmethod
+    def feed_forward(layer, x: Tensor) -> Tensor:
+        residual = x
+        if layer.normalize_before:
+            x = layer.final_layer_norm(x)
+        x = layer.fc2(layer.activation_fn(layer.fc1(x)))
+        x = layer.residual_connection(x, residual)
+        if not layer.normalize_before:
+            x = layer.final_layer_norm(x)
+        return x
+
+    # ---- the padded form (fixed shapes, a position per row) ----------------------------------------
+    def padded(self, last_tokens: Tensor, positions: Tensor, position_table: Optional[Tensor],
+               self_keys, self_values, cross_keys, cross_values, cross_mask: Tensor):
+        """Features (rows, 1, dim) and last-layer encoder attention (rows, src_width) of one step.
+
+        last_tokens (rows, 1); positions (rows,) the buffer position each row writes
+        (its target length so far); self_keys/values per layer (rows, heads, cap, hd),
+        written in place; cross_keys/values per layer (rows, heads, src_width, hd);
+        cross_mask (rows, src_width) True at padding.
+        """
+        rows = last_tokens.size(0)
+        position_rows = None
+        if position_table is not None:
+            position_rows = position_table[positions + (self.decoder.padding_idx + 1)].unsqueeze(1)  # (rows, 1, dim)
+        x = self.embed(last_tokens, position_rows)
+        capacity = self_keys[0].size(2)
+        unwritten = torch.arange(capacity, device=positions.device) > positions.unsqueeze(1)  # (rows, cap)
+        row_index = torch.arange(rows, device=positions.device)
+        attn = None
+        for index, layer in enumerate(self.layers):
+            residual = x
+            if layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+            attention = layer.self_attn
+            q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+            q = (q * attention.scaling).view(rows, self.heads, 1, self.head_dim)
+            self_keys[index][row_index, :, positions] = k.view(rows, self.heads, self.head_dim)
+            self_values[index][row_index, :, positions] = v.view(rows, self.heads, self.head_dim)
+            x = self.masked_attention(q, self_keys[index], self_values[index], unwritten)[0]
+            x = layer.residual_connection(attention.out_proj(x), residual)
+            if not layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+
+            residual = x
+            if layer.normalize_before:
+                x = layer.encoder_attn_layer_norm(x)
+            attention = layer.encoder_attn
+            q = (attention.q_proj(x) * attention.scaling).view(rows, self.heads, 1, self.head_dim)
+            x, weights = self.masked_attention(q, cross_keys[index], cross_values[index], cross_mask)
+            x = layer.residual_connection(attention.out_proj(x), residual)
+            if not layer.normalize_before:
+                x = layer.encoder_attn_layer_norm(x)
+            if index == self.num_layers - 1:
+                attn = weights.mean(dim=1)[:, 0]  # (rows, src_width)
+            x = self.feed_forward(layer, x)
+        return self.finish(x), attn
+
+    def masked_attention(self, q, keys, values, masked):
+        """q (rows, heads, 1, hd) over keys/values (rows, heads, width, hd), ``masked`` (rows, width) True
+        where a key is not attended -> (1, rows, dim) and the weights (rows, heads, 1, width)."""
+        rows = q.size(0)
+        scores = torch.matmul(q, keys.transpose(2, 3)).masked_fill(masked[:, None, None, :], float("-inf"))
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32)
+        x = torch.matmul(weights, values)  # (rows, heads, 1, hd)
+        return x.view(rows, 1, self.heads * self.head_dim).transpose(0, 1), weights

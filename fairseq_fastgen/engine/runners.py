@@ -1,0 +1,74 @@
+"""The engine as runners: the same interface as ``ModelRunner``, another cache underneath.
+
+Decoders ask their runner for ``encode``, ``step``, ``reorder_cache``,
+``concat_caches``, ``widen_cache`` and never look inside the cache, so they do
+not know which engine runs their steps:
+
+* :class:`StaticRunner` (``--step-engine static``): the exact form of
+  :class:`~fairseq_fastgen.engine.decoder_step.DecoderStep`, eager; bitwise
+  fairseq's hypotheses on the CPU.
+* ``CompiledRunner`` (``--step-engine compiled``, ``compiled.py``): the padded
+  form through ``torch.compile``.
+"""
+
+import torch
+from torch import Tensor
+
+from fairseq_fastgen.engine.decoder_step import DecoderStep
+from fairseq_fastgen.engine.static_cache import StaticCache
+from fairseq_fastgen.sequence_generators.runner import ModelRunner
+
+
+class StaticRunner(ModelRunner):
+    engine = "static"
+
+    def __init__(self, model, temperature: float = 1.0, projection=None):
+        super().__init__(model, temperature, projection)
+        self.decoder_step = DecoderStep(model.decoder)
+
+    # ---- cache ------------------------------------------------------------------------------
+    @staticmethod
+    def new_cache(capacity: int = 0) -> StaticCache:
+        return StaticCache(max(capacity, 1))
+
+    @staticmethod
+    def reorder_cache(cache: StaticCache, index: Tensor):
+        if cache.started:
+            cache.select(index)
+
+    @staticmethod
+    def concat_caches(caches):
+        if not any(c.started for c in caches):  # cohorts encoded together, before their first step
+            return StaticCache(max(c.capacity for c in caches))
+        if not all(c.started for c in caches):
+            raise ValueError("a cache that has run no step cannot join one that has")
+        return StaticCache.concat(caches)
+
+    @staticmethod
+    def widen_cache(cache: StaticCache, src_len: int, extra: int):
+        if cache.started:
+            cache.widen_source(extra)
+
+    def start_cache(self, cache: StaticCache, encoder_out):
+        """At a cache's first step: the encoder-decoder keys/values of its rows, once."""
+        states = encoder_out["encoder_out"][0]  # (src_len, rows, dim)
+        masks = encoder_out["encoder_padding_mask"]
+        keys, values = self.decoder_step.encoder_keys_values(states)
+        step = self.decoder_step
+        cache.start(keys, values, masks[0] if masks else None, step.heads, step.head_dim)
+
+    # ---- one decoder step ------------------------------------------------------------------------
+    def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
+        """As ``ModelRunner.step``: lprobs (rows, vocab) and attn (rows, src_len) of the next token."""
+        if not cache.started:
+            self.start_cache(cache, encoder_out)
+        length = tokens.size(1)  # the row's prefix, bos included
+        if cache.length != length - 1:
+            raise RuntimeError(f"static cache holds {cache.length} positions, the prefix {length}: a bug")
+        cache.ensure_room(length)
+        table = self.decoder_step.position_table()
+        position_row = None
+        if table is not None:
+            position_row = table[self.model.decoder.padding_idx + length, :].expand(tokens.size(0), 1, -1)
+        features, attn = self.decoder_step.exact(tokens[:, -1:], position_row, cache)
+        return self.lprobs(features), attn

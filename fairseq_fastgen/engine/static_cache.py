@@ -1,0 +1,97 @@
+"""The engine's incremental state: every layer's keys/values in preallocated buffers.
+
+Only the engine's runners read or write it; decoders hold it in their
+``DecodingState`` and hand it back to the runner.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+class StaticCache:
+    def __init__(self, capacity: int):
+        self.capacity = capacity  # target positions each row's buffers hold
+        self.length = 0  # positions written (every row of a cache is at the same length)
+        self.self_keys: List[Tensor] = []  # per layer (rows, heads, capacity, head_dim)
+        self.self_values: List[Tensor] = []
+        self.cross_keys: List[Tensor] = []  # per layer (rows, heads, src_len, head_dim)
+        self.cross_values: List[Tensor] = []
+        self.cross_mask: Optional[Tensor] = None  # (rows, src_len) True at source padding
+
+    @property
+    def started(self) -> bool:
+        return bool(self.cross_keys)
+
+    def start(self, cross_keys, cross_values, cross_mask, heads: int, head_dim: int):
+        """Take the encoder-decoder keys/values of every row and allocate the self-attention buffers."""
+        rows, first = cross_keys[0].size(0), cross_keys[0]
+        self.cross_keys, self.cross_values, self.cross_mask = list(cross_keys), list(cross_values), cross_mask
+        shape = (rows, heads, self.capacity, head_dim)
+        self.self_keys = [first.new_zeros(shape) for _ in cross_keys]
+        self.self_values = [first.new_zeros(shape) for _ in cross_keys]
+
+    def ensure_room(self, positions: int):
+        """Grow the buffers (doubling) so that ``positions`` positions fit."""
+        if positions <= self.capacity or not self.started:
+            self.capacity = max(self.capacity, positions)
+            return
+        capacity = max(positions, 2 * self.capacity)
+        grow = lambda buffer: F.pad(buffer, (0, 0, 0, capacity - self.capacity))  # noqa: E731
+        self.self_keys = [grow(b) for b in self.self_keys]
+        self.self_values = [grow(b) for b in self.self_values]
+        self.capacity = capacity
+
+    # ---- rows -----------------------------------------------------------------------------------
+    def select(self, index: Tensor):
+        """Keep (and reorder to) the rows ``index``; only the written positions are copied."""
+        self.self_keys = [self._select_written(b, index) for b in self.self_keys]
+        self.self_values = [self._select_written(b, index) for b in self.self_values]
+        self.cross_keys = [b.index_select(0, index) for b in self.cross_keys]
+        self.cross_values = [b.index_select(0, index) for b in self.cross_values]
+        if self.cross_mask is not None:
+            self.cross_mask = self.cross_mask.index_select(0, index)
+
+    def _select_written(self, buffer: Tensor, index: Tensor) -> Tensor:
+        selected = buffer.new_empty((index.numel(),) + buffer.shape[1:])
+        selected[:, :, : self.length] = buffer[:, :, : self.length].index_select(0, index)
+        return selected
+
+    def widen_source(self, extra: int):
+        """Right-pad the source positions by ``extra`` (masked) columns."""
+        pad = lambda buffer: F.pad(buffer, (0, 0, 0, extra))  # noqa: E731
+        self.cross_keys = [pad(b) for b in self.cross_keys]
+        self.cross_values = [pad(b) for b in self.cross_values]
+        rows, src_len = self.cross_keys[0].size(0), self.cross_keys[0].size(2) - extra
+        mask = self.cross_mask if self.cross_mask is not None else self.cross_keys[0].new_zeros((rows, src_len), dtype=torch.bool)
+        self.cross_mask = F.pad(mask, (0, extra), value=True)
+
+    @staticmethod
+    def concat(caches: List["StaticCache"]) -> "StaticCache":
+        """Rows of caches at the same length, one after the other; narrower sources are left-padded."""
+        length = caches[0].length
+        if any(c.length != length for c in caches):
+            raise ValueError("only caches at the same length can be concatenated")
+        merged = StaticCache(max(c.capacity for c in caches))
+        merged.length = length
+        src_len = max(c.cross_keys[0].size(2) for c in caches)
+        masks = []
+        for cache in caches:
+            extra = src_len - cache.cross_keys[0].size(2)
+            mask = cache.cross_mask if cache.cross_mask is not None else cache.cross_keys[0].new_zeros(
+                (cache.cross_keys[0].size(0), cache.cross_keys[0].size(2)), dtype=torch.bool
+            )
+            masks.append(F.pad(mask, (extra, 0), value=True))
+        for layer in range(len(caches[0].cross_keys)):
+            for name in ("cross_keys", "cross_values"):
+                parts = [getattr(c, name)[layer] for c in caches]
+                parts = [F.pad(p, (0, 0, src_len - p.size(2), 0)) for p in parts]
+                getattr(merged, name).append(torch.cat(parts))
+            for name in ("self_keys", "self_values"):
+                parts = [getattr(c, name)[layer] for c in caches]
+                parts = [F.pad(p, (0, 0, 0, merged.capacity - p.size(2))) for p in parts]
+                getattr(merged, name).append(torch.cat(parts))
+        merged.cross_mask = torch.cat(masks)
+        return merged

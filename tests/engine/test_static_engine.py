@@ -1,0 +1,70 @@
+"""--step-engine static (engine/): bitwise the hypotheses of fairseq's own decoder step.
+
+Every plugin decoder on the toy model, fp32 on the CPU, sentence by sentence:
+tokens, scores, positional scores and attention equal with ``torch.equal``.
+"""
+
+import pytest
+import torch
+
+from fairseq_fastgen.engine.runners import StaticRunner
+from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from tests.sequence_generators.test_var_beam import TEST_SENTENCES, assert_identical, toy  # noqa: F401  (fixture)
+
+SENTENCES = list(range(0, TEST_SENTENCES, 2))  # 100 sentences of the toy test set
+
+
+def decode(toy, ids, batch_size, prefix_size=0, **options):
+    """{sentence id: hypotheses} over ``ids`` in generate() calls of ``batch_size`` sentences."""
+    generator = toy.generator(**options)
+    results = {}
+    for start in range(0, len(ids), batch_size):
+        sample = toy.sample(ids[start : start + batch_size])
+        prefix = sample["target"][:, :prefix_size] if prefix_size else None
+        results.update(zip(sample["id"].tolist(), generator.generate(toy.models, sample, prefix_tokens=prefix)))
+    return generator, results
+
+
+def assert_same_attention(expected, actual):
+    for sentence, hypotheses in expected.items():
+        for want, got in zip(hypotheses, actual[sentence]):
+            assert torch.equal(got["attention"], want["attention"]), sentence
+
+
+CASES = {
+    "greedy": dict(decoder="greedy", beam=1),
+    "var-batch-beam1": dict(decoder="var-batch", beam=1),
+    "var-batch-beam4": dict(decoder="var-batch", beam=4),
+    "var-batch-beam8": dict(decoder="var-batch", beam=8, nbest=3),
+    "fixed-stream-beam4": dict(decoder="fixed-stream", beam=4),
+    "var-stream-refills": dict(decoder="var-stream", beam=5, stream_capacity=6, stream_eps=1 / 6),
+    "greedy-ngram2": dict(decoder="greedy", beam=1, no_repeat_ngram_size=2),
+    "var-batch-ngram2": dict(decoder="var-batch", beam=4, no_repeat_ngram_size=2),
+    "greedy-cut-at-max-len": dict(decoder="greedy", beam=1, max_len_a=0, max_len_b=3),
+    "var-batch-cut-at-max-len": dict(decoder="var-batch", beam=4, max_len_a=0, max_len_b=4),
+}
+
+
+# batch 1 runs the three cheapest cases (a row's step has no arithmetic across rows)
+BATCH_ONE = ("greedy", "var-batch-beam4", "greedy-cut-at-max-len")
+
+
+@pytest.mark.parametrize(
+    "case,batch_size", [(c, b) for c in CASES for b in (1, 7, 64) if b > 1 or c in BATCH_ONE]
+)
+def test_static_engine_is_bitwise_fairseq(toy, case, batch_size):
+    ids = SENTENCES[:30] if batch_size == 1 else SENTENCES
+    reference, expected = decode(toy, ids, batch_size, step_engine="fairseq", **CASES[case])
+    engine, actual = decode(toy, ids, batch_size, step_engine="static", **CASES[case])
+    assert type(reference.runner) is ModelRunner and type(engine.runner) is StaticRunner
+    assert_identical(expected, actual)
+    assert_same_attention(expected, actual)
+
+
+@pytest.mark.parametrize("decoder,beam", [("greedy", 1), ("var-batch", 4)])
+def test_static_engine_with_prefix_tokens(toy, decoder, beam):
+    ids = SENTENCES[:40]
+    _, expected = decode(toy, ids, 8, prefix_size=1, decoder=decoder, beam=beam, step_engine="fairseq")
+    _, actual = decode(toy, ids, 8, prefix_size=1, decoder=decoder, beam=beam, step_engine="static")
+    assert_identical(expected, actual)
+    assert all(int(h[0]["tokens"][0]) == int(toy.sample([i])["target"][0, 0]) for i, h in actual.items())
