@@ -1,52 +1,73 @@
-"""Cost of one incremental decoder step (vocabulary projection included) against the rows it computes.
+"""Cost of one incremental decoder step (vocabulary projection included) per engine and row count.
 
-    python benchmarks/decoder_step_cost.py --path CKPT --data DATA_BIN [--rows 4,8,16,32,64,128] [--threads 1]
+    python benchmarks/decoder_step_cost.py --path CKPT --data DATA_BIN \
+        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled] [--threads 1] [--rounds 5]
 
-Feeds random source sentences of 16 tokens and decodes 20 greedy steps for each
-row count; prints the best of 3 runs, in ms per step.  It tells whether a
-machine's step cost is mostly per call (what streaming and blockwise decoding
-save) or mostly per row (what they do not).
+Feeds random source sentences of 16 tokens and decodes 20 greedy steps per row
+count and ``--step-engine`` setting, the engines interleaved round by round;
+prints the median over the rounds in ms per step and each engine's ratio to
+fairseq's.  It tells which engine wins at which row count (the compiled step's
+first call per shape, its compilation, runs before the timed rounds), and
+whether a machine's step cost is mostly per call (what streaming and blockwise
+decoding save) or per row.
 """
 
 import argparse
+import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 from fairseq import checkpoint_utils
 
 import fairseq_fastgen  # noqa: F401  (checkpoint loading with torch >= 2.6)
-from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.engine import build_runner
 
 
-def step_ms(runner, rows, src_len=16, steps=20, runs=3):
-    vocabulary = runner.model.encoder.embed_tokens.num_embeddings
-    src = torch.randint(4, vocabulary, (rows, src_len))
-    src[:, -1] = 2  # eos
-    best = float("inf")
-    with torch.no_grad():
-        encoder_out = runner.encode({"src_tokens": src, "src_lengths": torch.full((rows,), src_len)})
-        for _ in range(runs):
-            cache, tokens = runner.new_cache(), torch.full((rows, 1), 2)
-            start = time.perf_counter()
-            for _ in range(steps):
-                lprobs, _ = runner.step(tokens, encoder_out, cache)
-                tokens = torch.cat([tokens, lprobs.argmax(-1, keepdim=True)], dim=1)
-            best = min(best, (time.perf_counter() - start) / steps)
-    return 1000 * best
+def run_steps(runner, encoder_out, rows, steps, capacity):
+    cache, tokens = runner.new_cache(capacity), torch.full((rows, 1), 2)
+    start = time.perf_counter()
+    for _ in range(steps):
+        lprobs, _ = runner.step(tokens, encoder_out, cache)
+        tokens = torch.cat([tokens, lprobs.argmax(-1, keepdim=True)], dim=1)
+    return (time.perf_counter() - start) / steps, tokens
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--path", required=True)
     parser.add_argument("--data", required=True)
-    parser.add_argument("--rows", default="4,8,16,32,64,128")
+    parser.add_argument("--rows", default="1,4,8,16,32,64,128,320")
+    parser.add_argument("--engines", default="fairseq,static,compiled")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--src-len", type=int, default=16)
+    parser.add_argument("--capacity", type=int, default=202,
+                        help="target positions a cache holds (fairseq-generate's default --max-len-b 200, bos, eos)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models, _, _ = checkpoint_utils.load_model_ensemble_and_task([args.path], arg_overrides={"data": args.data})
-    runner = ModelRunner(models[0].eval())
-    for rows in (int(r) for r in args.rows.split(",")):
-        print(f"{rows:5d} rows: {step_ms(runner, rows):7.2f} ms/step")
+    model = models[0].eval()
+    engines = args.engines.split(",")
+    runners = {e: build_runner(model, SimpleNamespace(step_engine=e, temperature=1.0), None, "greedy") for e in engines}
+    vocabulary = model.encoder.embed_tokens.num_embeddings
+    print(f"ms per step (median of {args.rounds} rounds of {args.steps} steps), {args.threads} thread(s)")
+    print("rows  " + "  ".join(f"{e:>10}" for e in engines) + "  " + "  ".join(f"{e + '/fs':>12}" for e in engines[1:]))
+    with torch.inference_mode():
+        for rows in (int(r) for r in args.rows.split(",")):
+            src = torch.randint(4, vocabulary, (rows, args.src_len))
+            src[:, -1] = 2  # eos
+            encoder_out = model.encoder.forward_torchscript({"src_tokens": src, "src_lengths": torch.full((rows,), args.src_len)})
+            outputs = {e: run_steps(r, encoder_out, rows, args.steps, args.capacity)[1] for e, r in runners.items()}  # warm-up, compiles
+            times = {e: [] for e in engines}
+            for _ in range(args.rounds):
+                for engine, runner in runners.items():
+                    times[engine].append(run_steps(runner, encoder_out, rows, args.steps, args.capacity)[0])
+            medians = {e: 1000 * statistics.median(t) for e, t in times.items()}
+            same = "  ".join("same" if torch.equal(outputs[e], outputs[engines[0]]) else "tokens differ" for e in engines[1:])
+            print(f"{rows:4d}  " + "  ".join(f"{medians[e]:10.2f}" for e in engines) + "  "
+                  + "  ".join(f"{medians[engines[0]] / medians[e]:11.2f}x" for e in engines[1:]) + f"  {same}", flush=True)
 
 
 if __name__ == "__main__":

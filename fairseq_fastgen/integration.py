@@ -139,6 +139,9 @@ def _install_build_generator():
             from fairseq_fastgen.fastseq import optimize_stock_generator
 
             optimize_stock_generator(generator, args)  # shared encoder cache, working n-gram banning
+            from fairseq_fastgen.engine import note_stock_search
+
+            note_stock_search(args, name)  # --step-engine serves the plugin's decoders only
         else:
             extra = dict(extra_gen_cls_kwargs or {})
             extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn

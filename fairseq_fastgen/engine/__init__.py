@@ -35,6 +35,15 @@ def engine_refusal(model, decoder_name: str, decoder_engines) -> str:
     return reason or ""
 
 
+def note_stock_search(gen_cfg, decoder_name: str):
+    """fairseq's own SequenceGenerator (``--decoder beam``) keeps fairseq's step: say so once."""
+    engine = option_value(gen_cfg, "step_engine")
+    if engine != "fairseq":
+        logger.warning(f"--step-engine {engine}: --decoder {decoder_name} is fairseq's own search, which runs "
+                       f"fairseq's step; using --step-engine fairseq (the plugin's beam searches, var-batch and "
+                       f"fixed-stream, run on the engine)")
+
+
 def build_runner(model, gen_cfg, projection, decoder_name: str, decoder_engines=ENGINES):
     """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not."""
     engine = option_value(gen_cfg, "step_engine")

@@ -69,13 +69,19 @@ class DecoderStep(nn.Module):
         return len(self.layers)
 
     # ---- inputs -------------------------------------------------------------------------------
-    def position_table(self) -> Optional[Tensor]:
-        """Embedding of every target position, (positions, dim), indexed as fairseq does (from padding_idx + 1)."""
+    def position_table(self, length: int) -> Optional[Tensor]:
+        """Embedding of every target position up to ``length`` (bos included), (positions, dim), indexed as
+        fairseq does (from padding_idx + 1); a sinusoidal table grows as fairseq's own forward grows it."""
         positions = self.decoder.embed_positions
         if positions is None:
             return None
         if isinstance(positions, SinusoidalPositionalEmbedding):
-            return positions.weights  # a buffer: on the model's device
+            needed = positions.padding_idx + 1 + length
+            if needed > positions.weights.size(0):
+                positions.weights = SinusoidalPositionalEmbedding.get_embedding(
+                    needed, positions.embedding_dim, positions.padding_idx
+                ).to(positions.weights)
+            return positions.weights
         return positions.weight
 
     def embed(self, last_tokens: Tensor, position_rows: Optional[Tensor]) -> Tensor:

@@ -66,7 +66,7 @@ class StaticRunner(ModelRunner):
         if cache.length != length - 1:
             raise RuntimeError(f"static cache holds {cache.length} positions, the prefix {length}: a bug")
         cache.ensure_room(length)
-        table = self.decoder_step.position_table()
+        table = self.decoder_step.position_table(length)
         position_row = None
         if table is not None:
             position_row = table[self.model.decoder.padding_idx + length, :].expand(tokens.size(0), 1, -1)

@@ -15,6 +15,7 @@ class StaticCache:
     def __init__(self, capacity: int):
         self.capacity = capacity  # target positions each row's buffers hold
         self.length = 0  # positions written (every row of a cache is at the same length)
+        self.real_rows = 0  # rows of the state; the compiled engine pads the buffers' rows beyond them
         self.self_keys: List[Tensor] = []  # per layer (rows, heads, capacity, head_dim)
         self.self_values: List[Tensor] = []
         self.cross_keys: List[Tensor] = []  # per layer (rows, heads, src_len, head_dim)
@@ -29,6 +30,7 @@ class StaticCache:
         """Take the encoder-decoder keys/values of every row and allocate the self-attention buffers."""
         rows, first = cross_keys[0].size(0), cross_keys[0]
         self.cross_keys, self.cross_values, self.cross_mask = list(cross_keys), list(cross_values), cross_mask
+        self.real_rows = rows
         shape = (rows, heads, self.capacity, head_dim)
         self.self_keys = [first.new_zeros(shape) for _ in cross_keys]
         self.self_values = [first.new_zeros(shape) for _ in cross_keys]
@@ -53,9 +55,10 @@ class StaticCache:
         self.cross_values = [b.index_select(0, index) for b in self.cross_values]
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, index)
+        self.real_rows = index.numel()
 
     def _select_written(self, buffer: Tensor, index: Tensor) -> Tensor:
-        selected = buffer.new_empty((index.numel(),) + buffer.shape[1:])
+        selected = buffer.new_zeros((index.numel(),) + buffer.shape[1:])  # zeros: the padded step reads every position (masked)
         selected[:, :, : self.length] = buffer[:, :, : self.length].index_select(0, index)
         return selected
 
@@ -94,4 +97,5 @@ class StaticCache:
                 parts = [F.pad(p, (0, 0, 0, merged.capacity - p.size(2))) for p in parts]
                 getattr(merged, name).append(torch.cat(parts))
         merged.cross_mask = torch.cat(masks)
+        merged.real_rows = sum(c.real_rows for c in caches)
         return merged

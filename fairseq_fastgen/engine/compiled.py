@@ -1,0 +1,167 @@
+"""``--step-engine compiled``: the padded decoder step through ``torch.compile``.
+
+A decode meets few shapes: the cache of a state holds its rows padded up to a
+row bucket (1, 2, 4, 8, ... rows; the padding rows repeat row 0 and are never
+read back), its target positions up to a multiple of ``POSITION_BUCKET`` and
+its source positions up to a multiple of ``SOURCE_BUCKET`` (masked).  Each
+(rows, positions, source) bucket is compiled once per process (inductor's
+on-disk cache keeps the generated code for the next process); the time each
+compilation took is logged and counted (``compile_seconds``).
+
+Above ``COMPILED_MAX_ROWS`` rows the step runs eager, in the static engine's
+exact form: on the CPU the compiled step loses to the eager one at many rows
+(docs/benchmarks.md, the engine section, measures the crossing).
+
+On the CPU inductor runs with weight freezing (the linears prepacked for
+oneDNN).  The padded step sums its softmaxes over the whole buffer and fuses
+operations, so scores differ from fairseq's in the last bits: the tests hold
+the tokens equal and the scores within 1e-4.
+"""
+
+import logging
+import time
+from typing import Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fairseq_fastgen.engine.runners import StaticRunner
+from fairseq_fastgen.engine.static_cache import StaticCache
+
+POSITION_BUCKET = 32  # target positions of a cache: a multiple of this
+SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple of this
+COMPILED_MAX_ROWS = 16  # more rows than this run the eager exact step
+MAX_BUCKETS = 64  # compiled shapes kept per process
+logger = logging.getLogger("fairseq_fastgen.engine")
+
+
+def row_bucket(rows: int) -> int:
+    """The compiled row count for ``rows`` real rows: the next power of two (rows itself when eager)."""
+    if rows > COMPILED_MAX_ROWS or rows == 0:
+        return rows
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class CompiledRunner(StaticRunner):
+    engine = "compiled"
+
+    def __init__(self, model, temperature: float = 1.0, projection=None):
+        super().__init__(model, temperature, projection)
+        # one compiled graph per bucket: room for every bucket of a long decode (dynamo's default is 8)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_BUCKETS)
+        self.compiled_step = torch.compile(
+            self.padded_lprobs, dynamic=False, fullgraph=True, options=inductor_options(model)
+        )
+        self.compiled_shapes: Dict[Tuple[int, int, int], float] = {}  # bucket -> seconds of its first call
+
+    # ---- cache: rows padded to the bucket ---------------------------------------------------------
+    @staticmethod
+    def new_cache(capacity: int = 0) -> StaticCache:
+        return StaticCache(round_up(max(capacity, 1), POSITION_BUCKET))
+
+    @staticmethod
+    def reorder_cache(cache: StaticCache, index: Tensor):
+        if cache.started:
+            cache.select(padded_index(index))
+            cache.real_rows = index.numel()
+
+    @staticmethod
+    def concat_caches(caches):
+        if not any(c.started for c in caches):
+            return StaticCache(max(c.capacity for c in caches))
+        for cache in caches:  # drop each part's padding rows before they end up between real rows
+            if cache.cross_keys[0].size(0) != cache.real_rows:
+                cache.select(torch.arange(cache.real_rows, device=cache.cross_keys[0].device))
+        merged = StaticRunner.concat_caches(caches)
+        rows = sum(c.real_rows for c in caches)
+        merged.select(padded_index(torch.arange(rows, device=merged.cross_keys[0].device)))
+        merged.real_rows = rows
+        return merged
+
+    @staticmethod
+    def widen_cache(cache: StaticCache, src_len: int, extra: int):
+        if cache.started:
+            width = cache.cross_keys[0].size(2)
+            if src_len + extra > width:
+                cache.widen_source(round_up(src_len + extra, SOURCE_BUCKET) - width)
+
+    def start_cache(self, cache: StaticCache, encoder_out):
+        """The encoder-decoder keys of the rows, padded to the row and source buckets."""
+        states = encoder_out["encoder_out"][0]  # (src_len, rows, dim)
+        src_len, rows = states.size(0), states.size(1)
+        masks = encoder_out["encoder_padding_mask"]
+        mask = masks[0] if masks else states.new_zeros((rows, src_len), dtype=torch.bool)
+        width = round_up(src_len, SOURCE_BUCKET)
+        states = F.pad(states, (0, 0, 0, 0, 0, width - src_len))
+        mask = F.pad(mask, (0, width - src_len), value=True)
+        index = padded_index(torch.arange(rows, device=states.device))
+        keys, values = self.decoder_step.encoder_keys_values(states.index_select(1, index))
+        keys, values = [k.contiguous() for k in keys], [v.contiguous() for v in values]  # the strides after a select
+        cache.start(keys, values, mask.index_select(0, index), self.decoder_step.heads, self.decoder_step.head_dim)
+        cache.real_rows = rows
+
+    # ---- one decoder step ---------------------------------------------------------------------------
+    def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
+        rows = tokens.size(0)
+        if row_bucket(rows) == rows and rows > COMPILED_MAX_ROWS:
+            lprobs, attn = super().step(tokens, encoder_out, cache)
+            return lprobs, attn[:, : encoder_out["encoder_out"][0].size(0)]
+        if not cache.started:
+            self.start_cache(cache, encoder_out)
+        length = tokens.size(1)
+        cache.ensure_room(round_up(length, POSITION_BUCKET))
+        bucket = cache.cross_keys[0].size(0)
+        last_tokens = tokens[:, -1:].index_select(0, padded_index(torch.arange(rows, device=tokens.device)))
+        positions = tokens.new_full((bucket,), length - 1)
+        shape = (bucket, cache.capacity, cache.cross_keys[0].size(2))
+        start = time.perf_counter()
+        features_or_lprobs, attn = self.compiled_step(
+            last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys, cache.self_values, cache.cross_keys, cache.cross_values,
+            cache.cross_mask,
+        )
+        if shape not in self.compiled_shapes:
+            self.compiled_shapes[shape] = time.perf_counter() - start
+            logger.info(f"--step-engine compiled: step for {shape[0]} rows, {shape[1]} target and {shape[2]} "
+                        f"source positions compiled in {self.compiled_shapes[shape]:.1f} s")
+        cache.length = length
+        lprobs = features_or_lprobs[:rows]
+        if self.projection is not None:
+            lprobs = self.lprobs(lprobs)
+        src_len = encoder_out["encoder_out"][0].size(0)
+        return lprobs, attn[:rows, :src_len]
+
+    def padded_lprobs(self, last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
+                      cross_mask):
+        """The compiled unit: the padded step and, with the full projection, log-softmax of its logits."""
+        features, attn = self.decoder_step.padded(
+            last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
+            cross_mask,
+        )
+        if self.projection is not None:  # a cluster projection runs eager, after the step
+            return features, attn
+        logits = self.model.decoder.output_layer(features)
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return F.log_softmax(logits.float(), dim=-1)[:, -1, :], attn
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(self.compiled_shapes.values())
+
+
+def padded_index(index: Tensor) -> Tensor:
+    """``index`` followed by repeats of its first entry up to the row bucket; (row_bucket(n),)."""
+    bucket = row_bucket(index.numel())
+    if bucket == index.numel():
+        return index
+    return torch.cat([index, index[:1].expand(bucket - index.numel())])
+
+
+def inductor_options(model) -> dict:
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return {"freezing": True} if on_cpu else {"triton.cudagraphs": True}

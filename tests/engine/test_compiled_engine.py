@@ -1,0 +1,70 @@
+"""--step-engine compiled (engine/compiled.py): fairseq's tokens, scores within 1e-4, few compilations;
+fallbacks of both engines with their one-line reason."""
+
+import logging
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+
+from fairseq_fastgen.engine import compiled
+from fairseq_fastgen.engine.compiled import CompiledRunner
+from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from tests.engine.test_static_engine import CASES, SENTENCES, decode
+from tests.sequence_generators.test_var_beam import toy  # noqa: F401  (fixture)
+
+
+def assert_same_tokens_close_scores(expected, actual, tolerance=1e-4):
+    assert expected.keys() == actual.keys()
+    for sentence, hypotheses in expected.items():
+        assert len(actual[sentence]) == len(hypotheses), sentence
+        for want, got in zip(hypotheses, actual[sentence]):
+            assert torch.equal(got["tokens"], want["tokens"]), sentence
+            assert abs(float(got["score"]) - float(want["score"])) <= tolerance, sentence
+            assert torch.allclose(got["positional_scores"], want["positional_scores"], atol=tolerance, rtol=0), sentence
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_engine_gives_fairseqs_tokens(toy, case):
+    _, expected = decode(toy, SENTENCES, 7, step_engine="fairseq", **CASES[case])
+    generator, actual = decode(toy, SENTENCES, 7, step_engine="compiled", **CASES[case])
+    assert type(generator.runner) is CompiledRunner
+    assert_same_tokens_close_scores(expected, actual)
+
+
+def test_compiled_engine_above_the_compiled_row_limit(toy, monkeypatch):
+    """Rows beyond COMPILED_MAX_ROWS run the exact step on the same cache; rows falling under it compile."""
+    monkeypatch.setattr(compiled, "COMPILED_MAX_ROWS", 4)
+    _, expected = decode(toy, SENTENCES, 32, step_engine="fairseq", decoder="var-batch", beam=4)
+    generator, actual = decode(toy, SENTENCES, 32, step_engine="compiled", decoder="var-batch", beam=4)
+    assert_same_tokens_close_scores(expected, actual)
+    assert {rows for rows, _, _ in generator.runner.compiled_shapes} <= {1, 2, 4}
+
+
+@pytest.mark.parametrize("options", [dict(decoder="var-batch", beam=5), dict(decoder="var-stream", beam=5, stream_capacity=16)])
+def test_compilations_stay_at_the_buckets(toy, options):
+    """A whole decode at batch 64 compiles once per (rows, positions, source) bucket, not per batch or step."""
+    torch._dynamo.reset()
+    counters.clear()
+    generator, _ = decode(toy, list(range(200)), 64, step_engine="compiled", **options)
+    shapes = generator.runner.compiled_shapes
+    assert counters["stats"]["unique_graphs"] == len(shapes)
+    row_buckets = {rows for rows, _, _ in shapes}
+    assert row_buckets <= {1, 2, 4, 8, 16} and len({width for _, _, width in shapes}) <= 4
+    assert len(shapes) < generator.counters.counts["model_calls"] / 10
+
+
+def test_unsupported_decoder_falls_back_with_its_reason(toy, monkeypatch, caplog):
+    monkeypatch.setattr(toy.models[0].decoder, "cross_self_attention", True)
+    with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
+        generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled")
+    assert type(generator.runner) is ModelRunner
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["--step-engine compiled: --cross-self-attention is not supported; using --step-engine fairseq"]
+
+
+def test_stock_beam_search_says_it_keeps_fairseqs_step(toy, caplog):
+    with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
+        toy.generator(decoder="beam", beam=4, step_engine="static")
+    assert len(caplog.records) == 1 and "--decoder beam is fairseq's own search" in caplog.records[0].getMessage()
