@@ -1,7 +1,8 @@
 """Cost of one incremental decoder step (vocabulary projection included) per engine and row count.
 
     python benchmarks/decoder_step_cost.py --path CKPT --data DATA_BIN \
-        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled] [--threads 1] [--rounds 5]
+        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled] [--threads 1] [--rounds 5] \
+        [--onednn-linear]
 
 Feeds random source sentences of 16 tokens and decodes 20 greedy steps per row
 count and ``--step-engine`` setting, the engines interleaved round by round;
@@ -13,6 +14,7 @@ decoding save) or per row.
 """
 
 import argparse
+import contextlib
 import statistics
 import time
 from types import SimpleNamespace
@@ -22,6 +24,7 @@ from fairseq import checkpoint_utils
 
 import fairseq_fastgen  # noqa: F401  (checkpoint loading with torch >= 2.6)
 from fairseq_fastgen.engine import build_runner
+from fairseq_fastgen.ops.onednn_linear import OneDNNLinears
 
 
 def run_steps(runner, encoder_out, rows, steps, capacity):
@@ -43,6 +46,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--src-len", type=int, default=16)
+    parser.add_argument("--onednn-linear", action="store_true",
+                        help="every engine's linear layers through oneDNN's packed product, as --onednn-linear does")
     parser.add_argument("--capacity", type=int, default=202,
                         help="target positions a cache holds (fairseq-generate's default --max-len-b 200, bos, eos)")
     args = parser.parse_args()
@@ -54,7 +59,8 @@ def main():
     vocabulary = model.encoder.embed_tokens.num_embeddings
     print(f"ms per step (median of {args.rounds} rounds of {args.steps} steps), {args.threads} thread(s)")
     print("rows  " + "  ".join(f"{e:>10}" for e in engines) + "  " + "  ".join(f"{e + '/fs':>12}" for e in engines[1:]))
-    with torch.inference_mode():
+    linears = OneDNNLinears(model).attached() if args.onednn_linear else contextlib.nullcontext()
+    with torch.inference_mode(), linears:
         for rows in (int(r) for r in args.rows.split(",")):
             src = torch.randint(4, vocabulary, (rows, args.src_len))
             src[:, -1] = 2  # eos

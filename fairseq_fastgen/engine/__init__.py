@@ -6,8 +6,9 @@
 * ``compiled``: :class:`~fairseq_fastgen.engine.compiled.CompiledRunner`, fixed shapes
   through ``torch.compile`` (the same tokens; scores within float rounding).
 
-A model or decoder the engine cannot serve falls back to ``fairseq`` with one
-logged line saying why.
+A model the engine cannot serve falls back to ``fairseq`` with one warning
+saying why; decoders that always run fairseq's step (blockwise; stock beam
+search) say so in one info line.
 """
 
 import logging
@@ -39,7 +40,7 @@ def note_stock_search(gen_cfg, decoder_name: str):
     """fairseq's own SequenceGenerator (``--decoder beam``) keeps fairseq's step: say so once."""
     engine = option_value(gen_cfg, "step_engine")
     if engine != "fairseq":
-        logger.warning(f"--step-engine {engine}: --decoder {decoder_name} is fairseq's own search, which runs "
+        logger.info(f"--step-engine {engine}: --decoder {decoder_name} is fairseq's own search, which runs "
                        f"fairseq's step; using --step-engine fairseq (the plugin's beam searches, var-batch and "
                        f"fixed-stream, run on the engine)")
 
@@ -52,8 +53,9 @@ def build_runner(model, gen_cfg, projection, decoder_name: str, decoder_engines=
         raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
     if engine != "fairseq":
         refusal = engine_refusal(model, decoder_name, decoder_engines)
-        if refusal:
-            logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
+        if refusal:  # a decoder that never runs on the engine says so quietly; a model it cannot serve, aloud
+            log = logger.warning if "static" in decoder_engines else logger.info
+            log(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
             engine = "fairseq"
     if engine == "static":
         from fairseq_fastgen.engine.runners import StaticRunner

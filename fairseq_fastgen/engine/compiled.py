@@ -29,7 +29,7 @@ from torch import Tensor
 from fairseq_fastgen.engine.runners import StaticRunner
 from fairseq_fastgen.engine.static_cache import StaticCache
 
-POSITION_BUCKET = 32  # target positions of a cache: a multiple of this
+POSITION_BUCKET = 32  # target positions a cache starts with; it doubles as rows grow past them
 SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple of this
 COMPILED_MAX_ROWS = 16  # more rows than this run the eager exact step
 MAX_BUCKETS = 64  # compiled shapes kept per process
@@ -62,7 +62,7 @@ class CompiledRunner(StaticRunner):
     # ---- cache: rows padded to the bucket ---------------------------------------------------------
     @staticmethod
     def new_cache(capacity: int = 0) -> StaticCache:
-        return StaticCache(round_up(max(capacity, 1), POSITION_BUCKET))
+        return StaticCache(POSITION_BUCKET, zeroed=True)  # grows (doubling) as the rows do: a bucket each
 
     @staticmethod
     def reorder_cache(cache: StaticCache, index: Tensor):
@@ -73,7 +73,7 @@ class CompiledRunner(StaticRunner):
     @staticmethod
     def concat_caches(caches):
         if not any(c.started for c in caches):
-            return StaticCache(max(c.capacity for c in caches))
+            return StaticCache(max(c.capacity for c in caches), zeroed=True)
         for cache in caches:  # drop each part's padding rows before they end up between real rows
             if cache.cross_keys[0].size(0) != cache.real_rows:
                 cache.select(torch.arange(cache.real_rows, device=cache.cross_keys[0].device))
@@ -120,14 +120,16 @@ class CompiledRunner(StaticRunner):
         positions = tokens.new_full((bucket,), length - 1)
         shape = (bucket, cache.capacity, cache.cross_keys[0].size(2))
         start = time.perf_counter()
-        features_or_lprobs, attn = self.compiled_step(
-            last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys, cache.self_values, cache.cross_keys, cache.cross_values,
-            cache.cross_mask,
+        features_or_lprobs, attn, new_keys, new_values = self.compiled_step(
+            last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys,
+            cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask,
         )
         if shape not in self.compiled_shapes:
             self.compiled_shapes[shape] = time.perf_counter() - start
             logger.info(f"--step-engine compiled: step for {shape[0]} rows, {shape[1]} target and {shape[2]} "
                         f"source positions compiled in {self.compiled_shapes[shape]:.1f} s")
+        for buffer, new in zip(cache.self_keys + cache.self_values, new_keys + new_values):
+            buffer[:, :, length - 1] = new  # (rows, heads, head_dim) at every row's position
         cache.length = length
         lprobs = features_or_lprobs[:rows]
         if self.projection is not None:
@@ -138,16 +140,15 @@ class CompiledRunner(StaticRunner):
     def padded_lprobs(self, last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
                       cross_mask):
         """The compiled unit: the padded step and, with the full projection, log-softmax of its logits."""
-        features, attn = self.decoder_step.padded(
-            last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
-            cross_mask,
+        features, attn, new_keys, new_values = self.decoder_step.padded(
+            last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values, cross_mask,
         )
         if self.projection is not None:  # a cluster projection runs eager, after the step
-            return features, attn
+            return features, attn, new_keys, new_values
         logits = self.model.decoder.output_layer(features)
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        return F.log_softmax(logits.float(), dim=-1)[:, -1, :], attn
+        return F.log_softmax(logits.float(), dim=-1)[:, -1, :], attn, new_keys, new_values
 
     @property
     def compile_seconds(self) -> float:
@@ -164,4 +165,4 @@ def padded_index(index: Tensor) -> Tensor:
 
 def inductor_options(model) -> dict:
     on_cpu = next(model.parameters()).device.type == "cpu"
-    return {"freezing": True} if on_cpu else {"triton.cudagraphs": True}
+    return {"freezing": True, "cpp_wrapper": False} if on_cpu else {"triton.cudagraphs": True}

@@ -204,12 +204,14 @@ class DecoderStep(nn.Module):
     # ---- the padded form (fixed shapes, a position per row) ----------------------------------------
     def padded(self, last_tokens: Tensor, positions: Tensor, position_table: Optional[Tensor],
                self_keys, self_values, cross_keys, cross_values, cross_mask: Tensor):
-        """Features (rows, 1, dim) and last-layer encoder attention (rows, src_width) of one step.
+        """Features (rows, 1, dim), last-layer encoder attention (rows, src_width) and the new self-attention
+        keys and values of every layer (rows, heads, head_dim) of one step.
 
-        last_tokens (rows, 1); positions (rows,) the buffer position each row writes
-        (its target length so far); self_keys/values per layer (rows, heads, cap, hd),
-        written in place; cross_keys/values per layer (rows, heads, src_width, hd);
-        cross_mask (rows, src_width) True at padding.
+        last_tokens (rows, 1); positions (rows,) the buffer position each row is at (its target length so
+        far); self_keys/values per layer (rows, heads, cap, hd), read at the positions before it (the caller
+        writes the new ones there afterwards: a pure function compiles into tighter loops than one that
+        updates its inputs); cross_keys/values per layer (rows, heads, src_width, hd); cross_mask
+        (rows, src_width) True at padding.
         """
         rows = last_tokens.size(0)
         position_rows = None
@@ -217,9 +219,8 @@ class DecoderStep(nn.Module):
             position_rows = position_table[positions + (self.decoder.padding_idx + 1)].unsqueeze(1)  # (rows, 1, dim)
         x = self.embed(last_tokens, position_rows)
         capacity = self_keys[0].size(2)
-        unwritten = torch.arange(capacity, device=positions.device) > positions.unsqueeze(1)  # (rows, cap)
-        row_index = torch.arange(rows, device=positions.device)
-        attn = None
+        earlier = torch.arange(capacity, device=positions.device) < positions.unsqueeze(1)  # (rows, cap)
+        attn, new_keys, new_values = None, [], []
         for index, layer in enumerate(self.layers):
             residual = x
             if layer.normalize_before:
@@ -227,9 +228,10 @@ class DecoderStep(nn.Module):
             attention = layer.self_attn
             q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
             q = (q * attention.scaling).view(rows, self.heads, 1, self.head_dim)
-            self_keys[index][row_index, :, positions] = k.view(rows, self.heads, self.head_dim)
-            self_values[index][row_index, :, positions] = v.view(rows, self.heads, self.head_dim)
-            x = self.masked_attention(q, self_keys[index], self_values[index], unwritten)[0]
+            k, v = k.view(rows, self.heads, 1, self.head_dim), v.view(rows, self.heads, 1, self.head_dim)
+            new_keys.append(k.view(rows, self.heads, self.head_dim))
+            new_values.append(v.view(rows, self.heads, self.head_dim))
+            x = self.attention_with_new_position(q, self_keys[index], self_values[index], earlier, k, v)
             x = layer.residual_connection(attention.out_proj(x), residual)
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
@@ -239,14 +241,32 @@ class DecoderStep(nn.Module):
                 x = layer.encoder_attn_layer_norm(x)
             attention = layer.encoder_attn
             q = (attention.q_proj(x) * attention.scaling).view(rows, self.heads, 1, self.head_dim)
-            x, weights = self.masked_attention(q, cross_keys[index], cross_values[index], cross_mask)
+            if index == self.num_layers - 1:  # the attention weights go into the hypotheses
+                x, weights = self.masked_attention(q, cross_keys[index], cross_values[index], cross_mask)
+                attn = weights.mean(dim=1)[:, 0]  # (rows, src_width)
+            else:
+                x = F.scaled_dot_product_attention(
+                    q, cross_keys[index], cross_values[index], attn_mask=~cross_mask[:, None, None, :], scale=1.0
+                ).reshape(rows, 1, self.heads * self.head_dim).transpose(0, 1)
             x = layer.residual_connection(attention.out_proj(x), residual)
             if not layer.normalize_before:
                 x = layer.encoder_attn_layer_norm(x)
-            if index == self.num_layers - 1:
-                attn = weights.mean(dim=1)[:, 0]  # (rows, src_width)
             x = self.feed_forward(layer, x)
-        return self.finish(x), attn
+        return self.finish(x), attn, new_keys, new_values
+
+    def attention_with_new_position(self, q, keys, values, earlier, new_key, new_value):
+        """q (rows, heads, 1, hd) over the ``earlier`` (rows, cap) positions of keys/values (rows, heads,
+        cap, hd) and the new position's key/value (rows, heads, 1, hd) -> (1, rows, dim).
+
+        One fused attention call (``scaled_dot_product_attention``): inductor lowers a product with one
+        query row into scalar loops on the CPU, several times slower than this kernel.  The scaling is
+        already in ``q``."""
+        rows = q.size(0)
+        keys = torch.cat([keys, new_key], dim=2)  # (rows, heads, cap + 1, hd)
+        values = torch.cat([values, new_value], dim=2)
+        attended = F.pad(earlier, (0, 1), value=True)[:, None, None, :]  # (rows, 1, 1, cap + 1)
+        x = F.scaled_dot_product_attention(q, keys, values, attn_mask=attended, scale=1.0)  # (rows, heads, 1, hd)
+        return x.reshape(rows, 1, self.heads * self.head_dim).transpose(0, 1)
 
     def masked_attention(self, q, keys, values, masked):
         """q (rows, heads, 1, hd) over keys/values (rows, heads, width, hd), ``masked`` (rows, width) True

@@ -19,6 +19,9 @@ from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.sequence_generators.runner import ModelRunner
 
 
+INITIAL_POSITIONS = 32  # target positions a new cache holds before it first grows
+
+
 class StaticRunner(ModelRunner):
     engine = "static"
 
@@ -29,7 +32,9 @@ class StaticRunner(ModelRunner):
     # ---- cache ------------------------------------------------------------------------------
     @staticmethod
     def new_cache(capacity: int = 0) -> StaticCache:
-        return StaticCache(max(capacity, 1))
+        """Room for INITIAL_POSITIONS positions, doubled when a row needs more: buffers sized for the
+        longest allowed target (200 and more) would mostly hold nothing and spread the rows' keys apart."""
+        return StaticCache(max(min(capacity, INITIAL_POSITIONS), 1))
 
     @staticmethod
     def reorder_cache(cache: StaticCache, index: Tensor):
@@ -39,7 +44,7 @@ class StaticRunner(ModelRunner):
     @staticmethod
     def concat_caches(caches):
         if not any(c.started for c in caches):  # cohorts encoded together, before their first step
-            return StaticCache(max(c.capacity for c in caches))
+            return StaticCache(max(c.capacity for c in caches), caches[0].zeroed)
         if not all(c.started for c in caches):
             raise ValueError("a cache that has run no step cannot join one that has")
         return StaticCache.concat(caches)

@@ -12,8 +12,10 @@ from torch import Tensor
 
 
 class StaticCache:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, zeroed: bool = False):
         self.capacity = capacity  # target positions each row's buffers hold
+        # zeroed: unwritten positions hold zeros (the padded step reads them, masked); else they are never read
+        self.zeroed = zeroed
         self.length = 0  # positions written (every row of a cache is at the same length)
         self.real_rows = 0  # rows of the state; the compiled engine pads the buffers' rows beyond them
         self.self_keys: List[Tensor] = []  # per layer (rows, heads, capacity, head_dim)
@@ -32,8 +34,9 @@ class StaticCache:
         self.cross_keys, self.cross_values, self.cross_mask = list(cross_keys), list(cross_values), cross_mask
         self.real_rows = rows
         shape = (rows, heads, self.capacity, head_dim)
-        self.self_keys = [first.new_zeros(shape) for _ in cross_keys]
-        self.self_values = [first.new_zeros(shape) for _ in cross_keys]
+        allocate = first.new_zeros if self.zeroed else first.new_empty
+        self.self_keys = [allocate(shape) for _ in cross_keys]
+        self.self_values = [allocate(shape) for _ in cross_keys]
 
     def ensure_room(self, positions: int):
         """Grow the buffers (doubling) so that ``positions`` positions fit."""
@@ -58,7 +61,8 @@ class StaticCache:
         self.real_rows = index.numel()
 
     def _select_written(self, buffer: Tensor, index: Tensor) -> Tensor:
-        selected = buffer.new_zeros((index.numel(),) + buffer.shape[1:])  # zeros: the padded step reads every position (masked)
+        allocate = buffer.new_zeros if self.zeroed else buffer.new_empty
+        selected = allocate((index.numel(),) + buffer.shape[1:])
         selected[:, :, : self.length] = buffer[:, :, : self.length].index_select(0, index)
         return selected
 
@@ -77,7 +81,7 @@ class StaticCache:
         length = caches[0].length
         if any(c.length != length for c in caches):
             raise ValueError("only caches at the same length can be concatenated")
-        merged = StaticCache(max(c.capacity for c in caches))
+        merged = StaticCache(max(c.capacity for c in caches), caches[0].zeroed)
         merged.length = length
         src_len = max(c.cross_keys[0].size(2) for c in caches)
         masks = []

@@ -65,6 +65,6 @@ def test_unsupported_decoder_falls_back_with_its_reason(toy, monkeypatch, caplog
 
 
 def test_stock_beam_search_says_it_keeps_fairseqs_step(toy, caplog):
-    with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
+    with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
         toy.generator(decoder="beam", beam=4, step_engine="static")
     assert len(caplog.records) == 1 and "--decoder beam is fairseq's own search" in caplog.records[0].getMessage()
