@@ -150,9 +150,11 @@ class CompiledRunner(StaticRunner):
             logits = logits / self.temperature
         return F.log_softmax(logits.float(), dim=-1)[:, -1, :], attn, new_keys, new_values
 
-    @property
-    def compile_seconds(self) -> float:
-        return sum(self.compiled_shapes.values())
+    def statistics(self) -> dict:
+        """For the decoder's statistics: the buckets this runner met and the seconds of their first calls
+        (their compilation, or its load from inductor's on-disk cache)."""
+        return {"compiled_buckets": len(self.compiled_shapes),
+                "compile_seconds": round(sum(self.compiled_shapes.values()), 2)}
 
 
 def padded_index(index: Tensor) -> Tensor:

@@ -146,8 +146,11 @@ class DecoderStep(nn.Module):
             key_buffer, value_buffer = cache.self_keys[index], cache.self_values[index]  # (rows, heads, cap, hd)
             key_buffer[:, :, position] = k.view(rows, self.heads, self.head_dim)
             value_buffer[:, :, position] = v.view(rows, self.heads, self.head_dim)
-            keys = key_buffer[:, :, : position + 1].reshape(rows * self.heads, position + 1, self.head_dim)
-            values = value_buffer[:, :, : position + 1].reshape(rows * self.heads, position + 1, self.head_dim)
+            # contiguous, as fairseq's concatenated cache is: the products then take fairseq's kernels
+            # whatever the CPU's library does with strided batches
+            written = (rows * self.heads, position + 1, self.head_dim)
+            keys = key_buffer[:, :, : position + 1].reshape(written).contiguous()
+            values = value_buffer[:, :, : position + 1].reshape(written).contiguous()
             weights = F.softmax(torch.bmm(q, keys.transpose(1, 2)), dim=-1, dtype=torch.float32)
             x = self.merge_heads(torch.bmm(weights, values), rows)
             x = layer.residual_connection(attention.out_proj(x), residual)

@@ -72,7 +72,9 @@ class StaticCache:
         self.cross_keys = [pad(b) for b in self.cross_keys]
         self.cross_values = [pad(b) for b in self.cross_values]
         rows, src_len = self.cross_keys[0].size(0), self.cross_keys[0].size(2) - extra
-        mask = self.cross_mask if self.cross_mask is not None else self.cross_keys[0].new_zeros((rows, src_len), dtype=torch.bool)
+        mask = self.cross_mask
+        if mask is None:
+            mask = self.cross_keys[0].new_zeros((rows, src_len), dtype=torch.bool)
         self.cross_mask = F.pad(mask, (0, extra), value=True)
 
     @staticmethod

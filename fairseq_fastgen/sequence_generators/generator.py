@@ -144,6 +144,8 @@ class FastgenGenerator(nn.Module):
         self.counters = self.new_counters()
         if hasattr(projection, "statistics"):
             self.counters.stats_sources.append(projection.statistics.as_dict)
+        if hasattr(self.runner, "statistics"):  # the compiled engine: its buckets and compile time
+            self.counters.stats_sources.append(self.runner.statistics)
         self.nbest = 1
 
     def new_counters(self):

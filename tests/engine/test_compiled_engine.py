@@ -42,7 +42,9 @@ def test_compiled_engine_above_the_compiled_row_limit(toy, monkeypatch):
     assert {rows for rows, _, _ in generator.runner.compiled_shapes} <= {1, 2, 4}
 
 
-@pytest.mark.parametrize("options", [dict(decoder="var-batch", beam=5), dict(decoder="var-stream", beam=5, stream_capacity=16)])
+@pytest.mark.parametrize(
+    "options", [dict(decoder="var-batch", beam=5), dict(decoder="var-stream", beam=5, stream_capacity=16)]
+)
 def test_compilations_stay_at_the_buckets(toy, options):
     """A whole decode at batch 64 compiles once per (rows, positions, source) bucket, not per batch or step."""
     torch._dynamo.reset()

@@ -6,10 +6,12 @@ import re
 import shutil
 
 import pytest
+import torch
 
 from fairseq_fastgen import toy as toy_pipeline
 from fairseq_fastgen.sequence_generators import generator as generator_module
 from fairseq_fastgen.sequence_generators import streaming
+from fairseq_fastgen.sequence_generators.streaming import kernels_are_companion_free
 from test_var_beam import TEST_SENTENCES, assert_identical, toy  # noqa: F401  (toy: the model fixture)
 
 CAPACITY = 8
@@ -66,7 +68,7 @@ def test_var_stream_equals_var_batch_over_many_refills(toy, var_batch_results, e
     generator = toy.generator(decoder="var-stream", beam=5, stream_capacity=CAPACITY, stream_eps=eps)
     sample = toy.sample(range(TEST_SENTENCES))
     streamed = dict(zip(sample["id"].tolist(), generator.generate(toy.models, sample)))
-    assert_identical(var_batch_results, streamed)
+    assert_identical(var_batch_results, streamed, across_batches=True)
 
     source_len = sample["net_input"]["src_tokens"].ne(toy.task.source_dictionary.pad()).sum(1).tolist()
     at_refills, (peak_sentences, _) = log.loads_at_refills(source_len)
@@ -81,7 +83,7 @@ def test_var_stream_with_token_capacity(toy, var_batch_results, monkeypatch):
     generator = toy.generator(decoder="var-stream", beam=5, stream_capacity_tokens=capacity_tokens, stream_eps=1 / 3)
     sample = toy.sample(range(TEST_SENTENCES))
     streamed = dict(zip(sample["id"].tolist(), generator.generate(toy.models, sample)))
-    assert_identical(var_batch_results, streamed)
+    assert_identical(var_batch_results, streamed, across_batches=True)
 
     source_len = sample["net_input"]["src_tokens"].ne(toy.task.source_dictionary.pad()).sum(1).tolist()
     at_refills, (_, peak_tokens) = log.loads_at_refills(source_len)
@@ -93,7 +95,7 @@ def test_fixed_stream_equals_fixed_width_search_on_static_batches(toy):
     ids = list(range(0, TEST_SENTENCES, 2))
     static = translate_in_batches(toy, toy.generator(decoder="fixed-stream", beam=4), ids, 20)
     streamed = toy.generator(decoder="fixed-stream", beam=4, stream_capacity=6)
-    assert_identical(static, toy.translate(streamed, ids))
+    assert_identical(static, toy.translate(streamed, ids), across_batches=True)
     assert streamed.counters.counts["refills"] >= 10
 
 
@@ -102,7 +104,7 @@ def test_nbest_and_length_options_stream_identically(toy):
     options = dict(beam=4, nbest=2, lenpen=0.5, no_repeat_ngram_size=3, max_len_a=1.1, max_len_b=1, var_beam_delta=2.5)
     static = toy.translate(toy.generator(decoder="var-batch", **options), ids)
     streamed = toy.translate(toy.generator(decoder="var-stream", stream_capacity=5, stream_eps=0.2, **options), ids)
-    assert_identical(static, streamed)
+    assert_identical(static, streamed, across_batches=True)
 
 
 # ---- command line ----------------------------------------------------------------------------
@@ -149,6 +151,22 @@ def hypothesis_lines(output):
 SEARCH_OPTIONS = ["--beam", "4", "--nbest", "2"]
 
 
+def assert_same_printed_hypotheses(expected, actual):
+    """H and P lines equal; where this CPU's kernels are not companion-free (streaming.py), the same
+    hypotheses with every printed score within one unit of its last printed digit (1e-4) either way."""
+    if kernels_are_companion_free(torch.get_num_threads()):
+        assert actual == expected
+        return
+    assert actual.keys() == expected.keys()
+    for sentence, lines in expected.items():
+        assert len(actual[sentence]) == len(lines), sentence
+        for want, got in zip(lines, actual[sentence]):
+            want_fields, got_fields = want.split("\t"), got.split("\t")
+            assert got_fields[0] == want_fields[0] and got_fields[2:] == want_fields[2:], sentence  # id, text
+            numbers = [float(v) for v in got_fields[1].split()], [float(v) for v in want_fields[1].split()]
+            assert numbers[0] == pytest.approx(numbers[1], abs=2e-4), sentence
+
+
 def generate_args(toy_model, plugin_dir, data):
     return [str(data), "--path", str(toy_model.checkpoint), "--user-dir", plugin_dir, "--cpu",
             "--dataset-impl", "raw", "--gen-subset", "test", "--batch-size", "4"] + SEARCH_OPTIONS
@@ -176,7 +194,7 @@ def test_fairseq_generate_var_stream(toy_model, plugin_dir, edge_case_data, var_
     streamed = run_cli("generate", generate_args(toy_model, plugin_dir, data) + options, monkeypatch)
 
     assert_one_result_per_sentence(hypothesis_lines(streamed), len(sources))
-    assert hypothesis_lines(streamed) == var_batch_cli_lines
+    assert_same_printed_hypotheses(var_batch_cli_lines, hypothesis_lines(streamed))
     stats = json.loads(stats_path.read_text())
     assert stats["decoder"] == "var-stream" and stats["sentences"] == len(sources)
     assert stats["refills"] >= 4  # two pools of 16 and 12 sentences streamed through 4 at a time
@@ -195,7 +213,7 @@ def test_fairseq_interactive_var_stream_answers_every_line_in_order(toy_model, p
     source_ids = [int(m) for m in re.findall(r"^S-(\d+)\t", streamed, flags=re.M)]
     assert source_ids == list(range(len(sources)))
     assert_one_result_per_sentence(hypothesis_lines(streamed), len(sources))
-    assert hypothesis_lines(streamed) == var_batch_cli_lines  # same search as fairseq-generate var-batch
+    assert_same_printed_hypotheses(var_batch_cli_lines, hypothesis_lines(streamed))  # fairseq-generate var-batch
     assert re.search(r"decoder var-stream: .*refills=\d+", streamed)
 
 

@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fairseq_fastgen.sequence_generators import generator as generator_module
-from fairseq_fastgen.sequence_generators.streaming import PADDING_SENTENCE, select_padded
+from fairseq_fastgen.sequence_generators.streaming import PADDING_SENTENCE, kernels_are_companion_free, select_padded
 
 TEST_SENTENCES = 200
 
@@ -61,14 +61,22 @@ def toy(toy_model):
     torch.set_num_threads(threads)
 
 
-def assert_identical(expected, actual):
+def assert_identical(expected, actual, across_batches=False):
+    """Sentence by sentence: tokens, scores and positional scores bitwise.  ``across_batches``: the two
+    sides ran the sentence in batches of other companions, which gives the same bits only on CPUs whose
+    kernels are companion-free (streaming.py); elsewhere the tokens, and the scores within 1e-5."""
+    exact = not across_batches or kernels_are_companion_free(torch.get_num_threads())
     assert expected.keys() == actual.keys()
     for sentence, hypotheses in expected.items():
         assert len(actual[sentence]) == len(hypotheses), sentence
         for want, got in zip(hypotheses, actual[sentence]):
             assert torch.equal(got["tokens"], want["tokens"]), sentence
-            assert torch.equal(got["score"], want["score"]), sentence
-            assert torch.equal(got["positional_scores"], want["positional_scores"]), sentence
+            if exact:
+                assert torch.equal(got["score"], want["score"]), sentence
+                assert torch.equal(got["positional_scores"], want["positional_scores"]), sentence
+            else:
+                assert abs(float(got["score"]) - float(want["score"])) <= 1e-5, sentence
+                assert torch.allclose(got["positional_scores"], want["positional_scores"], atol=1e-5, rtol=0), sentence
 
 
 # ---- fixed-width search against a plain one-sentence beam search -------------------------------
@@ -136,7 +144,7 @@ def test_fixed_width_search_equals_plain_one_sentence_beam_search(toy, beam, nbe
     alone = {}
     for i in ids:
         alone.update(toy.translate(reference, [i]))
-    assert_identical(alone, batched)
+    assert_identical(alone, batched, across_batches=True)
     assert all(len(h) == nbest for h in batched.values())
 
 
