@@ -72,6 +72,7 @@ from fairseq import checkpoint_utils, options, tasks, utils
 from fairseq.data import data_utils, indexed_dataset
 from fairseq.dataclass import FairseqDataclass
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf, gen_parser_from_dataclass
+from fairseq_fastgen.option_checks import check_generation_options, require_int
 from fairseq_fastgen.tasks.translation_distill import check_same_dictionaries
 
 logger = logging.getLogger("fairseq_fastgen.distill")
@@ -132,6 +133,9 @@ def parse(argv):
         raise DistillError("--path TEACHER is required")
     if args.prefix_size:
         raise DistillError("--prefix-size would force the references' first tokens into the teacher's outputs")
+    require_int("--workers", args.workers, 1, error=DistillError)
+    require_int("--num-shards", args.num_shards, 0, error=DistillError)  # 0: one per SENTENCES_PER_SHARD
+    check_generation_options(args, error=DistillError)
     if args.max_tokens is None and args.batch_size is None:
         args.max_tokens = DEFAULT_MAX_TOKENS
     return args, convert_namespace_to_omegaconf(args)

@@ -12,7 +12,8 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    ``GenerationConfig``; we substitute a subclass holding ``--decoder`` and
    every decoder's options, so they appear in ``--help`` and reach
    ``cfg.generation`` (a separate registry crashes fairseq's config conversion).
-3. ``FairseqTask.build_generator``: builds the decoder named by ``--decoder``.
+3. ``FairseqTask.build_generator``: builds the decoder named by ``--decoder``,
+   after checking every numeric plugin option (:mod:`fairseq_fastgen.option_checks`).
    For ``--decoder beam`` it builds fairseq's own generator and then applies,
    to that instance only, the cluster projection (attached to the model's
    decoder only while that generator's ``generate`` runs, as other generators
@@ -57,6 +58,7 @@ from fairseq.tasks.fairseq_task import FairseqTask
 
 from fairseq_fastgen import checkpoint_safety
 from fairseq_fastgen.config import build_generation_config
+from fairseq_fastgen.option_checks import check_generation_options
 from fairseq_fastgen.sequence_generators.registry import DECODERS, option_value
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,7 @@ def _install_build_generator():
         entry = DECODERS.get(name)
         if entry is None:
             raise ValueError(f"unknown --decoder {name!r}; choose one of: {', '.join(DECODERS)}")
+        check_generation_options(args)  # every numeric plugin option finite and in range (hub interface too)
         if entry.builder is None:
             generator = original(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
             from fairseq_fastgen.cluster.projection import attach_to_stock_generator
@@ -211,6 +214,7 @@ def report_statistics(gen_cfg, stream):
 
 
 def _prepare_decoder(cfg, tool):
+    check_generation_options(cfg.generation)  # before the model loads, and before prepare_cli reads them
     entry = DECODERS.get(decoder_name(cfg.generation))
     if entry is not None and entry.prepare_cli is not None:
         entry.prepare_cli(cfg, tool)

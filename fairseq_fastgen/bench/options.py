@@ -14,6 +14,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from fairseq_fastgen.option_checks import check_generation_options
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 
 CTRANSLATE2 = "ctranslate2"  # the peer, measured beside the registered decoders
@@ -144,6 +145,8 @@ def parse_command_line(argv: Optional[List[str]] = None):
         parser.error("--repeat must be at least 1")
     if bench.threads is not None and bench.threads < 1:
         parser.error("--threads must be at least 1")
+    if bench.max_sentences is not None and bench.max_sentences < 1:
+        parser.error(f"--max-sentences must be at least 1, got {bench.max_sentences}")
     if bench.whole_process and bench.max_sentences is not None:
         parser.error("--max-sentences: a --whole-process run decodes the whole --subset, as fairseq-generate does")
     bench.fairseq_argv = fairseq_argv
@@ -153,7 +156,13 @@ def parse_command_line(argv: Optional[List[str]] = None):
             parser.error(f"--variant {variant!r}: expected a new NAME=OPTIONS, NAME without '/'")
         bench.variants[name] = fairseq_config(fairseq_argv + shlex.split(variant_argv), bench.subset).generation
         bench.variant_argv[name] = variant_argv
-    return bench, fairseq_config(fairseq_argv, bench.subset)
+    cfg = fairseq_config(fairseq_argv, bench.subset)
+    for label, generation in [("", cfg.generation)] + [(f"--variant {n}: ", g) for n, g in bench.variants.items()]:
+        try:  # refused here, not as a configuration skipped for a ValueError
+            check_generation_options(generation)
+        except ValueError as error:
+            parser.error(f"{label}{error}")
+    return bench, cfg
 
 
 def fairseq_config(fairseq_argv: List[str], subset: str):

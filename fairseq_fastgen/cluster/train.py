@@ -35,10 +35,12 @@ from fairseq.dataclass.utils import gen_parser_from_dataclass
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
 from fairseq_fastgen.cluster.projection import nearest_clusters
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets
+from fairseq_fastgen.option_checks import require_int
 
 logger = logging.getLogger("fastgen-train-clusters")
 
 ASSIGNMENT_CHUNK = 65536  # states per nearest-centroid matmul when assigning members
+MAX_SEED = 2**31 - 1  # numpy takes 0 .. 2**32 - 1 (fairseq adds the epoch), faiss a C int
 
 
 @dataclass
@@ -101,6 +103,10 @@ def check_counts(cfg: ClusterTrainingConfig, vocab_size: Optional[int] = None):
     if cfg.top_k < 1 or (vocab_size is not None and cfg.top_k > vocab_size):
         bound = f"the vocabulary size {vocab_size}" if vocab_size is not None else "the vocabulary size"
         raise ClusterFileError(f"--top-k must be between 1 and {bound}, got {cfg.top_k}")
+    for option, value in (("--max-tokens", cfg.max_tokens), ("--batch-size", cfg.batch_size)):
+        if value is not None:
+            require_int(option, value, 1, error=ClusterFileError)
+    require_int("--seed", cfg.seed, 0, MAX_SEED, error=ClusterFileError)
 
 
 def train_clusters(cfg: ClusterTrainingConfig) -> ClusterFile:

@@ -27,6 +27,8 @@ from fairseq.criterions import FairseqCriterion, register_criterion
 from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_loss
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
+from fairseq_fastgen.option_checks import require_finite_in_range
+
 
 @dataclass
 class RandomSublossConfig(FairseqDataclass):
@@ -46,7 +48,7 @@ class RandomSublossConfig(FairseqDataclass):
 class RandomSublossCriterion(FairseqCriterion):
     def __init__(self, task, label_smoothing, subloss_mode, sentence_avg):
         super().__init__(task)
-        self.epsilon = label_smoothing
+        self.epsilon = require_finite_in_range("--label-smoothing", label_smoothing, 0, 1)
         self.mode = str(subloss_mode)
         self.sentence_avg = sentence_avg
 

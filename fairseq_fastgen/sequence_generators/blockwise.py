@@ -34,6 +34,7 @@ from torch import Tensor
 from fairseq import utils
 from fairseq.dataclass import FairseqDataclass
 
+from fairseq_fastgen.option_checks import require_finite_in_range, require_int
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator
 from fairseq_fastgen.sequence_generators.int8_proposals import Int8Proposer
@@ -135,13 +136,11 @@ def build_acceptance(gen_cfg, tgt_dict):
     epsilon = option_value(gen_cfg, "blockwise_epsilon")
     if top_k and epsilon is not None:
         raise ValueError("--blockwise-top-k and --blockwise-epsilon are alternative acceptance criteria; give one")
-    if top_k < 0:
-        raise ValueError(f"--blockwise-top-k must be >= 0, got {top_k}")
+    require_int("--blockwise-top-k", top_k, 0)
     if top_k:
         return TopK(top_k)
     if epsilon is not None:
-        if epsilon < 0:
-            raise ValueError(f"--blockwise-epsilon must be >= 0, got {epsilon}")
+        epsilon = require_finite_in_range("--blockwise-epsilon", epsilon, 0)  # NaN: nothing would be close
         return OrdinalDistance(ordinal_values(tgt_dict, option_value(gen_cfg, "blockwise_ordinal_symbols")), epsilon)
     return ExactMatch()
 
@@ -570,15 +569,16 @@ class BlockwiseGenerator(FastgenGenerator):
                 f"--decoder blockwise needs a k-head model (--arch transformer_khead); this checkpoint's decoder is "
                 f"{type(decoder).__name__}"
             )
-        block_size = option_value(gen_cfg, "blockwise_block_size") or decoder.block_size
-        if not 1 <= block_size <= decoder.block_size:
+        block_size = option_value(gen_cfg, "blockwise_block_size")
+        if block_size is None:  # default: every head (0 is refused, not read as this default)
+            block_size = decoder.block_size
+        if require_int("--blockwise-block-size", block_size, 1) > decoder.block_size:
             raise ValueError(
                 f"--blockwise-block-size {block_size}: the model has {decoder.block_size} heads (--block-size of "
                 f"transformer_khead); give 1 .. {decoder.block_size}"
             )
         min_block = option_value(gen_cfg, "blockwise_min_block")
-        if min_block < 1:
-            raise ValueError(f"--blockwise-min-block must be >= 1, got {min_block}")
+        require_int("--blockwise-min-block", min_block, 1)
         policy = BlockwisePolicy(decoder, block_size, build_acceptance(gen_cfg, tgt_dict), min_block, tgt_dict.pad(),
                                  int8_proposals=option_value(gen_cfg, "blockwise_int8_proposals"))
         return cls(model, tgt_dict, gen_cfg, policy, projection=projection)

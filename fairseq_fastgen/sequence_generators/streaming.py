@@ -70,6 +70,7 @@ import torch.nn.functional as F
 from fairseq.dataclass import FairseqDataclass
 
 from fairseq_fastgen.engine import cache_capacity
+from fairseq_fastgen.option_checks import require_finite_in_range, require_int
 from fairseq_fastgen.sequence_generators.registry import option_value
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
@@ -132,10 +133,10 @@ class StreamingScheduler:
     """Refill-on-demand streaming over cohorts of equal target length."""
 
     def __init__(self, capacity: Optional[int] = None, capacity_tokens: Optional[int] = None, eps: float = 1 / 6):
-        if capacity is not None and capacity < 1 or capacity_tokens is not None and capacity_tokens < 1:
-            raise ValueError("streaming capacity must be at least 1")
-        if not 0 <= eps <= 1:
-            raise ValueError(f"--stream-eps must be in [0, 1], got {eps}")
+        for option, value in (("--stream-capacity", capacity), ("--stream-capacity-tokens", capacity_tokens)):
+            if value is not None:
+                require_int(option, value, 1)
+        eps = require_finite_in_range("--stream-eps", eps, 0, 1)
         self.capacity = capacity
         self.capacity_tokens = capacity_tokens
         self.eps = eps

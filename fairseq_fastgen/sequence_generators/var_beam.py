@@ -41,6 +41,7 @@ import torch
 
 from fairseq.dataclass import FairseqDataclass
 
+from fairseq_fastgen.option_checks import require_finite_in_range, require_int
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator
 from fairseq_fastgen.sequence_generators.registry import option_value, register_decoder
 from fairseq_fastgen.sequence_generators.streaming import (
@@ -116,8 +117,9 @@ class BeamSearchPolicy:
     def __init__(self, beam: int, nbest: int = 1, delta: float = math.inf, max_cands: Optional[int] = None):
         if beam < 1 or nbest < 1:
             raise ValueError("--beam and --nbest must be at least 1")
-        if delta < 0 or (max_cands is not None and max_cands < 1):
-            raise ValueError("--var-beam-delta must be >= 0 and --var-beam-max-cands >= 1")
+        delta = require_finite_in_range("--var-beam-delta", delta, 0, allow_inf=True)  # NaN would drop every candidate
+        if max_cands is not None:
+            require_int("--var-beam-max-cands", max_cands, 1)
         self.beam = beam
         self.nbest = min(nbest, beam)
         self.delta = delta

@@ -1,5 +1,6 @@
 """Which configurations fastgen-bench measures, which it compares, and the Pareto frontier of its plot."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -177,3 +178,24 @@ def test_timed_passes_take_turns_so_no_configuration_always_runs_last():
     assert order == [(name, [name]) for _ in range(3) for name in ("beam", "var-batch", "var-stream")]
     assert [len(run.result.seconds) for run in runs] == [3, 3, 3]
     assert progress.updates == 9
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--var-beam-delta", "nan"], "fastgen-bench: error: --var-beam-delta must be a number >= 0 or inf, got nan"),
+    (["--variant", "b0=--blockwise-block-size 0"],
+     "fastgen-bench: error: --variant b0: --blockwise-block-size must be an integer >= 1, got 0"),
+    (["--max-sentences", "0"], "fastgen-bench: error: --max-sentences must be at least 1, got 0"),
+])
+def test_numbers_out_of_range_are_refused_when_parsed(argv, message, capsys):
+    """Issue 30: one error line at parse time, not every configuration skipped for a ValueError."""
+    with pytest.raises(SystemExit) as exit_info:
+        options.parse_command_line(["DATA", "--path", "model.pt", "--decoders", "var-batch", *argv])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == message
+
+
+def test_numbers_in_range_are_parsed():
+    bench, cfg = options.parse_command_line(["DATA", "--path", "model.pt", "--decoders", "var-batch",
+                                             "--var-beam-delta", "inf", "--variant", "b1=--blockwise-block-size 1"])
+    assert cfg.generation.var_beam_delta == math.inf
+    assert bench.variants["b1"].blockwise_block_size == 1

@@ -76,9 +76,13 @@ def config(**overrides):
     (dict(top_k=0), None, "--top-k must be between 1"),
     (dict(top_k=11), 10, "--top-k must be between 1 and the vocabulary size 10"),
     (dict(iterations=0), None, "--iterations must be at least 1"),
+    (dict(max_tokens=0), None, "--max-tokens must be an integer >= 1, got 0"),
+    (dict(batch_size=-4), None, "--batch-size must be an integer >= 1, got -4"),
+    (dict(seed=-1), None, "--seed must be an integer in [0, 2147483647], got -1"),
+    (dict(seed=2**31), None, "--seed must be an integer in [0, 2147483647], got 2147483648"),
 ])
 def test_settings_that_make_no_sense_are_refused(overrides, vocab_size, message):
-    with pytest.raises(ClusterFileError, match=message):
+    with pytest.raises(ClusterFileError, match=re.escape(message)):
         check_counts(config(**overrides), vocab_size)
 
 
@@ -89,3 +93,8 @@ def test_more_clusters_than_states_is_refused_by_the_command(toy_model, tmp_path
                   "--num-clusters", "100000", "--max-states", "200000", "--output", str(output)])
     assert re.search(r"--num-clusters 100000 exceeds the \d+ decoder states of split 'valid'", str(exit_info.value))
     assert not output.exists()
+
+
+def test_settings_in_range_pass():
+    check_counts(config(max_tokens=None, batch_size=1, seed=0))
+    check_counts(config(max_tokens=1, seed=2**31 - 1))

@@ -2,6 +2,7 @@
 targets; random mode trains one head per minibatch, mean mode all of them."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -148,3 +149,13 @@ def test_logged_metrics_name_every_head():
     assert values["acc_h2"] == pytest.approx(100 * 4 / 12, abs=0.01)
     assert values["loss_h2"] == pytest.approx(12 / 12 / math.log(2), abs=1e-3)
     assert values["loss"] == pytest.approx(9 / 15 / math.log(2), abs=1e-3)
+
+
+@pytest.mark.parametrize("smoothing, shown", [(math.nan, "nan"), (math.inf, "inf"), (-0.1, "-0.1"), (1.5, "1.5")])
+def test_label_smoothing_out_of_range_is_refused(smoothing, shown):
+    """Issue 30: a NaN epsilon would make every loss NaN."""
+    task = SimpleNamespace(target_dictionary=None)
+    with pytest.raises(ValueError) as refusal:
+        RandomSublossCriterion(task, label_smoothing=smoothing, subloss_mode="random", sentence_avg=False)
+    assert str(refusal.value) == f"--label-smoothing must be a finite number in [0, 1], got {shown}"
+    assert RandomSublossCriterion(task, label_smoothing=0.1, subloss_mode="mean", sentence_avg=False).epsilon == 0.1

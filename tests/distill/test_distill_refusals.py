@@ -159,3 +159,19 @@ def test_resuming_with_other_settings_is_refused(reference_run, toy_model, tmp_p
     other_beam = REFERENCE_ARGS[:beam_at] + ["3"] + REFERENCE_ARGS[beam_at + 1:]
     with pytest.raises(DistillError, match=r"other settings \(changed: generation.beam\)"):
         distill.main(distill_args(toy_model.data_bin, toy_model.checkpoint, out, *other_beam))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--workers", "0"], "--workers must be an integer >= 1, got 0"),
+    (["--num-shards", "-1"], "--num-shards must be an integer >= 0, got -1"),
+    (["--decoder", "var-batch", "--var-beam-delta", "nan"], "--var-beam-delta must be a number >= 0 or inf, got nan"),
+])
+def test_numbers_out_of_range_are_refused_when_parsed(tmp_path, extra, message):
+    """Issue 30: refused before anything is read (DATA and the teacher need not exist)."""
+    argv = distill_args(tmp_path / "data", tmp_path / "teacher.pt", tmp_path / "out", *extra)
+    with pytest.raises(DistillError) as refusal:
+        distill.parse(argv)
+    assert str(refusal.value) == message
+    args, _ = distill.parse(distill_args(tmp_path / "data", tmp_path / "teacher.pt", tmp_path / "out",
+                                         "--workers", "2", "--num-shards", "0"))
+    assert (args.workers, args.num_shards) == (2, 0)

@@ -22,6 +22,7 @@ from fairseq_fastgen.sequence_generators.int8_proposals import Int8Linear
 from fairseq_fastgen.sequence_generators.processors import (
     BanRepeatedNgrams, ForbidPad, ForcePrefix, LengthLimits, UnkPenalty,
 )
+from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
 pytestmark = [pytest.mark.xdist_group("toy_khead"), pytest.mark.usefixtures("one_thread")]
@@ -361,13 +362,38 @@ def test_a_model_without_heads_is_refused(toy_model):
     ({"beam": 1, "nbest": 2}, "--nbest 2"),
     ({"beam": 1, "blockwise_block_size": 5}, "the model has 4 heads"),
     ({"beam": 1, "blockwise_top_k": 2, "blockwise_epsilon": 1.0}, "give one"),
-    ({"beam": 1, "blockwise_min_block": 0}, "min-block must be >= 1"),
+    ({"beam": 1, "blockwise_min_block": 0}, "--blockwise-min-block must be an integer >= 1, got 0"),
     ({"beam": 1, "blockwise_epsilon": 1.0}, "matches no symbol"),
 ])
 def test_bad_options_are_refused(loaded, options, message):
     model, task = loaded(4)
     with pytest.raises(ValueError, match=re.escape(message)):
         build(model, task, **options)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"blockwise_block_size": 0}, "--blockwise-block-size must be an integer >= 1, got 0"),  # was read as 4
+    ({"blockwise_block_size": 5}, "--blockwise-block-size 5: the model has 4 heads"),
+    ({"blockwise_epsilon": math.nan}, "--blockwise-epsilon must be a finite number >= 0, got nan"),
+    ({"blockwise_epsilon": -1.0}, "--blockwise-epsilon must be a finite number >= 0, got -1.0"),
+    ({"blockwise_top_k": -1}, "--blockwise-top-k must be an integer >= 0, got -1"),
+    ({"blockwise_min_block": 0}, "--blockwise-min-block must be an integer >= 1, got 0"),
+])
+def test_the_decoder_refuses_numbers_out_of_range(loaded, options, message):
+    """Checked when the decoder is built, for callers that do not go through task.build_generator
+    (issue 30): the registry's builder directly."""
+    model, task = loaded(4)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DECODERS["blockwise"].builder([model], task.target_dictionary,
+                                      GenerationConfig(decoder="blockwise", beam=1, **options))
+
+
+@pytest.mark.parametrize("block_size, used", [(None, 4), (1, 1), (4, 4)])
+def test_block_size_default_is_every_head(loaded, block_size, used):
+    model, task = loaded(4)
+    generator = DECODERS["blockwise"].builder([model], task.target_dictionary, GenerationConfig(
+        decoder="blockwise", beam=1, blockwise_block_size=block_size))
+    assert generator.policy.block_size == used
 
 
 def test_int8_proposals_off_the_cpu_are_refused(loaded):

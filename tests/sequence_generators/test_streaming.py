@@ -234,3 +234,19 @@ def test_capacity_comes_from_batch_options(toy):
     assert (cfg.generation.stream_capacity, cfg.dataset.batch_size) == (16, 40)
     generator = toy.generator(decoder="var-stream", beam=2, stream_capacity=16)
     assert isinstance(generator.scheduler, streaming.StreamingScheduler) and generator.scheduler.capacity == 16
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"eps": float("nan")}, "--stream-eps must be a finite number in [0, 1], got nan"),
+    ({"eps": float("inf")}, "--stream-eps must be a finite number in [0, 1], got inf"),
+    ({"eps": -0.1}, "--stream-eps must be a finite number in [0, 1], got -0.1"),
+    ({"capacity": 0}, "--stream-capacity must be an integer >= 1, got 0"),
+    ({"capacity_tokens": -1}, "--stream-capacity-tokens must be an integer >= 1, got -1"),
+])
+def test_the_scheduler_refuses_settings_out_of_range(settings, message):
+    """Checked by the scheduler itself, for callers that do not go through task.build_generator (issue 30)."""
+    with pytest.raises(ValueError) as refusal:
+        streaming.StreamingScheduler(**settings)
+    assert str(refusal.value) == message
+    scheduler = streaming.StreamingScheduler(capacity=1, capacity_tokens=1, eps=1)
+    assert (scheduler.capacity, scheduler.capacity_tokens, scheduler.eps) == (1, 1, 1.0)

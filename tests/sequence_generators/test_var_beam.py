@@ -231,3 +231,21 @@ def test_every_sentence_gets_a_result_when_every_continuation_is_banned(toy):
         (best,) = hypotheses
         assert best["tokens"].numel() == 4 and best["tokens"][-1] == toy.task.target_dictionary.eos()
         assert best["score"] == -math.inf
+
+
+# ---- refused settings (issue 30) ---------------------------------------------------------------------
+@pytest.mark.parametrize("settings, message", [
+    ({"delta": math.nan}, "--var-beam-delta must be a number >= 0 or inf, got nan"),  # emptied every hypothesis
+    ({"delta": -1.0}, "--var-beam-delta must be a number >= 0 or inf, got -1.0"),
+    ({"delta": -math.inf}, "--var-beam-delta must be a number >= 0 or inf, got -inf"),
+    ({"max_cands": 0}, "--var-beam-max-cands must be an integer >= 1, got 0"),
+])
+def test_the_policy_refuses_a_nan_or_negative_delta(settings, message):
+    """Checked by the policy itself, for callers that do not go through task.build_generator."""
+    from fairseq_fastgen.sequence_generators.var_beam import BeamSearchPolicy
+
+    with pytest.raises(ValueError) as refusal:
+        BeamSearchPolicy(5, 1, **{"delta": 1.5, "max_cands": 5, **settings})
+    assert str(refusal.value) == message
+    assert BeamSearchPolicy(5, 1, delta=math.inf, max_cands=5).delta == math.inf
+    assert BeamSearchPolicy(5, 1, delta=0, max_cands=1).delta == 0.0
