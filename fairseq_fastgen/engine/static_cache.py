@@ -23,6 +23,10 @@ class StaticCache:
         self.cross_keys: List[Tensor] = []  # per layer (rows, heads, src_len, head_dim)
         self.cross_values: List[Tensor] = []
         self.cross_mask: Optional[Tensor] = None  # (rows, src_len) True at source padding
+        # (rows,) which row of the first step each row's encoder-decoder keys/values are a copy of: a reorder
+        # that gives every row the same origin again (beams changing places within their sentences) leaves
+        # them where they are instead of copying the largest buffers of the cache
+        self.cross_origin: Optional[Tensor] = None
 
     @property
     def started(self) -> bool:
@@ -33,6 +37,7 @@ class StaticCache:
         rows, first = cross_keys[0].size(0), cross_keys[0]
         self.cross_keys, self.cross_values, self.cross_mask = list(cross_keys), list(cross_values), cross_mask
         self.real_rows = rows
+        self.cross_origin = torch.arange(rows, device=first.device)
         shape = (rows, heads, self.capacity, head_dim)
         allocate = first.new_zeros if self.zeroed else first.new_empty
         self.self_keys = [allocate(shape) for _ in cross_keys]
@@ -54,11 +59,15 @@ class StaticCache:
         """Keep (and reorder to) the rows ``index``; only the written positions are copied."""
         self.self_keys = [self._select_written(b, index) for b in self.self_keys]
         self.self_values = [self._select_written(b, index) for b in self.self_values]
+        self.real_rows = index.numel()
+        origin = self.cross_origin.index_select(0, index)
+        if torch.equal(origin, self.cross_origin):  # the same shape and origins: the same values in place
+            return
+        self.cross_origin = origin
         self.cross_keys = [b.index_select(0, index) for b in self.cross_keys]
         self.cross_values = [b.index_select(0, index) for b in self.cross_values]
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, index)
-        self.real_rows = index.numel()
 
     def _select_written(self, buffer: Tensor, index: Tensor) -> Tensor:
         allocate = buffer.new_zeros if self.zeroed else buffer.new_empty
@@ -103,5 +112,10 @@ class StaticCache:
                 parts = [F.pad(p, (0, 0, 0, merged.capacity - p.size(2))) for p in parts]
                 getattr(merged, name).append(torch.cat(parts))
         merged.cross_mask = torch.cat(masks)
+        origins, offset = [], 0
+        for cache in caches:  # origins stay distinct across the merged caches
+            origins.append(cache.cross_origin + offset)
+            offset += int(cache.cross_origin.max()) + 1 if cache.cross_origin.numel() else 0
+        merged.cross_origin = torch.cat(origins)
         merged.real_rows = sum(c.real_rows for c in caches)
         return merged

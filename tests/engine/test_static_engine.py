@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fairseq_fastgen.engine.runners import StaticRunner
+from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.sequence_generators.runner import ModelRunner
 from tests.sequence_generators.test_var_beam import TEST_SENTENCES, assert_identical, toy  # noqa: F401  (fixture)
 
@@ -68,3 +69,31 @@ def test_static_engine_with_prefix_tokens(toy, decoder, beam):
     _, actual = decode(toy, ids, 8, prefix_size=1, decoder=decoder, beam=beam, step_engine="static")
     assert_identical(expected, actual)
     assert all(int(h[0]["tokens"][0]) == int(toy.sample([i])["target"][0, 0]) for i, h in actual.items())
+
+
+def test_reorders_within_the_same_origins_leave_the_encoder_keys_in_place():
+    """Beams changing places within their sentences: each row's encoder-decoder keys/values are a copy
+    of the same first-step row as before, so they stay put; a reorder that changes any row's origin
+    (a sentence leaves, a beam is duplicated across sentences) copies them as index_select would."""
+    rows, heads, src_len, head_dim = 4, 2, 5, 3
+    keys = [torch.randn(rows, heads, src_len, head_dim) for _ in range(2)]
+    values = [torch.randn(rows, heads, src_len, head_dim) for _ in range(2)]
+    mask = torch.zeros(rows, src_len, dtype=torch.bool)
+    cache = StaticCache(capacity=8)
+    cache.start(keys, values, mask, heads, head_dim)
+    expand = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])  # 4 sentences, beam 2
+    cache.select(expand)
+    expanded = [k.index_select(0, expand) for k in keys]
+    assert all(torch.equal(a, b) for a, b in zip(cache.cross_keys, expanded))
+    kept = list(cache.cross_keys)
+    cache.select(torch.tensor([1, 0, 2, 2, 5, 4, 7, 7]))  # every row keeps its sentence
+    assert all(a is b for a, b in zip(cache.cross_keys, kept))
+    assert cache.real_rows == 8
+    shrink = torch.tensor([0, 1, 4, 5])  # sentences 1 and 3 finished
+    cache.select(shrink)
+    assert [k.size(0) for k in cache.cross_keys] == [4, 4]
+    assert all(torch.equal(a, b.index_select(0, shrink)) for a, b in zip(cache.cross_keys, expanded))
+    assert torch.equal(cache.cross_origin, torch.tensor([0, 0, 2, 2]))
+    cache.select(torch.tensor([2, 2, 2, 3]))  # a row takes another sentence's place: copied
+    assert torch.equal(cache.cross_keys[1], keys[1][torch.tensor([2, 2, 2, 2])])
+    assert torch.equal(cache.cross_values[0], values[0][torch.tensor([2, 2, 2, 2])])
