@@ -25,12 +25,13 @@ class PluginOptions(FairseqDataclass):
     )
     step_engine: ChoiceEnum(["fairseq", "static", "compiled"]) = field(
         default="static",
-        metadata={"help": "what runs each decoder step of the plugin's decoders: 'static' (default: keys/values "
-                          "in preallocated buffers, eager; bitwise fairseq's hypotheses, 1.1-1.2x faster steps), "
-                          "'fairseq' (fairseq's own incremental decoder) or 'compiled' (the step through "
-                          "torch.compile, shapes padded to a few buckets: the same tokens, scores within 1e-4; "
-                          "compiles each bucket on first use); a model or decoder the engine cannot serve "
-                          "(blockwise, other architectures) falls back to 'fairseq' with one line saying why"},
+        metadata={"help": "what runs each decoder step: 'static' (default: keys/values in preallocated "
+                          "buffers, eager; bitwise fairseq's hypotheses), 'fairseq' (fairseq's own incremental "
+                          "decoder) or 'compiled' (the same tokens, scores within 1e-4: up to 16 rows the step "
+                          "through torch.compile, shapes padded to a few buckets compiled on first use; more rows "
+                          "eager with oneDNN's products on the CPU; --decoder beam runs fairseq's search on it); "
+                          "a model or decoder the engine cannot serve (blockwise, ensembles, other architectures) "
+                          "falls back to 'fairseq' with one line saying why"},
     )
     decoder_stats_json: Optional[str] = field(
         default=None,

@@ -139,12 +139,13 @@ def _install_build_generator():
             from fairseq_fastgen.cluster.projection import attach_to_stock_generator
 
             attach_to_stock_generator(generator, models, args, name)  # stock search calls decoder.forward
+            from fairseq_fastgen.engine import serve_stock_search
+
+            on_engine = serve_stock_search(generator, models, args)  # fairseq's search over the engine's step
             from fairseq_fastgen.fastseq import optimize_stock_generator
 
-            optimize_stock_generator(generator, args)  # shared encoder cache, working n-gram banning
-            from fairseq_fastgen.engine import note_stock_search
-
-            note_stock_search(args, name)  # --step-engine serves the plugin's decoders only
+            # shared encoder cache (unless the engine's cache serves), working n-gram banning, lean loop
+            optimize_stock_generator(generator, args, share_cache=not on_engine)
         else:
             extra = dict(extra_gen_cls_kwargs or {})
             extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn

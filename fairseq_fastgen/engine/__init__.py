@@ -7,8 +7,10 @@
   through ``torch.compile`` (the same tokens; scores within float rounding).
 
 A model the engine cannot serve falls back to ``fairseq`` with one warning
-saying why; decoders that always run fairseq's step (blockwise; stock beam
-search) say so in one info line.
+saying why; blockwise decoding, which always runs fairseq's step, says so in
+one info line.  Stock beam search (``--decoder beam``) runs fairseq's own
+search loop over the compiled step (``stock_search.py``); with ``static`` it
+keeps fairseq's step over the shared encoder cache.
 """
 
 import logging
@@ -36,19 +38,29 @@ def engine_refusal(model, decoder_name: str, decoder_engines) -> str:
     return reason or ""
 
 
-def note_stock_search(gen_cfg, decoder_name: str):
-    """fairseq's own SequenceGenerator (``--decoder beam``) keeps fairseq's step: say so once."""
+def serve_stock_search(generator, models, gen_cfg) -> bool:
+    """fairseq's own SequenceGenerator (``--decoder beam``) on the engine: with ``--step-engine compiled``,
+    fairseq's search loop over the compiled step (``stock_search.py``); returns whether the engine serves it.
+
+    With ``static`` it keeps fairseq's step and the shared encoder cache, and says so: the static step
+    keeps each beam's own copy of the encoder-decoder keys/values, which made stock beam search slower
+    than the shared cache (docs/benchmarks.md, the engine section); its hypotheses would be bitwise the
+    same (``tests/engine/test_stock_search.py``)."""
     engine = option_value(gen_cfg, "step_engine")
-    if engine != "fairseq":
-        logger.info(f"--step-engine {engine}: --decoder {decoder_name} is fairseq's own search, which runs "
-                       f"fairseq's step; using --step-engine fairseq (the plugin's beam searches, var-batch and "
-                       f"fixed-stream, run on the engine)")
+    if engine == "fairseq":
+        return False
+    if engine == "static":
+        logger.info("--step-engine static: --decoder beam runs fairseq's step over the shared encoder cache, "
+                    "faster for beam search; --step-engine compiled runs it on the engine")
+        return False
+    from fairseq_fastgen.engine.stock_search import run_stock_search_on_engine
+
+    return run_stock_search_on_engine(generator, models, gen_cfg, engine)
 
 
 def build_runner(model, gen_cfg, projection, decoder_name: str, decoder_engines=ENGINES):
     """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not."""
     engine = option_value(gen_cfg, "step_engine")
-    temperature = option_value(gen_cfg, "temperature")
     if engine not in ENGINES:
         raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
     if engine != "fairseq":
@@ -57,6 +69,11 @@ def build_runner(model, gen_cfg, projection, decoder_name: str, decoder_engines=
             log = logger.warning if "static" in decoder_engines else logger.info
             log(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
             engine = "fairseq"
+    return make_runner(engine, model, option_value(gen_cfg, "temperature"), projection)
+
+
+def make_runner(engine: str, model, temperature: float, projection):
+    """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job)."""
     if engine == "static":
         from fairseq_fastgen.engine.runners import StaticRunner
 

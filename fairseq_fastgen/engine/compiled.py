@@ -9,25 +9,35 @@ on-disk cache keeps the generated code for the next process); the time each
 compilation took is logged and counted (``compile_seconds``).
 
 Above ``COMPILED_MAX_ROWS`` rows the step runs eager, in the static engine's
-exact form: on the CPU the compiled step loses to the eager one at many rows
-(docs/benchmarks.md, the engine section, measures the crossing).
+exact form, its linear layers (the vocabulary projection included) through
+oneDNN's prepacked products on the CPU (``ops/onednn_linear.py``): there the
+products are the step, and on the AMD EPYC of docs/benchmarks.md MKL's run 2-3x
+slower than oneDNN's from 8 rows up (the engine section measures the crossing).
 
-On the CPU inductor runs with weight freezing (the linears prepacked for
-oneDNN).  The padded step sums its softmaxes over the whole buffer and fuses
-operations, so scores differ from fairseq's in the last bits: the tests hold
-the tokens equal and the scores within 1e-4.
+On the CPU inductor fuses the operations between the products into C++
+loops and calls the products themselves as MKL's (at a few rows its
+matrix-vector products beat oneDNN's prepacked ones: 4.5 against 34 us for a
+256 x 256 weight at one row), through a C++ wrapper; a call checks only the
+guards of its input tensors.  The self-attention's query, key and value
+projections run as one product and the vocabulary projection reads its weight
+transposed (``fused_weights.py``).  The padded step sums its softmaxes over the
+whole buffer and fuses operations, so scores differ from fairseq's in the last
+bits: the tests hold the tokens equal and the scores within 1e-4.
 """
 
+import contextlib
 import logging
 import time
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_fastgen.engine.runners import StaticRunner
+from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache
 from fairseq_fastgen.engine.static_cache import StaticCache
+from fairseq_fastgen.ops.onednn_linear import OneDNNLinears, onednn_available
 
 POSITION_BUCKET = 32  # target positions a cache starts with; it doubles as rows grow past them
 SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple of this
@@ -58,6 +68,11 @@ class CompiledRunner(StaticRunner):
             self.padded_lprobs, dynamic=False, fullgraph=True, options=inductor_options(model)
         )
         self.compiled_shapes: Dict[Tuple[int, int, int], float] = {}  # bucket -> seconds of its first call
+        self.fused_weights = FusedWeightsCache(model.decoder)
+        self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        # the eager step's products above COMPILED_MAX_ROWS rows (None: torch's own, on CUDA)
+        self.eager_linears = OneDNNLinears(model) if on_cpu and onednn_available() else None
 
     # ---- cache: rows padded to the bucket ---------------------------------------------------------
     @staticmethod
@@ -91,7 +106,9 @@ class CompiledRunner(StaticRunner):
                 cache.widen_source(round_up(src_len + extra, SOURCE_BUCKET) - width)
 
     def start_cache(self, cache: StaticCache, encoder_out):
-        """The encoder-decoder keys of the rows, padded to the row and source buckets."""
+        """The encoder-decoder keys of the rows, padded to the row and source buckets; the fused weights
+        as the parameters are now (once per decode)."""
+        self.fused = self.fused_weights.current()
         states = encoder_out["encoder_out"][0]  # (src_len, rows, dim)
         src_len, rows = states.size(0), states.size(1)
         masks = encoder_out["encoder_padding_mask"]
@@ -109,7 +126,8 @@ class CompiledRunner(StaticRunner):
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         rows = tokens.size(0)
         if row_bucket(rows) == rows and rows > COMPILED_MAX_ROWS:
-            lprobs, attn = super().step(tokens, encoder_out, cache)
+            with self.eager_linears.attached() if self.eager_linears else contextlib.nullcontext():
+                lprobs, attn = super().step(tokens, encoder_out, cache)
             return lprobs, attn[:, : encoder_out["encoder_out"][0].size(0)]
         if not cache.started:
             self.start_cache(cache, encoder_out)
@@ -122,7 +140,7 @@ class CompiledRunner(StaticRunner):
         start = time.perf_counter()
         features_or_lprobs, attn, new_keys, new_values = self.compiled_step(
             last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys,
-            cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask,
+            cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask, self.fused,
         )
         if shape not in self.compiled_shapes:
             self.compiled_shapes[shape] = time.perf_counter() - start
@@ -138,14 +156,18 @@ class CompiledRunner(StaticRunner):
         return lprobs, attn[:rows, :src_len]
 
     def padded_lprobs(self, last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
-                      cross_mask):
+                      cross_mask, fused: FusedWeights):
         """The compiled unit: the padded step and, with the full projection, log-softmax of its logits."""
         features, attn, new_keys, new_values = self.decoder_step.padded(
             last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values, cross_mask,
+            fused.qkv_weights, fused.qkv_biases,
         )
         if self.projection is not None:  # a cluster projection runs eager, after the step
             return features, attn, new_keys, new_values
-        logits = self.model.decoder.output_layer(features)
+        if fused.output_t is not None:
+            logits = torch.matmul(features, fused.output_t)  # (rows, 1, vocab)
+        else:
+            logits = self.model.decoder.output_layer(features)
         if self.temperature != 1.0:
             logits = logits / self.temperature
         return F.log_softmax(logits.float(), dim=-1)[:, -1, :], attn, new_keys, new_values
@@ -167,4 +189,9 @@ def padded_index(index: Tensor) -> Tensor:
 
 def inductor_options(model) -> dict:
     on_cpu = next(model.parameters()).device.type == "cpu"
-    return {"freezing": True, "cpp_wrapper": False} if on_cpu else {"triton.cudagraphs": True}
+    options = {"cpp_wrapper": True} if on_cpu else {"triton.cudagraphs": True}
+    # only the inputs' shapes, dtypes and strides choose a compiled bucket: the model, the temperature and the
+    # projection of a runner never change, and checking their guards took 70 us of a 1.3 ms step at one row
+    # (each torch.compile call keeps its own compiled code, so another runner's model is never mistaken for it)
+    options["guard_filter_fn"] = torch.compiler.keep_tensor_guards_unsafe
+    return options

@@ -206,7 +206,7 @@ class DecoderStep(nn.Module):
 
     # ---- the padded form (fixed shapes, a position per row) ----------------------------------------
     def padded(self, last_tokens: Tensor, positions: Tensor, position_table: Optional[Tensor],
-               self_keys, self_values, cross_keys, cross_values, cross_mask: Tensor):
+               self_keys, self_values, cross_keys, cross_values, cross_mask: Tensor, qkv_weights, qkv_biases):
         """Features (rows, 1, dim), last-layer encoder attention (rows, src_width) and the new self-attention
         keys and values of every layer (rows, heads, head_dim) of one step.
 
@@ -214,7 +214,8 @@ class DecoderStep(nn.Module):
         far); self_keys/values per layer (rows, heads, cap, hd), read at the positions before it (the caller
         writes the new ones there afterwards: a pure function compiles into tighter loops than one that
         updates its inputs); cross_keys/values per layer (rows, heads, src_width, hd); cross_mask
-        (rows, src_width) True at padding.
+        (rows, src_width) True at padding; qkv_weights/biases per layer, each self-attention's query, key
+        and value projections as one (``fused_weights.py``).
         """
         rows = last_tokens.size(0)
         position_rows = None
@@ -229,7 +230,7 @@ class DecoderStep(nn.Module):
             if layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
             attention = layer.self_attn
-            q, k, v = attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)
+            q, k, v = F.linear(x, qkv_weights[index], qkv_biases[index]).chunk(3, dim=-1)  # (1, rows, dim) each
             q = (q * attention.scaling).view(rows, self.heads, 1, self.head_dim)
             k, v = k.view(rows, self.heads, 1, self.head_dim), v.view(rows, self.heads, 1, self.head_dim)
             new_keys.append(k.view(rows, self.heads, self.head_dim))

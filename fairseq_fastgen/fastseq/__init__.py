@@ -52,13 +52,13 @@ __all__ = [
 ]
 
 
-def optimize_stock_generator(generator, gen_cfg):
+def optimize_stock_generator(generator, gen_cfg, share_cache: bool = True):
     """Apply the optimizations to a generator built by fairseq itself (``--decoder beam``);
     returns it.  Generators without a beam search or a supported model are left as they are.
-    ``--no-shared-encoder-cache`` switches off both shared caches: the encoder's
-    (encoder-decoder models) and the prompt's (decoder-only language models);
-    ``--no-lean-beam-loop`` keeps fairseq's own search loop."""
-    if not option_value(gen_cfg, "no_shared_encoder_cache"):
+    ``--no-shared-encoder-cache`` (or ``share_cache=False``: the step engine keeps its own
+    cache) switches off both shared caches: the encoder's (encoder-decoder models) and the
+    prompt's (decoder-only language models); ``--no-lean-beam-loop`` keeps fairseq's own search loop."""
+    if share_cache and not option_value(gen_cfg, "no_shared_encoder_cache"):
         share_encoder_cache(generator)
         share_prompt_cache(generator)
     use_fastgen_ngram_blocking(generator)

@@ -1,6 +1,7 @@
 """--step-engine compiled (engine/compiled.py): fairseq's tokens, scores within 1e-4, few compilations;
 fallbacks of both engines with their one-line reason."""
 
+import importlib
 import logging
 
 import pytest
@@ -12,6 +13,8 @@ from fairseq_fastgen.engine import compiled
 from fairseq_fastgen.engine.compiled import CompiledRunner
 from fairseq_fastgen.sequence_generators.runner import ModelRunner
 from tests.engine.test_static_engine import CASES, SENTENCES, decode
+
+onednn_linear_module = importlib.import_module("fairseq_fastgen.ops.onednn_linear")  # ops/ re-exports its function under that name
 from tests.sequence_generators.test_var_beam import toy  # noqa: F401  (fixture)
 
 
@@ -34,12 +37,20 @@ def test_compiled_engine_gives_fairseqs_tokens(toy, case):
 
 
 def test_compiled_engine_above_the_compiled_row_limit(toy, monkeypatch):
-    """Rows beyond COMPILED_MAX_ROWS run the exact step on the same cache; rows falling under it compile."""
+    """Rows beyond COMPILED_MAX_ROWS run the exact step on the same cache, its products through oneDNN on the
+    CPU; rows falling under it compile."""
     monkeypatch.setattr(compiled, "COMPILED_MAX_ROWS", 4)
+    products = []
+    product = onednn_linear_module.onednn_linear
+    monkeypatch.setattr(onednn_linear_module, "onednn_linear",
+                        lambda x, *a: products.append(x.numel() // x.size(-1)) or product(x, *a))
     _, expected = decode(toy, SENTENCES, 32, step_engine="fairseq", decoder="var-batch", beam=4)
+    assert not products
     generator, actual = decode(toy, SENTENCES, 32, step_engine="compiled", decoder="var-batch", beam=4)
     assert_same_tokens_close_scores(expected, actual)
     assert {rows for rows, _, _ in generator.runner.compiled_shapes} <= {1, 2, 4}
+    if onednn_linear_module.onednn_available():
+        assert products and min(products) > 4  # rows of each product: only the eager step's
 
 
 @pytest.mark.parametrize(
@@ -64,9 +75,3 @@ def test_unsupported_decoder_falls_back_with_its_reason(toy, monkeypatch, caplog
     assert type(generator.runner) is ModelRunner
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["--step-engine compiled: --cross-self-attention is not supported; using --step-engine fairseq"]
-
-
-def test_stock_beam_search_says_it_keeps_fairseqs_step(toy, caplog):
-    with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
-        toy.generator(decoder="beam", beam=4, step_engine="static")
-    assert len(caplog.records) == 1 and "--decoder beam is fairseq's own search" in caplog.records[0].getMessage()

@@ -18,12 +18,17 @@ SENTENCES = list(range(0, TEST_SENTENCES, 2))  # 100 sentences of the toy test s
 def decode(toy, ids, batch_size, prefix_size=0, **options):
     """{sentence id: hypotheses} over ``ids`` in generate() calls of ``batch_size`` sentences."""
     generator = toy.generator(**options)
+    return generator, translate_batches(toy, generator, ids, batch_size, prefix_size)
+
+
+def translate_batches(toy, generator, ids, batch_size, prefix_size=0):
+    """{sentence id: hypotheses} of ``generator`` over ``ids`` in generate() calls of ``batch_size`` sentences."""
     results = {}
     for start in range(0, len(ids), batch_size):
         sample = toy.sample(ids[start : start + batch_size])
         prefix = sample["target"][:, :prefix_size] if prefix_size else None
         results.update(zip(sample["id"].tolist(), generator.generate(toy.models, sample, prefix_tokens=prefix)))
-    return generator, results
+    return results
 
 
 def assert_same_attention(expected, actual):

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The decoder-step engine (--step-engine fairseq / static / compiled) beside CTranslate2 float32:
+# the rows of docs/benchmarks.md, "The decoder-step engine". One fastgen-bench run per row, every
+# configuration of a row measured in the same process with interleaved passes.
+#
+#   bash benchmarks/engine.sh [MODEL_DIR] [OUT_DIR] [THREADS] [SENTENCES]
+#
+# MODEL_DIR is what benchmarks/multi30k.py builds (bin/, base/checkpoint_best.pt); CTranslate2 joins when
+# it is installed (pip install ctranslate2). Defaults: bench_out/multi30k, bench_out/engine, 1 thread, all
+# 1,000 sentences of test_2016_flickr.
+set -euo pipefail
+M=${1:-bench_out/multi30k}
+OUT=${2:-bench_out/engine}
+THREADS=${3:-1}
+SENTENCES=${4:-1000}
+BENCH=(.venv/bin/fastgen-bench "$M/bin" --path "$M/base/checkpoint_best.pt" --cpu --threads "$THREADS"
+       --post-process sentencepiece --max-sentences "$SENTENCES" --repeat 3 --step-engine fairseq)
+EACH_ENGINE=(--variant "static=--step-engine static" --variant "compiled=--step-engine compiled")
+
+# greedy, batch 1 and batch 64: the reference is greedy on fairseq's step (token-identical to stock --beam 1)
+for BATCH in 1 64; do
+  "${BENCH[@]}" --decoders greedy --beam 1 --batch-size "$BATCH" --reference greedy "${EACH_ENGINE[@]}" \
+      --output-dir "$OUT/greedy-bs$BATCH-t$THREADS"
+done
+# stock fairseq beam search, beam 5, batch 64 (--step-engine static keeps fairseq's step for it: not run)
+"${BENCH[@]}" --decoders beam --beam 5 --batch-size 64 --variant "compiled=--step-engine compiled" \
+    --output-dir "$OUT/beam5-bs64-t$THREADS"

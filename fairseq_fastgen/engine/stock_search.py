@@ -1,0 +1,70 @@
+"""Stock fairseq beam search (``--decoder beam``) on the engine: fairseq's own search, the engine's step.
+
+fairseq's ``SequenceGenerator`` (and the plugin's lean loop, ``fastseq/beam_loop.py``)
+reaches the model only through its ``EnsembleModel``: ``forward_encoder``,
+``reorder_encoder_out``, ``forward_decoder`` and ``reorder_incremental_state``.
+:class:`EngineEnsemble` is that ensemble with the last two answered by an engine
+runner: the search, its rules and its bookkeeping stay fairseq's, and with
+``--step-engine static`` its hypotheses are bitwise stock fairseq's
+(``tests/engine/test_stock_search.py``).
+
+The runner's cache lives in the search's own incremental state (the dict
+fairseq creates per model and hands back at every step), so a generator
+serves any number of ``generate`` calls, one after another.
+"""
+
+import logging
+from typing import Optional
+
+from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
+
+logger = logging.getLogger("fairseq_fastgen.engine")
+CACHE_KEY = "fastgen_engine_cache"  # where the runner's cache sits in fairseq's incremental state
+
+
+class EngineEnsemble(EnsembleModel):
+    """A one-model ``EnsembleModel`` whose decoder steps and cache reorders the engine runs."""
+
+    def __init__(self, models, runner, capacity: int):
+        super().__init__(models)
+        self.runner = runner
+        self.capacity = capacity  # target positions a search may reach (bos and eos included)
+
+    def forward_decoder(self, tokens, encoder_outs, incremental_states, temperature: float = 1.0):
+        """lprobs (rows, vocab) and attn (rows, src_len) of the next token; ``temperature`` is the runner's."""
+        state = incremental_states[0]
+        if CACHE_KEY not in state:
+            state[CACHE_KEY] = self.runner.new_cache(self.capacity)
+        return self.runner.step(tokens, encoder_outs[0], state[CACHE_KEY])
+
+    def reorder_incremental_state(self, incremental_states, new_order):
+        cache = incremental_states[0].get(CACHE_KEY)
+        if cache is not None:
+            self.runner.reorder_cache(cache, new_order)
+
+
+def stock_search_refusal(generator, models) -> Optional[str]:
+    """Why fairseq's search in ``generator`` cannot run on the engine (None if it can)."""
+    from fairseq_fastgen.engine.decoder_step import unsupported_reason
+
+    if not isinstance(generator, SequenceGenerator) or type(generator.model) is not EnsembleModel:
+        return f"{type(generator).__name__} is not fairseq's SequenceGenerator"
+    if len(models) != 1:
+        return f"an ensemble of {len(models)} models runs on fairseq's step"
+    if not generator.model.has_encoder():
+        return "a model without an encoder runs on fairseq's step"
+    return unsupported_reason(models[0].decoder)
+
+
+def run_stock_search_on_engine(generator, models, gen_cfg, engine: str) -> bool:
+    """Give ``generator`` (fairseq's ``--decoder beam``) an :class:`EngineEnsemble` of ``engine``'s
+    runner; returns whether it did (otherwise one line says why, and fairseq's step runs)."""
+    from fairseq_fastgen.engine import make_runner
+
+    refusal = stock_search_refusal(generator, models)
+    if refusal:
+        logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
+        return False
+    runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None))
+    generator.model = EngineEnsemble(models, runner, generator.max_len + 2)
+    return True

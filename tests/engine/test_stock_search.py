@@ -1,0 +1,88 @@
+"""Stock fairseq beam search (--decoder beam) on the engine (engine/stock_search.py): fairseq's search over the
+static step gives bitwise stock fairseq's hypotheses, over the compiled step (--step-engine compiled) its tokens;
+ensembles fall back with one line; --step-engine static keeps fairseq's step (faster for beam search) and says so."""
+
+import logging
+
+import pytest
+from fairseq.sequence_generator import EnsembleModel
+from omegaconf import OmegaConf
+
+from fairseq_fastgen.engine.compiled import CompiledRunner
+from fairseq_fastgen.engine.runners import StaticRunner
+from fairseq_fastgen.engine.stock_search import EngineEnsemble, run_stock_search_on_engine
+from fairseq_fastgen.fastseq import shares_encoder_cache
+from tests.engine.test_compiled_engine import assert_same_tokens_close_scores
+from tests.engine.test_static_engine import SENTENCES, assert_same_attention, decode, translate_batches
+from tests.sequence_generators.test_var_beam import assert_identical, toy  # noqa: F401  (fixture)
+
+STOCK_CASES = {
+    "beam4": dict(beam=4),
+    "beam1": dict(beam=1),
+    "beam8-nbest3": dict(beam=8, nbest=3),
+    "beam4-ngram2": dict(beam=4, no_repeat_ngram_size=2),
+    "beam4-cut-at-max-len": dict(beam=4, max_len_a=0, max_len_b=4),
+    "beam4-fairseqs-own-loop": dict(beam=4, no_lean_beam_loop=True),
+}
+# batch 1 runs the cheapest cases (a row's step has no arithmetic across rows)
+CASES_AND_BATCHES = [(c, b) for c in STOCK_CASES for b in (1, 7, 64) if b > 1 or c in ("beam4", "beam4-cut-at-max-len")]
+
+
+def stock_config(**options):
+    from fairseq.dataclass.configs import GenerationConfig  # the plugin's merged class once imported
+
+    return OmegaConf.structured(GenerationConfig(decoder="beam", **options))
+
+
+def decode_on_static_engine(toy, ids, batch_size, prefix_size=0, **options):
+    """``decode`` with stock beam search moved onto the static step (the CLI keeps it on fairseq's)."""
+    config = stock_config(step_engine="fairseq", **options)
+    generator = toy.task.build_generator(toy.models, config)
+    assert run_stock_search_on_engine(generator, toy.models, config, "static")
+    return generator, translate_batches(toy, generator, ids, batch_size, prefix_size)
+
+
+@pytest.mark.parametrize("case,batch_size", CASES_AND_BATCHES)
+def test_stock_search_on_the_static_engine_is_bitwise_stock(toy, case, batch_size):
+    ids = SENTENCES[:30] if batch_size == 1 else SENTENCES
+    stock, expected = decode(toy, ids, batch_size, decoder="beam", step_engine="fairseq", **STOCK_CASES[case])
+    engine, actual = decode_on_static_engine(toy, ids, batch_size, **STOCK_CASES[case])
+    assert type(stock.model) is EnsembleModel
+    assert type(engine.model) is EngineEnsemble and type(engine.model.runner) is StaticRunner
+    assert_identical(expected, actual)
+    assert_same_attention(expected, actual)
+
+
+def test_stock_search_with_prefix_tokens_on_the_static_engine(toy):
+    """Prefix tokens take fairseq's own loop (the lean loop leaves them to it)."""
+    _, expected = decode(toy, SENTENCES[:40], 8, prefix_size=1, decoder="beam", beam=4, step_engine="fairseq")
+    _, actual = decode_on_static_engine(toy, SENTENCES[:40], 8, prefix_size=1, beam=4)
+    assert_identical(expected, actual)
+
+
+@pytest.mark.parametrize("case", ["beam4", "beam4-ngram2", "beam4-fairseqs-own-loop"])
+def test_stock_search_on_the_compiled_engine_gives_stock_tokens(toy, case):
+    _, expected = decode(toy, SENTENCES, 7, decoder="beam", step_engine="fairseq", **STOCK_CASES[case])
+    engine, actual = decode(toy, SENTENCES, 7, decoder="beam", step_engine="compiled", **STOCK_CASES[case])
+    assert type(engine.model) is EngineEnsemble and type(engine.model.runner) is CompiledRunner
+    assert_same_tokens_close_scores(expected, actual)
+
+
+def test_the_static_setting_keeps_fairseqs_step_for_stock_search(toy, caplog):
+    with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
+        generator = toy.generator(decoder="beam", beam=4, step_engine="static")
+    assert type(generator.model) is EnsembleModel and shares_encoder_cache(generator)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--step-engine static: --decoder beam runs fairseq's step over the shared encoder cache, faster for beam "
+        "search; --step-engine compiled runs it on the engine"
+    ]
+
+
+def test_an_ensemble_keeps_fairseqs_step_with_one_line(toy, caplog):
+    config = stock_config(beam=4, step_engine="compiled")
+    with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
+        generator = toy.task.build_generator(toy.models * 2, config)
+    assert type(generator.model) is not EngineEnsemble
+    assert [r.getMessage() for r in caplog.records] == [
+        "--step-engine compiled: an ensemble of 2 models runs on fairseq's step; using --step-engine fairseq"
+    ]
