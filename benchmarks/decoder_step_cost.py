@@ -2,7 +2,7 @@
 
     python benchmarks/decoder_step_cost.py --path CKPT --data DATA_BIN \
         [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled] [--threads 1] [--rounds 5] \
-        [--onednn-linear]
+        [--onednn-linear] [--compiled-max-rows N]
 
 Feeds random source sentences of 16 tokens and decodes 20 greedy steps per row
 count and ``--step-engine`` setting, the engines interleaved round by round;
@@ -23,7 +23,7 @@ import torch
 from fairseq import checkpoint_utils
 
 import fairseq_fastgen  # noqa: F401  (checkpoint loading with torch >= 2.6)
-from fairseq_fastgen.engine import build_runner
+from fairseq_fastgen.engine import build_runner, compiled
 from fairseq_fastgen.ops.onednn_linear import OneDNNLinears
 
 
@@ -48,10 +48,16 @@ def main():
     parser.add_argument("--src-len", type=int, default=16)
     parser.add_argument("--onednn-linear", action="store_true",
                         help="every engine's linear layers through oneDNN's packed product, as --onednn-linear does")
+    parser.add_argument("--compiled-max-rows", type=int, default=None,
+                        help="rows up to which --step-engine compiled runs its compiled step (more rows: eager "
+                             "with oneDNN's products); default: the engine's COMPILED_MAX_ROWS. Run with 1000 and "
+                             "with 0 to time the two forms at every row count")
     parser.add_argument("--capacity", type=int, default=202,
                         help="target positions a cache holds (fairseq-generate's default --max-len-b 200, bos, eos)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.compiled_max_rows is not None:
+        compiled.COMPILED_MAX_ROWS = args.compiled_max_rows
     models, _, _ = checkpoint_utils.load_model_ensemble_and_task([args.path], arg_overrides={"data": args.data})
     model = models[0].eval()
     engines = args.engines.split(",")

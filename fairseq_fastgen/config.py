@@ -27,7 +27,7 @@ class PluginOptions(FairseqDataclass):
         default="static",
         metadata={"help": "what runs each decoder step: 'static' (default: keys/values in preallocated "
                           "buffers, eager; bitwise fairseq's hypotheses), 'fairseq' (fairseq's own incremental "
-                          "decoder) or 'compiled' (the same tokens, scores within 1e-4: up to 16 rows the step "
+                          "decoder) or 'compiled' (the same tokens, scores within 1e-4: at 1-2 rows the step "
                           "through torch.compile, shapes padded to a few buckets compiled on first use; more rows "
                           "eager with oneDNN's products on the CPU; --decoder beam runs fairseq's search on it); "
                           "a model or decoder the engine cannot serve (blockwise, ensembles, other architectures) "

@@ -1,7 +1,7 @@
 """``--step-engine compiled``: the padded decoder step through ``torch.compile``.
 
 A decode meets few shapes: the cache of a state holds its rows padded up to a
-row bucket (1, 2, 4, 8, ... rows; the padding rows repeat row 0 and are never
+row bucket (1 or 2 rows; the padding rows repeat row 0 and are never
 read back), its target positions up to a multiple of ``POSITION_BUCKET`` and
 its source positions up to a multiple of ``SOURCE_BUCKET`` (masked).  Each
 (rows, positions, source) bucket is compiled once per process (inductor's
@@ -41,7 +41,10 @@ from fairseq_fastgen.ops.onednn_linear import OneDNNLinears, onednn_available
 
 POSITION_BUCKET = 32  # target positions a cache starts with; it doubles as rows grow past them
 SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple of this
-COMPILED_MAX_ROWS = 16  # more rows than this run the eager exact step
+# more rows than this run the eager exact step with oneDNN's products: measured per step on the Multi30k model
+# (one thread), the compiled step against eager + oneDNN: 1 row 0.81 vs 1.28 ms, 2 rows 1.18 vs 1.54, 4 rows
+# 1.96 vs 1.78, 16 rows 3.84 vs 2.78 (benchmarks/decoder_step_cost.py --compiled-max-rows 1000, and 0)
+COMPILED_MAX_ROWS = 2
 MAX_BUCKETS = 64  # compiled shapes kept per process
 logger = logging.getLogger("fairseq_fastgen.engine")
 
@@ -73,6 +76,14 @@ class CompiledRunner(StaticRunner):
         on_cpu = next(model.parameters()).device.type == "cpu"
         # the eager step's products above COMPILED_MAX_ROWS rows (None: torch's own, on CUDA)
         self.eager_linears = OneDNNLinears(model) if on_cpu and onednn_available() else None
+
+    def eager_products(self):
+        """The context in which eager work computes its products: oneDNN's on the CPU."""
+        return self.eager_linears.attached() if self.eager_linears else contextlib.nullcontext()
+
+    def encode(self, net_input):
+        with self.eager_products():
+            return super().encode(net_input)
 
     # ---- cache: rows padded to the bucket ---------------------------------------------------------
     @staticmethod
@@ -117,7 +128,8 @@ class CompiledRunner(StaticRunner):
         states = F.pad(states, (0, 0, 0, 0, 0, width - src_len))
         mask = F.pad(mask, (0, width - src_len), value=True)
         index = padded_index(torch.arange(rows, device=states.device))
-        keys, values = self.decoder_step.encoder_keys_values(states.index_select(1, index))
+        with self.eager_products():
+            keys, values = self.decoder_step.encoder_keys_values(states.index_select(1, index))
         keys, values = [k.contiguous() for k in keys], [v.contiguous() for v in values]  # the strides after a select
         cache.start(keys, values, mask.index_select(0, index), self.decoder_step.heads, self.decoder_step.head_dim)
         cache.real_rows = rows
@@ -126,7 +138,7 @@ class CompiledRunner(StaticRunner):
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         rows = tokens.size(0)
         if row_bucket(rows) == rows and rows > COMPILED_MAX_ROWS:
-            with self.eager_linears.attached() if self.eager_linears else contextlib.nullcontext():
+            with self.eager_products():
                 lprobs, attn = super().step(tokens, encoder_out, cache)
             return lprobs, attn[:, : encoder_out["encoder_out"][0].size(0)]
         if not cache.started:

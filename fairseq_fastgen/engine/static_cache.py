@@ -70,9 +70,10 @@ class StaticCache:
             self.cross_mask = self.cross_mask.index_select(0, index)
 
     def _select_written(self, buffer: Tensor, index: Tensor) -> Tensor:
-        allocate = buffer.new_zeros if self.zeroed else buffer.new_empty
-        selected = allocate((index.numel(),) + buffer.shape[1:])
+        selected = buffer.new_empty((index.numel(),) + buffer.shape[1:])
         selected[:, :, : self.length] = buffer[:, :, : self.length].index_select(0, index)
+        if self.zeroed:
+            selected[:, :, self.length:] = 0
         return selected
 
     def widen_source(self, extra: int):

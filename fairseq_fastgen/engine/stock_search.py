@@ -20,6 +20,7 @@ from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
 logger = logging.getLogger("fairseq_fastgen.engine")
 CACHE_KEY = "fastgen_engine_cache"  # where the runner's cache sits in fairseq's incremental state
+STARTED_KEY = "fastgen_engine_started"  # marks an encoder output whose rows a cache has taken
 
 
 class EngineEnsemble(EnsembleModel):
@@ -30,12 +31,24 @@ class EngineEnsemble(EnsembleModel):
         self.runner = runner
         self.capacity = capacity  # target positions a search may reach (bos and eos included)
 
+    def forward_encoder(self, net_input):
+        return [self.runner.encode(net_input)]
+
     def forward_decoder(self, tokens, encoder_outs, incremental_states, temperature: float = 1.0):
         """lprobs (rows, vocab) and attn (rows, src_len) of the next token; ``temperature`` is the runner's."""
         state = incremental_states[0]
         if CACHE_KEY not in state:
             state[CACHE_KEY] = self.runner.new_cache(self.capacity)
-        return self.runner.step(tokens, encoder_outs[0], state[CACHE_KEY])
+        step = self.runner.step(tokens, encoder_outs[0], state[CACHE_KEY])
+        encoder_outs[0][STARTED_KEY] = []  # the cache holds what the steps read of it from now on
+        return step
+
+    def reorder_encoder_out(self, encoder_outs, new_order):
+        """Once a cache has its encoder-decoder keys/values, the search's encoder output is read for its
+        width only: fairseq's reorder at every step (a copy of every row's states) is skipped."""
+        if encoder_outs and STARTED_KEY in encoder_outs[0]:
+            return encoder_outs
+        return super().reorder_encoder_out(encoder_outs, new_order)
 
     def reorder_incremental_state(self, incremental_states, new_order):
         cache = incremental_states[0].get(CACHE_KEY)
