@@ -55,7 +55,7 @@ def serve_stock_search(generator, models, gen_cfg) -> bool:
         return False
     from fairseq_fastgen.engine.stock_search import run_stock_search_on_engine
 
-    return run_stock_search_on_engine(generator, models, gen_cfg, engine)
+    return run_stock_search_on_engine(generator, models, engine)
 
 
 def build_runner(model, gen_cfg, projection, decoder_name: str, decoder_engines=ENGINES):

@@ -41,9 +41,9 @@ from fairseq_fastgen.ops.onednn_linear import OneDNNLinears, onednn_available
 
 POSITION_BUCKET = 32  # target positions a cache starts with; it doubles as rows grow past them
 SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple of this
-# more rows than this run the eager exact step with oneDNN's products: measured per step on the Multi30k model
-# (one thread), the compiled step against eager + oneDNN: 1 row 0.81 vs 1.28 ms, 2 rows 1.18 vs 1.54, 4 rows
-# 1.96 vs 1.78, 16 rows 3.84 vs 2.78 (benchmarks/decoder_step_cost.py --compiled-max-rows 1000, and 0)
+# more rows than this run the eager exact step with oneDNN's products: per step on the Multi30k model, one thread,
+# the compiled step against eager + oneDNN: 1 row 0.73 vs 1.22 ms, 2 rows 1.04 vs 1.40, 4 rows 1.72 vs 1.62,
+# 16 rows 3.56 vs 2.52 (benchmarks/decoder_step_cost.py --compiled-max-rows 1000, and 0; docs/benchmarks.md)
 COMPILED_MAX_ROWS = 2
 MAX_BUCKETS = 64  # compiled shapes kept per process
 logger = logging.getLogger("fairseq_fastgen.engine")

@@ -3,9 +3,11 @@
 fairseq's ``SequenceGenerator`` (and the plugin's lean loop, ``fastseq/beam_loop.py``)
 reaches the model only through its ``EnsembleModel``: ``forward_encoder``,
 ``reorder_encoder_out``, ``forward_decoder`` and ``reorder_incremental_state``.
-:class:`EngineEnsemble` is that ensemble with the last two answered by an engine
-runner: the search, its rules and its bookkeeping stay fairseq's, and with
-``--step-engine static`` its hypotheses are bitwise stock fairseq's
+:class:`EngineEnsemble` is that ensemble with the encoder call and the decoder
+steps answered by an engine runner, the cache reorders by the runner's cache,
+and the encoder output no longer reordered once the cache holds what the steps
+read of it: the search, its rules and its bookkeeping stay fairseq's, and over
+the static step its hypotheses are bitwise stock fairseq's
 (``tests/engine/test_stock_search.py``).
 
 The runner's cache lives in the search's own incremental state (the dict
@@ -69,7 +71,7 @@ def stock_search_refusal(generator, models) -> Optional[str]:
     return unsupported_reason(models[0].decoder)
 
 
-def run_stock_search_on_engine(generator, models, gen_cfg, engine: str) -> bool:
+def run_stock_search_on_engine(generator, models, engine: str) -> bool:
     """Give ``generator`` (fairseq's ``--decoder beam``) an :class:`EngineEnsemble` of ``engine``'s
     runner; returns whether it did (otherwise one line says why, and fairseq's step runs)."""
     from fairseq_fastgen.engine import make_runner

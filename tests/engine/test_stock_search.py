@@ -38,7 +38,7 @@ def decode_on_static_engine(toy, ids, batch_size, prefix_size=0, **options):
     """``decode`` with stock beam search moved onto the static step (the CLI keeps it on fairseq's)."""
     config = stock_config(step_engine="fairseq", **options)
     generator = toy.task.build_generator(toy.models, config)
-    assert run_stock_search_on_engine(generator, toy.models, config, "static")
+    assert run_stock_search_on_engine(generator, toy.models, "static")
     return generator, translate_batches(toy, generator, ids, batch_size, prefix_size)
 
 

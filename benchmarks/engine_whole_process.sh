@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Whole fairseq-generate processes (start-up, loading, compilation, decoding, printing) at beam 5, batch 64:
+# stock fairseq-generate (no plugin), the plugin on fairseq's step (the default for --decoder beam) and the
+# plugin with --step-engine compiled, once with an empty compile cache (a fresh TORCHINDUCTOR_CACHE_DIR)
+# and once with the cache the previous compiled process left. Wall seconds per process, the four
+# processes interleaved round by round; prints each round and the medians, and how many hypotheses (H- lines:
+# sentence id and text) and printed scores each process shares with stock fairseq-generate.
+#
+#   bash benchmarks/engine_whole_process.sh [MODEL_DIR] [ROUNDS] [THREADS]
+set -euo pipefail
+M=${1:-bench_out/multi30k}
+ROUNDS=${2:-3}
+export OMP_NUM_THREADS=${3:-1}
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+OPTIONS=("$M/bin" --path "$M/base/checkpoint_best.pt" --cpu --beam 5 --batch-size 64 --required-batch-size-multiple 1
+         --post-process sentencepiece)
+STOCK=(.venv/bin/python fairseq_fastgen/stock_fairseq.py generate)  # fairseq-generate without the plugin
+PLUGIN=(.venv/bin/fairseq-generate --user-dir fairseq_fastgen)
+
+run() {  # NAME COMMAND...: one process; appends its wall seconds to $WORK/NAME.times
+  local name=$1
+  shift
+  local start end
+  start=$(date +%s.%N)
+  "$@" "${OPTIONS[@]}" > "$WORK/$name.out" 2> "$WORK/$name.err"
+  end=$(date +%s.%N)
+  echo "$end - $start" | bc >> "$WORK/$name.times"
+  grep '^H-' "$WORK/$name.out" | sort > "$WORK/$name.hyp"  # H-id, score (base 2), text
+}
+
+for round in $(seq "$ROUNDS"); do
+  run stock "${STOCK[@]}"
+  run plugin "${PLUGIN[@]}"
+  TORCHINDUCTOR_CACHE_DIR="$WORK/cache-$round" run compiled-cold "${PLUGIN[@]}" --step-engine compiled
+  TORCHINDUCTOR_CACHE_DIR="$WORK/cache-$round" run compiled-warm "${PLUGIN[@]}" --step-engine compiled
+  echo "round $round: $(for n in stock plugin compiled-cold compiled-warm; do printf '%s %.1f s  ' $n "$(tail -1 "$WORK/$n.times")"; done)"
+done
+for name in stock plugin compiled-cold compiled-warm; do
+  median=$(sort -n "$WORK/$name.times" | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}')
+  texts=$(paste <(cut -f1,3 "$WORK/$name.hyp") <(cut -f1,3 "$WORK/stock.hyp") | awk -F'\t' '$1 == $3 && $2 == $4' | wc -l)
+  scores=$(paste <(cut -f2 "$WORK/$name.hyp") <(cut -f2 "$WORK/stock.hyp") | awk -F'\t' '$1 == $2' | wc -l)
+  printf '%-14s median %6.1f s over %s processes; as stock: %s of %s hypotheses, %s printed scores\n' \
+      "$name" "$median" "$ROUNDS" "$texts" "$(wc -l < "$WORK/stock.hyp")" "$scores"
+done
