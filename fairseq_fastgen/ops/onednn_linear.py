@@ -157,12 +157,12 @@ class OneDNNLinears:
                 forward = self.forwards.get(id(linear))
                 if forward is None or forward.linear is not linear:
                     forward = self.forwards[id(linear)] = PackedForward(linear)
-                linear.forward = forward
+                linear.__dict__["forward"] = forward  # an instance attribute, without nn.Module's setattr checks
                 attached.append(linear)
             yield
         finally:
             for linear in attached:
-                del linear.forward
+                del linear.__dict__["forward"]
 
 
 def use_onednn_linears(generator, models, gen_cfg):
