@@ -30,7 +30,7 @@ class PluginOptions(FairseqDataclass):
                           "decoder) or 'compiled' (the same tokens, scores within 1e-4: at 1-2 rows the step "
                           "through torch.compile, shapes padded to a few buckets compiled on first use; more rows "
                           "eager with oneDNN's products on the CPU; --decoder beam runs fairseq's search on it); "
-                          "a model or decoder the engine cannot serve (blockwise, ensembles, other architectures) "
+                          "a model the engine cannot serve (ensembles, other architectures) "
                           "falls back to 'fairseq' with one line saying why"},
     )
     decoder_stats_json: Optional[str] = field(

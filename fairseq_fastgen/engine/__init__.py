@@ -7,8 +7,8 @@
   through ``torch.compile`` (the same tokens; scores within float rounding).
 
 A model the engine cannot serve falls back to ``fairseq`` with one warning
-saying why; blockwise decoding, which always runs fairseq's step, says so in
-one info line.  Stock beam search (``--decoder beam``) runs fairseq's own
+saying why.  Blockwise decoding verifies its blocks through the runner's
+``step_block`` (several positions per row) on every engine.  Stock beam search (``--decoder beam``) runs fairseq's own
 search loop over the compiled step (``stock_search.py``); with ``static`` it
 keeps fairseq's step over the shared encoder cache.
 """
@@ -26,16 +26,6 @@ def cache_capacity(max_len) -> int:
     """Target positions a cache needs for rows whose length limits are ``max_len`` (rows,): the bos,
     up to ``max_len`` tokens and the forced eos."""
     return int(max_len.max()) + 2 if max_len.numel() else 1
-
-
-def engine_refusal(model, decoder_name: str, decoder_engines) -> str:
-    """Why ``model`` decoded by ``decoder_name`` cannot run on the engine ('' if it can)."""
-    from fairseq_fastgen.engine.decoder_step import unsupported_reason
-
-    if "static" not in decoder_engines:
-        return f"--decoder {decoder_name} runs on fairseq's step only"
-    reason = unsupported_reason(model.decoder)
-    return reason or ""
 
 
 def serve_stock_search(generator, models, gen_cfg) -> bool:
@@ -58,17 +48,17 @@ def serve_stock_search(generator, models, gen_cfg) -> bool:
     return run_stock_search_on_engine(generator, models, engine)
 
 
-def build_runner(model, gen_cfg, projection, decoder_name: str, decoder_engines=ENGINES):
+def build_runner(model, gen_cfg, projection):
     """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not."""
+    from fairseq_fastgen.engine.decoder_step import unsupported_reason
+
     engine = option_value(gen_cfg, "step_engine")
     if engine not in ENGINES:
         raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
-    if engine != "fairseq":
-        refusal = engine_refusal(model, decoder_name, decoder_engines)
-        if refusal:  # a decoder that never runs on the engine says so quietly; a model it cannot serve, aloud
-            log = logger.warning if "static" in decoder_engines else logger.info
-            log(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
-            engine = "fairseq"
+    refusal = unsupported_reason(model.decoder) if engine != "fairseq" else None
+    if refusal:
+        logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
+        engine = "fairseq"
     return make_runner(engine, model, option_value(gen_cfg, "temperature"), projection)
 
 

@@ -8,7 +8,8 @@ its source positions up to a multiple of ``SOURCE_BUCKET`` (masked).  Each
 on-disk cache keeps the generated code for the next process); the time each
 compilation took is logged and counted (``compile_seconds``).
 
-Above ``COMPILED_MAX_ROWS`` rows the step runs eager, in the static engine's
+Above ``COMPILED_MAX_ROWS`` rows, and for several positions per row (blockwise
+verification, ``step_block``), the step runs eager, in the static engine's
 exact form, its linear layers (the vocabulary projection included) through
 oneDNN's prepacked products on the CPU (``ops/onednn_linear.py``): there the
 products are the step, and on the AMD EPYC of docs/benchmarks.md MKL's run 2-3x
@@ -166,6 +167,13 @@ class CompiledRunner(StaticRunner):
             lprobs = self.lprobs(lprobs)
         src_len = encoder_out["encoder_out"][0].size(0)
         return lprobs, attn[:rows, :src_len]
+
+    def step_block(self, tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
+        """Several positions per row (blockwise verification): the exact form, eager with oneDNN's products
+        at every row count (the compiled unit is the one-position step)."""
+        with self.eager_products():
+            features, attn = super().step_block(tokens, positions, encoder_out, cache)
+        return features, attn[:, :, : encoder_out["encoder_out"][0].size(0)]
 
     def padded_lprobs(self, last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
                       cross_mask, fused: FusedWeights):

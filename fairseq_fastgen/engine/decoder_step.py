@@ -5,10 +5,13 @@
 decoder, with the cache in :class:`~fairseq_fastgen.engine.static_cache.StaticCache`
 buffers instead of a dict of tensors grown with ``torch.cat``.  Two forms:
 
-* :meth:`DecoderStep.exact`: every row at the same length; attention reads the
-  filled prefix of the buffers (a view).  The products, softmaxes and additions
-  are fairseq's, in fairseq's order and layouts, so its features are bitwise
-  fairseq's on the CPU (``tests/engine/test_static_engine.py``).
+* :meth:`DecoderStep.exact`: every row at the same buffer length, one or several
+  new positions per row (blockwise verification); attention reads the filled
+  prefix of the buffers, where rows of different real lengths are left-padded
+  and masked as fairseq's k-head decoder pads them after a rollback.  The
+  products, softmaxes and additions are fairseq's, in fairseq's order and
+  layouts, so its features are bitwise fairseq's on the CPU
+  (``tests/engine/test_static_engine.py``).
 * :meth:`DecoderStep.padded`: every shape fixed (rows, buffer capacity, source
   width), each row at its own position; attention runs over the whole buffer
   with the unwritten positions masked.  This is the form ``torch.compile``
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fairseq import utils
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 
@@ -84,10 +88,10 @@ class DecoderStep(nn.Module):
             return positions.weights
         return positions.weight
 
-    def embed(self, last_tokens: Tensor, position_rows: Optional[Tensor]) -> Tensor:
-        """last_tokens (rows, 1); position_rows (rows or 1, 1, dim) or None -> x (1, rows, dim)."""
+    def embed(self, tokens: Tensor, position_rows: Optional[Tensor]) -> Tensor:
+        """tokens (rows, n); position_rows (rows or 1, n, dim) or None -> x (n, rows, dim)."""
         decoder = self.decoder
-        x = decoder.embed_scale * decoder.embed_tokens(last_tokens)  # (rows, 1, dim)
+        x = decoder.embed_scale * decoder.embed_tokens(tokens)  # (rows, n, dim)
         if decoder.project_in_dim is not None:
             x = decoder.project_in_dim(x)
         if position_rows is not None:
@@ -96,15 +100,16 @@ class DecoderStep(nn.Module):
             x = decoder.layernorm_embedding(x)
         return x.transpose(0, 1)
 
-    def finish(self, x: Tensor) -> Tensor:
-        """x (1, rows, dim) after the last layer -> features (rows, 1, dim) for the output projection."""
+    def finish(self, x: Tensor, first_head: bool = True) -> Tensor:
+        """x (n, rows, dim) after the last layer -> features (rows, n, dim) for the output projection
+        (``first_head``: through a k-head decoder's head 1)."""
         decoder = self.decoder
         if decoder.layer_norm is not None:
             x = decoder.layer_norm(x)
         x = x.transpose(0, 1)
         if decoder.project_out_dim is not None:
             x = decoder.project_out_dim(x)
-        if self.first_head is not None:
+        if first_head and self.first_head is not None:
             x = self.first_head.first(x)
         return x
 
@@ -124,14 +129,24 @@ class DecoderStep(nn.Module):
         return keys, values
 
     # ---- the exact form -----------------------------------------------------------------------
-    def exact(self, last_tokens: Tensor, position_rows, cache) -> Tuple[Tensor, Tensor]:
-        """Features (rows, 1, dim) and encoder attention of the last layer (rows, src_len) of one step.
+    def exact(self, tokens: Tensor, position_rows, cache, first_head: bool = True) -> Tuple[Tensor, Tensor]:
+        """Features (rows, n, dim) and the last layer's encoder attention (rows, n, src_len) of ``n`` new
+        positions per row: tokens (rows, n), position_rows (rows or 1, n, dim) or None.
 
-        Every row writes position ``cache.length`` of its buffers and attends to
-        positions ``0..cache.length``; ``cache.length`` then grows by one.
+        The rows write positions ``cache.length`` .. ``cache.length + n - 1`` of their buffers; new position
+        j attends to the earlier positions not marked in ``cache.self_padding`` and to new positions <= j
+        (fairseq's causal mask, added as fairseq adds it); ``cache.length`` then grows by n.  One position
+        is an incremental step; several are a blockwise verification (``forward_block`` of
+        transformer_khead).  ``first_head``: a k-head decoder's output goes through head 1 (as its
+        ``extract_features``); else the base output (as its ``forward_block``).
         """
-        rows, position = last_tokens.size(0), cache.length
-        x = self.embed(last_tokens, position_rows)
+        rows, n, start = tokens.size(0), tokens.size(1), cache.length
+        end = start + n
+        x = self.embed(tokens, position_rows)  # (n, rows, dim)
+        causal = None  # (n, end): -inf where a new position would see a later one
+        if n > 1:
+            causal = torch.cat([x.new_zeros(n, start), utils.fill_with_neg_inf(x.new_zeros(n, n)).triu(1)], dim=1)
+        padding = cache.attended_padding(n)  # (rows, end) or None
         attn = None
         for index, layer in enumerate(self.layers):
             residual = x
@@ -142,16 +157,23 @@ class DecoderStep(nn.Module):
             k = attention.k_proj(x)
             v = attention.v_proj(x)
             q *= attention.scaling
-            q = self.split_heads(q)  # (rows * heads, 1, head_dim)
+            q = self.split_heads(q)  # (rows * heads, n, head_dim)
             key_buffer, value_buffer = cache.self_keys[index], cache.self_values[index]  # (rows, heads, cap, hd)
-            key_buffer[:, :, position] = k.view(rows, self.heads, self.head_dim)
-            value_buffer[:, :, position] = v.view(rows, self.heads, self.head_dim)
+            key_buffer[:, :, start:end] = k.view(n, rows, self.heads, self.head_dim).permute(1, 2, 0, 3)
+            value_buffer[:, :, start:end] = v.view(n, rows, self.heads, self.head_dim).permute(1, 2, 0, 3)
             # contiguous, as fairseq's concatenated cache is: the products then take fairseq's kernels
             # whatever the CPU's library does with strided batches
-            written = (rows * self.heads, position + 1, self.head_dim)
-            keys = key_buffer[:, :, : position + 1].reshape(written).contiguous()
-            values = value_buffer[:, :, : position + 1].reshape(written).contiguous()
-            weights = F.softmax(torch.bmm(q, keys.transpose(1, 2)), dim=-1, dtype=torch.float32)
+            written = (rows * self.heads, end, self.head_dim)
+            keys = key_buffer[:, :, :end].reshape(written).contiguous()
+            values = value_buffer[:, :, :end].reshape(written).contiguous()
+            weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, n, end)
+            if causal is not None:
+                weights += causal.unsqueeze(0)
+            if padding is not None:
+                weights = weights.view(rows, self.heads, n, end).masked_fill(
+                    padding[:, None, None, :], float("-inf")
+                ).view(rows * self.heads, n, end)
+            weights = F.softmax(weights, dim=-1, dtype=torch.float32)
             x = self.merge_heads(torch.bmm(weights, values), rows)
             x = layer.residual_connection(attention.out_proj(x), residual)
             if not layer.normalize_before:
@@ -160,28 +182,28 @@ class DecoderStep(nn.Module):
             last = index == self.num_layers - 1
             x, weights = self.exact_encoder_attention(layer, x, index, cache, need_weights=last)
             if last:
-                attn = weights.view(rows, self.heads, 1, -1).transpose(1, 0).mean(dim=0)  # (rows, 1, src_len)
+                attn = weights.view(rows, self.heads, n, -1).transpose(1, 0).mean(dim=0)  # (rows, n, src_len)
             x = self.feed_forward(layer, x)
-        cache.length += 1
-        return self.finish(x), attn[:, -1, :]
+        cache.length = end
+        return self.finish(x, first_head), attn
 
     def exact_encoder_attention(self, layer, x, index, cache, need_weights: bool):
-        rows = x.size(1)
+        n, rows = x.size(0), x.size(1)
         residual = x
         if layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
         attention = layer.encoder_attn
         q = attention.q_proj(x)
         q *= attention.scaling
-        q = self.split_heads(q)  # (rows * heads, 1, head_dim)
+        q = self.split_heads(q)  # (rows * heads, n, head_dim)
         keys = cache.cross_keys[index].view(rows * self.heads, -1, self.head_dim)  # (rows * heads, src_len, hd)
         values = cache.cross_values[index].view(rows * self.heads, -1, self.head_dim)
-        weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, 1, src_len)
+        weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, n, src_len)
         if cache.cross_mask is not None:
             src_len = weights.size(2)
-            weights = weights.view(rows, 1, self.heads, 1, src_len).masked_fill(
-                cache.cross_mask.view(rows, 1, 1, 1, src_len), float("-inf")
-            ).view(rows * self.heads, 1, src_len)
+            weights = weights.view(rows, self.heads, n, src_len).masked_fill(
+                cache.cross_mask[:, None, None, :], float("-inf")
+            ).view(rows * self.heads, n, src_len)
         weights = F.softmax(weights, dim=-1, dtype=torch.float32)
         x = self.merge_heads(torch.bmm(weights, values), rows)
         x = layer.residual_connection(attention.out_proj(x), residual)
@@ -190,8 +212,8 @@ class DecoderStep(nn.Module):
         return x, (weights if need_weights else None)
 
     def merge_heads(self, x: Tensor, rows: int) -> Tensor:
-        """(rows * heads, 1, head_dim) -> (1, rows, dim), fairseq's layout."""
-        return x.transpose(0, 1).contiguous().view(1, rows, self.heads * self.head_dim)
+        """(rows * heads, n, head_dim) -> (n, rows, dim), fairseq's layout."""
+        return x.transpose(0, 1).contiguous().view(x.size(1), rows, self.heads * self.head_dim)
 
     @staticmethod
     def feed_forward(layer, x: Tensor) -> Tensor:

@@ -1,8 +1,8 @@
 """The engine as runners: the same interface as ``ModelRunner``, another cache underneath.
 
-Decoders ask their runner for ``encode``, ``step``, ``reorder_cache``,
-``concat_caches``, ``widen_cache`` and never look inside the cache, so they do
-not know which engine runs their steps:
+Decoders ask their runner for ``encode``, ``step``, ``step_block``,
+``reorder_cache``, ``concat_caches``, ``widen_cache``, ``keep_accepted`` and
+never look inside the cache, so they do not know which engine runs their steps:
 
 * :class:`StaticRunner` (``--step-engine static``): the exact form of
   :class:`~fairseq_fastgen.engine.decoder_step.DecoderStep`, eager; bitwise
@@ -76,4 +76,23 @@ class StaticRunner(ModelRunner):
         if table is not None:
             position_row = table[self.model.decoder.padding_idx + length, :].expand(tokens.size(0), 1, -1)
         features, attn = self.decoder_step.exact(tokens[:, -1:], position_row, cache)
-        return self.lprobs(features), attn
+        return self.lprobs(features), attn[:, -1, :]
+
+    def step_block(self, tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
+        """As ``ModelRunner.step_block`` (fairseq's ``forward_block`` of a k-head decoder)."""
+        if not cache.started:
+            self.start_cache(cache, encoder_out)
+        cache.ensure_room(cache.length + tokens.size(1))
+        table = self.decoder_step.position_table(int(positions.max()) + 1)
+        position_rows = None
+        if table is not None:
+            position_rows = table[positions + (self.model.decoder.padding_idx + 1)]  # (rows, n, dim)
+        return self.decoder_step.exact(tokens, position_rows, cache, first_head=False)
+
+    @staticmethod
+    def keep_accepted(cache: StaticCache, accepted: Tensor):
+        cache.keep_accepted(accepted)
+
+    @staticmethod
+    def drop_last_positions(cache: StaticCache, dropped: int):
+        cache.drop_last(dropped)

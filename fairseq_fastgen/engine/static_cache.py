@@ -23,6 +23,9 @@ class StaticCache:
         self.cross_keys: List[Tensor] = []  # per layer (rows, heads, src_len, head_dim)
         self.cross_values: List[Tensor] = []
         self.cross_mask: Optional[Tensor] = None  # (rows, src_len) True at source padding
+        # (rows, capacity) True at target positions a row does not attend: the left padding of rows that kept
+        # fewer positions than others (keep_accepted); None while every written position is attended
+        self.self_padding: Optional[Tensor] = None
         # (rows,) which row of the first step each row's encoder-decoder keys/values are a copy of: a reorder
         # that gives every row the same origin again (beams changing places within their sentences) leaves
         # them where they are instead of copying the largest buffers of the cache
@@ -52,13 +55,57 @@ class StaticCache:
         grow = lambda buffer: F.pad(buffer, (0, 0, 0, capacity - self.capacity))  # noqa: E731
         self.self_keys = [grow(b) for b in self.self_keys]
         self.self_values = [grow(b) for b in self.self_values]
+        if self.self_padding is not None:
+            self.self_padding = F.pad(self.self_padding, (0, capacity - self.capacity))
         self.capacity = capacity
+
+    def attended_padding(self, new: int) -> Optional[Tensor]:
+        """The padding (rows, length + new) of the positions a step writing ``new`` positions attends to
+        (the new ones are never padding), or None when no row has any."""
+        if self.self_padding is None:
+            return None
+        self.self_padding[:, self.length: self.length + new] = False
+        return self.self_padding[:, : self.length + new]
+
+    # ---- positions (blockwise verification) ----------------------------------------------------
+    def drop_last(self, dropped: int):
+        """Forget the last ``dropped`` positions of every row."""
+        self.length -= dropped
+        if self.zeroed and dropped:
+            for buffer in self.self_keys + self.self_values:
+                buffer[:, :, self.length: self.length + dropped] = 0
+
+    def keep_accepted(self, accepted: Tensor):
+        """Of the ``n`` positions last written, keep those where ``accepted`` (rows, n; a prefix of each row)
+        holds, as fairseq's ``KHeadTransformerDecoder.rollback`` keeps them in its cache: when rows keep
+        different numbers, each row's positions move, in order, to the right end of the first ``width``
+        positions (the longest row's), and the positions left of them become padding."""
+        counts = accepted.sum(dim=1)  # (rows,)
+        if bool(counts.eq(counts[0]).all()):
+            self.drop_last(accepted.size(1) - int(counts[0]))
+            return
+        rows, length = accepted.size(0), self.length
+        if self.self_padding is None:
+            keep = accepted.new_ones((rows, length), dtype=torch.bool)  # (rows, length)
+            self.self_padding = accepted.new_zeros((rows, self.capacity), dtype=torch.bool)
+        else:
+            keep = ~self.self_padding[:, :length]
+        keep[:, length - accepted.size(1):] &= accepted
+        width = int(keep.sum(dim=1).max())
+        order = torch.sort(keep.int(), dim=1, stable=True).indices[:, -width:]  # (rows, width): padding first
+        self.self_padding[:, :width] = ~keep.gather(1, order)
+        for buffer in self.self_keys + self.self_values:  # (rows, heads, capacity, head_dim)
+            index = order[:, None, :, None].expand(rows, buffer.size(1), width, buffer.size(3))
+            buffer[:, :, :width] = buffer[:, :, :length].gather(2, index)
+        self.drop_last(length - width)
 
     # ---- rows -----------------------------------------------------------------------------------
     def select(self, index: Tensor):
         """Keep (and reorder to) the rows ``index``; only the written positions are copied."""
         self.self_keys = [self._select_written(b, index) for b in self.self_keys]
         self.self_values = [self._select_written(b, index) for b in self.self_values]
+        if self.self_padding is not None:
+            self.self_padding = self.self_padding.index_select(0, index)
         self.real_rows = index.numel()
         origin = self.cross_origin.index_select(0, index)
         if torch.equal(origin, self.cross_origin):  # the same shape and origins: the same values in place
@@ -113,6 +160,10 @@ class StaticCache:
                 parts = [F.pad(p, (0, 0, 0, merged.capacity - p.size(2))) for p in parts]
                 getattr(merged, name).append(torch.cat(parts))
         merged.cross_mask = torch.cat(masks)
+        if any(c.self_padding is not None for c in caches):
+            paddings = [c.self_padding if c.self_padding is not None else torch.zeros(
+                (c.self_keys[0].size(0), c.capacity), dtype=torch.bool, device=c.self_keys[0].device) for c in caches]
+            merged.self_padding = torch.cat([F.pad(p, (0, merged.capacity - p.size(1))) for p in paddings])
         origins, offset = [], 0
         for cache in caches:  # origins stay distinct across the merged caches
             origins.append(cache.cross_origin + offset)

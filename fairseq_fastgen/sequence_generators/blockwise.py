@@ -14,7 +14,7 @@ A ``transformer_khead`` model proposes, at every position, the next k tokens
 
 So after the first (bos) step, each iteration is one model invocation over at
 most k new positions.  The self-attention cache keeps only accepted positions:
-rejected ones are dropped after each pass (``KHeadTransformerDecoder.rollback``).
+rejected ones are dropped after each pass (the runner's ``keep_accepted``).
 
 Acceptance is exact by default: a proposal is accepted iff it is greedy's
 choice (argmax of p_1 after the step processors), so the output is the greedy
@@ -358,7 +358,7 @@ class BlockwisePolicy:
         )  # (rows, n)
         token_attn = None if attn is None else torch.cat([state.first_attn.unsqueeze(1), attn[:, :-1]], dim=1)
         state.accept(block, token_lprobs, token_attn, accepted)
-        self.decoder.rollback(state.cache, accepted)
+        state.runner.keep_accepted(state.cache, accepted)
 
         last = count - 1  # the last accepted position proposes the next block
         finished = block[rows, last].eq(ctx.eos)
@@ -399,7 +399,7 @@ class BlockwisePolicy:
         token_attn = None if attn is None else torch.cat([state.first_attn, attn[0, : count - 1]])  # (count, src_len)
         state.accept_one_row(block, count, length, token_lprobs, token_attn)
         if count < n:  # drop the rejected positions from the self-attention cache
-            self.decoder.drop_last_positions(state.cache, n - count)
+            state.runner.drop_last_positions(state.cache, n - count)
 
         last = count - 1  # the last accepted position proposes the next block
         if proposed[last] == ctx.eos:
@@ -506,7 +506,7 @@ class BlockwisePolicy:
         return self.decoder.heads(features)[..., : self.block_size, :]
 
     def run_block(self, state, tokens, positions, ctx):
-        features, attn = self.decoder.forward_block(tokens, positions, state.encoder_out, state.cache)
+        features, attn = state.runner.step_block(tokens, positions, state.encoder_out, state.cache)
         ctx.counters.add("model_calls")
         return features, attn
 
@@ -549,7 +549,6 @@ class BlockwiseGenerator(FastgenGenerator):
     """Blockwise parallel decoding with a k-head model (see the module docstring)."""
 
     name = "blockwise"
-    engines = ("fairseq",)  # its multi-position step (forward_block) and rollback are fairseq-cache code
 
     def new_counters(self):
         return BlockwiseCounters(self.name)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.processors import apply_processors, build_processors, row_max_len
-from fairseq_fastgen.engine import ENGINES, build_runner, cache_capacity
+from fairseq_fastgen.engine import build_runner, cache_capacity
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
 
@@ -128,7 +128,6 @@ class FastgenGenerator(nn.Module):
     """Base of the plugin's decoders; subclasses set ``name`` and build a policy."""
 
     name = "?"
-    engines = ENGINES  # the --step-engine settings this decoder runs on; others fall back to fairseq
 
     def __init__(self, model, tgt_dict, gen_cfg, policy, scheduler=None, projection=None):
         super().__init__()
@@ -140,7 +139,7 @@ class FastgenGenerator(nn.Module):
         self.eos = tgt_dict.eos()
         self.pad = tgt_dict.pad()
         self.symbols_to_strip_from_output = {self.eos}
-        self.runner = build_runner(model, gen_cfg, projection, self.name, self.engines)
+        self.runner = build_runner(model, gen_cfg, projection)
         self.counters = self.new_counters()
         if hasattr(projection, "statistics"):
             self.counters.stats_sources.append(projection.statistics.as_dict)

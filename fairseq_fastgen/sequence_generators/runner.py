@@ -125,6 +125,23 @@ class ModelRunner:
             attn = attn[:, -1, :]  # (rows, src_len)
         return self.lprobs(features[:, -1:, :]), attn
 
+    def step_block(self, tokens: Tensor, positions: Tensor, encoder_out, cache):
+        """Several new positions per row (blockwise verification): tokens and their target positions
+        (rows, n), each row against its cached positions, causal among the new ones.  Returns the base
+        decoder output (rows, n, dim) (a k-head decoder's heads not applied) and the encoder attention
+        (rows, n, src_len) or None; the new positions stay cached until ``keep_accepted`` or
+        ``drop_last_positions`` drops some."""
+        return self.model.decoder.forward_block(tokens, positions, encoder_out, cache)
+
+    def keep_accepted(self, cache, accepted: Tensor):
+        """Of the n positions the last ``step_block`` cached, keep those where ``accepted`` (rows, n; a
+        prefix of each row) holds."""
+        self.model.decoder.rollback(cache, accepted)
+
+    def drop_last_positions(self, cache, dropped: int):
+        """Drop the last ``dropped`` cached positions of every row."""
+        self.model.decoder.drop_last_positions(cache, dropped)
+
     def lprobs(self, features: Tensor) -> Tensor:
         """features (rows, 1, dim) -> log-probabilities (rows, vocab): projection (full or the
         projection's), temperature, log-softmax."""
