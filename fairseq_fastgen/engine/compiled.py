@@ -66,17 +66,24 @@ class CompiledRunner(StaticRunner):
 
     def __init__(self, model, temperature: float = 1.0, projection=None):
         super().__init__(model, temperature, projection)
-        # one compiled graph per bucket: room for every bucket of a long decode (dynamo's default is 8)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_BUCKETS)
-        self.compiled_step = torch.compile(
-            self.padded_lprobs, dynamic=False, fullgraph=True, options=inductor_options(model)
-        )
+        self._compiled_step = None  # made on first use: torch.compile loads dynamo and inductor (about 100 MiB)
         self.compiled_shapes: Dict[Tuple[int, int, int], float] = {}  # bucket -> seconds of its first call
         self.fused_weights = FusedWeightsCache(model.decoder)
         self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
         on_cpu = next(model.parameters()).device.type == "cpu"
         # the eager step's products above COMPILED_MAX_ROWS rows (None: torch's own, on CUDA)
         self.eager_linears = OneDNNLinears(model) if on_cpu and onednn_available() else None
+
+    @property
+    def compiled_step(self):
+        """``padded_lprobs`` through ``torch.compile``; a decode that never runs 1-2 rows never loads it."""
+        if self._compiled_step is None:
+            # one compiled graph per bucket: room for every bucket of a long decode (dynamo's default is 8)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_BUCKETS)
+            self._compiled_step = torch.compile(
+                self.padded_lprobs, dynamic=False, fullgraph=True, options=inductor_options(self.model)
+            )
+        return self._compiled_step
 
     def eager_products(self):
         """The context in which eager work computes its products: oneDNN's on the CPU."""

@@ -86,3 +86,17 @@ def test_an_ensemble_keeps_fairseqs_step_with_one_line(toy, caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "--step-engine compiled: an ensemble of 2 models runs on fairseq's step; using --step-engine fairseq"
     ]
+
+
+def test_stock_beam5_on_the_compiled_engine_never_compiles(toy):
+    """Beam 5 keeps at least 5 rows per step, above COMPILED_MAX_ROWS: a whole decode at batch 64 runs the eager
+    step, compiles nothing and never loads torch.compile (its dynamo and inductor: about 100 MiB of peak RSS)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    engine, _ = decode(toy, list(range(200)), 64, decoder="beam", beam=5, step_engine="compiled")
+    runner = engine.model.runner
+    assert type(runner) is CompiledRunner and runner.compiled_shapes == {}
+    assert counters["stats"]["unique_graphs"] == 0 and runner._compiled_step is None
