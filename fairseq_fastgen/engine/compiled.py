@@ -139,7 +139,9 @@ class CompiledRunner(StaticRunner):
         with self.eager_products():
             keys, values = self.decoder_step.encoder_keys_values(states.index_select(1, index))
         keys, values = [k.contiguous() for k in keys], [v.contiguous() for v in values]  # the strides after a select
-        cache.start(keys, values, mask.index_select(0, index), self.decoder_step.heads, self.decoder_step.head_dim)
+        origin = StaticCache.row_origins(states, mask).index_select(0, index)
+        cache.start(keys, values, mask.index_select(0, index), self.decoder_step.heads, self.decoder_step.head_dim,
+                    origin)
         cache.real_rows = rows
 
     # ---- one decoder step ---------------------------------------------------------------------------

@@ -59,8 +59,8 @@ class StaticRunner(ModelRunner):
         states = encoder_out["encoder_out"][0]  # (src_len, rows, dim)
         masks = encoder_out["encoder_padding_mask"]
         keys, values = self.decoder_step.encoder_keys_values(states)
-        step = self.decoder_step
-        cache.start(keys, values, masks[0] if masks else None, step.heads, step.head_dim)
+        step, mask = self.decoder_step, masks[0] if masks else None
+        cache.start(keys, values, mask, step.heads, step.head_dim, StaticCache.row_origins(states, mask))
 
     # ---- one decoder step ------------------------------------------------------------------------
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):

@@ -35,16 +35,30 @@ class StaticCache:
     def started(self) -> bool:
         return bool(self.cross_keys)
 
-    def start(self, cross_keys, cross_values, cross_mask, heads: int, head_dim: int):
-        """Take the encoder-decoder keys/values of every row and allocate the self-attention buffers."""
+    def start(self, cross_keys, cross_values, cross_mask, heads: int, head_dim: int, origin: Optional[Tensor] = None):
+        """Take the encoder-decoder keys/values of every row and allocate the self-attention buffers;
+        ``origin`` (rows,): equal for rows whose keys/values are equal (``row_origins``), else every row its own."""
         rows, first = cross_keys[0].size(0), cross_keys[0]
         self.cross_keys, self.cross_values, self.cross_mask = list(cross_keys), list(cross_values), cross_mask
         self.real_rows = rows
-        self.cross_origin = torch.arange(rows, device=first.device)
+        self.cross_origin = torch.arange(rows, device=first.device) if origin is None else origin
         shape = (rows, heads, self.capacity, head_dim)
         allocate = first.new_zeros if self.zeroed else first.new_empty
         self.self_keys = [allocate(shape) for _ in cross_keys]
         self.self_values = [allocate(shape) for _ in cross_keys]
+
+    @staticmethod
+    def row_origins(encoder_states: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """(rows,) the first of each run of neighbouring rows with equal encoder states (src_len, rows, dim)
+        and padding masks (rows, src_len): the copies of a sentence's encoder output that a beam search
+        made for its beams.  Their keys/values are equal, so a reorder of beams within their sentences
+        leaves the encoder-decoder buffers where they are."""
+        same = encoder_states[:, 1:].eq(encoder_states[:, :-1]).all(dim=2).all(dim=0)  # (rows - 1,)
+        if mask is not None:
+            same &= mask[1:].eq(mask[:-1]).all(dim=1)
+        rows = torch.arange(encoder_states.size(1), device=encoder_states.device)
+        first = torch.cat([same.new_ones(1), ~same])  # (rows,) a run starts here
+        return torch.cummax(torch.where(first, rows, 0), dim=0).values
 
     def ensure_room(self, positions: int):
         """Grow the buffers (doubling) so that ``positions`` positions fit."""

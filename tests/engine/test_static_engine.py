@@ -102,3 +102,14 @@ def test_reorders_within_the_same_origins_leave_the_encoder_keys_in_place():
     cache.select(torch.tensor([2, 2, 2, 3]))  # a row takes another sentence's place: copied
     assert torch.equal(cache.cross_keys[1], keys[1][torch.tensor([2, 2, 2, 2])])
     assert torch.equal(cache.cross_values[0], values[0][torch.tensor([2, 2, 2, 2])])
+
+
+def test_row_origins_group_the_copies_of_a_sentences_encoder_output():
+    """Neighbouring rows with equal encoder states and masks share an origin (a beam search's copies of one
+    sentence); equal states with another mask, or equal rows that are not neighbours, do not."""
+    sentences = torch.randn(3, 3, 4)  # (src_len, sentences, dim)
+    states = sentences[:, [0, 0, 0, 1, 1, 0, 2, 2]]  # (src_len, rows, dim)
+    mask = torch.zeros(8, 3, dtype=torch.bool)
+    mask[4, 2] = True  # row 4: sentence 1's states under another padding mask
+    assert StaticCache.row_origins(states, mask).tolist() == [0, 0, 0, 3, 4, 5, 6, 6]
+    assert StaticCache.row_origins(states, None).tolist() == [0, 0, 0, 3, 3, 5, 6, 6]
