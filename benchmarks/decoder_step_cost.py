@@ -1,7 +1,8 @@
 """Cost of one incremental decoder step (vocabulary projection included) per engine and row count.
 
     python benchmarks/decoder_step_cost.py --path CKPT --data DATA_BIN \
-        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled] [--threads 1] [--rounds 5] \
+        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled[,compiled-exact]] [--threads 1] \
+        [--rounds 5] \
         [--onednn-linear] [--compiled-max-rows N]
 
 Feeds random source sentences of 16 tokens and decodes 20 greedy steps per row
@@ -36,6 +37,16 @@ def run_steps(runner, encoder_out, rows, steps, capacity):
     return (time.perf_counter() - start) / steps, tokens
 
 
+def make_runner(engine, model):
+    """The runner of a --step-engine setting; ``compiled-exact``: the compiled engine with its eager rows in
+    the static engine's exact form instead of its fast form (what the fast form gains)."""
+    if engine != "compiled-exact":
+        return build_runner(model, SimpleNamespace(step_engine=engine, temperature=1.0), None)
+    runner = build_runner(model, SimpleNamespace(step_engine="compiled", temperature=1.0), None)
+    runner.fast_form = runner.decoder_step.exact
+    return runner
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--path", required=True)
@@ -61,7 +72,7 @@ def main():
     models, _, _ = checkpoint_utils.load_model_ensemble_and_task([args.path], arg_overrides={"data": args.data})
     model = models[0].eval()
     engines = args.engines.split(",")
-    runners = {e: build_runner(model, SimpleNamespace(step_engine=e, temperature=1.0), None, "greedy") for e in engines}
+    runners = {e: make_runner(e, model) for e in engines}
     vocabulary = model.encoder.embed_tokens.num_embeddings
     print(f"ms per step (median of {args.rounds} rounds of {args.steps} steps), {args.threads} thread(s)")
     print("rows  " + "  ".join(f"{e:>10}" for e in engines) + "  " + "  ".join(f"{e + '/fs':>12}" for e in engines[1:]))

@@ -25,3 +25,10 @@ done
 # stock fairseq beam search, beam 5, batch 64 (--step-engine static keeps fairseq's step for it: not run)
 "${BENCH[@]}" --decoders beam --beam 5 --batch-size 64 --variant "compiled=--step-engine compiled" \
     --output-dir "$OUT/beam5-bs64-t$THREADS"
+# blockwise (the k = 4 student of benchmarks/multi30k.py --stop-after khead) beside greedy on each engine,
+# batch 1, 300 sentences; the student's head 1 is the base model, so both give the same tokens
+KHEAD=$M/khead4/checkpoint_last.pt
+if [ -f "$KHEAD" ]; then
+  "${BENCH[@]}" --max-sentences 300 --khead-path "$KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 \
+      --reference greedy --no-ctranslate2 "${EACH_ENGINE[@]}" --output-dir "$OUT/blockwise-bs1-t$THREADS"
+fi

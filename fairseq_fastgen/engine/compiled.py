@@ -38,7 +38,9 @@ from torch import Tensor
 from fairseq_fastgen.engine.runners import StaticRunner
 from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache
 from fairseq_fastgen.engine.static_cache import StaticCache
-from fairseq_fastgen.ops.onednn_linear import OneDNNLinears, onednn_available
+from fairseq_fastgen.ops.onednn_linear import (
+    OneDNNLinears, onednn_available, onednn_linear, onednn_serves, pack_weight,
+)
 
 POSITION_BUCKET = 32  # target positions a cache starts with; it doubles as rows grow past them
 SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple of this
@@ -73,6 +75,8 @@ class CompiledRunner(StaticRunner):
         on_cpu = next(model.parameters()).device.type == "cpu"
         # the eager step's products above COMPILED_MAX_ROWS rows (None: torch's own, on CUDA)
         self.eager_linears = OneDNNLinears(model) if on_cpu and onednn_available() else None
+        self.qkv_packed_from: Optional[FusedWeights] = None  # the fused weights qkv_packed holds, packed
+        self.qkv_packed = []  # per layer: oneDNN's packed fused query/key/value weight (None: torch's product)
 
     @property
     def compiled_step(self):
@@ -149,8 +153,10 @@ class CompiledRunner(StaticRunner):
         rows = tokens.size(0)
         if row_bucket(rows) == rows and rows > COMPILED_MAX_ROWS:
             with self.eager_products():
-                lprobs, attn = super().step(tokens, encoder_out, cache)
-            return lprobs, attn[:, : encoder_out["encoder_out"][0].size(0)]
+                form = self.decoder_step.exact if cache.self_padding is not None else self.fast_form
+                features, attn = self.next_position(tokens, encoder_out, cache, form)
+                lprobs = self.lprobs(features)
+            return lprobs, attn[:, -1, : encoder_out["encoder_out"][0].size(0)]
         if not cache.started:
             self.start_cache(cache, encoder_out)
         length = tokens.size(1)
@@ -176,6 +182,22 @@ class CompiledRunner(StaticRunner):
             lprobs = self.lprobs(lprobs)
         src_len = encoder_out["encoder_out"][0].size(0)
         return lprobs, attn[:rows, :src_len]
+
+    def fast_form(self, last_tokens: Tensor, position_rows, cache: StaticCache):
+        """The decoder step's fast form, its fused query/key/value products through oneDNN where it serves."""
+        if self.qkv_packed_from is not self.fused:  # the decode's fused weights: packed once per change
+            self.qkv_packed_from = self.fused
+            on_cpu = self.eager_linears is not None
+            self.qkv_packed = [pack_weight(w) if on_cpu else None for w in self.fused.qkv_weights]
+        fused, packed = self.fused, self.qkv_packed
+
+        def qkv_product(index: int, x: Tensor) -> Tensor:
+            weight, bias = fused.qkv_weights[index], fused.qkv_biases[index]
+            if packed[index] is not None and onednn_serves(x, weight):
+                return onednn_linear(x, packed[index], bias)
+            return F.linear(x, weight, bias)
+
+        return self.decoder_step.fast(last_tokens, position_rows, cache, qkv_product)
 
     def step_block(self, tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
         """Several positions per row (blockwise verification): the exact form, eager with oneDNN's products

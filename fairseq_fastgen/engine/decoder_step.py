@@ -226,6 +226,55 @@ class DecoderStep(nn.Module):
             x = layer.final_layer_norm(x)
         return x
 
+    # ---- the fast form (one position per row, every row at the same length) -------------------------
+    def fast(self, last_tokens: Tensor, position_rows, cache, qkv_product) -> Tuple[Tensor, Tensor]:
+        """The exact form's step (features (rows, 1, dim), attention (rows, 1, src_len)) in fewer, larger
+        calls: each self-attention's query, key and value as one product (``qkv_product(layer index, x)``
+        -> (1, rows, 3 * dim)) and attention through ``scaled_dot_product_attention`` over the written
+        positions of the buffers, read in place.  Sums run in other orders: the same tokens, scores within
+        float rounding (the compiled engine's promise).  Rows must not hold left padding."""
+        rows, position = last_tokens.size(0), cache.length
+        x = self.embed(last_tokens, position_rows)  # (1, rows, dim)
+        dim = self.heads * self.head_dim
+        mask = cache.cross_mask
+        attended = None if mask is None else ~mask[:, None, None, :]  # (rows, 1, 1, src_len)
+        attn = None
+        for index, layer in enumerate(self.layers):
+            residual = x
+            if layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+            attention = layer.self_attn
+            q, k, v = qkv_product(index, x)[0].split(dim, dim=-1)  # (rows, dim) each
+            key_buffer, value_buffer = cache.self_keys[index], cache.self_values[index]  # (rows, heads, cap, hd)
+            key_buffer[:, :, position] = k.view(rows, self.heads, self.head_dim)
+            value_buffer[:, :, position] = v.view(rows, self.heads, self.head_dim)
+            q = (q * attention.scaling).view(rows, self.heads, 1, self.head_dim)
+            x = F.scaled_dot_product_attention(
+                q, key_buffer[:, :, : position + 1], value_buffer[:, :, : position + 1], scale=1.0
+            ).view(1, rows, dim)
+            x = layer.residual_connection(attention.out_proj(x), residual)
+            if not layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+
+            residual = x
+            if layer.normalize_before:
+                x = layer.encoder_attn_layer_norm(x)
+            attention = layer.encoder_attn
+            q = (attention.q_proj(x) * attention.scaling).view(rows, self.heads, 1, self.head_dim)
+            keys, values = cache.cross_keys[index], cache.cross_values[index]  # (rows, heads, src_len, hd)
+            if index == self.num_layers - 1:  # the attention weights go into the hypotheses
+                masked = mask if mask is not None else keys.new_zeros((rows, keys.size(2)), dtype=torch.bool)
+                x, weights = self.masked_attention(q, keys, values, masked)
+                attn = weights.mean(dim=1)  # (rows, 1, src_len)
+            else:
+                x = F.scaled_dot_product_attention(q, keys, values, attn_mask=attended, scale=1.0).view(1, rows, dim)
+            x = layer.residual_connection(attention.out_proj(x), residual)
+            if not layer.normalize_before:
+                x = layer.encoder_attn_layer_norm(x)
+            x = self.feed_forward(layer, x)
+        cache.length = position + 1
+        return self.finish(x), attn
+
     # ---- the padded form (fixed shapes, a position per row) ----------------------------------------
     def padded(self, last_tokens: Tensor, positions: Tensor, position_table: Optional[Tensor],
                self_keys, self_values, cross_keys, cross_values, cross_mask: Tensor, qkv_weights, qkv_biases):

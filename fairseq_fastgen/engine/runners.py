@@ -65,6 +65,12 @@ class StaticRunner(ModelRunner):
     # ---- one decoder step ------------------------------------------------------------------------
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         """As ``ModelRunner.step``: lprobs (rows, vocab) and attn (rows, src_len) of the next token."""
+        features, attn = self.next_position(tokens, encoder_out, cache, self.decoder_step.exact)
+        return self.lprobs(features), attn[:, -1, :]
+
+    def next_position(self, tokens: Tensor, encoder_out, cache: StaticCache, form):
+        """Features (rows, 1, dim) and attention (rows, 1, src_len) of the position after the prefixes
+        ``tokens`` (rows, length), by ``form(last_tokens, position_rows, cache)`` of the decoder step."""
         if not cache.started:
             self.start_cache(cache, encoder_out)
         length = tokens.size(1)  # the row's prefix, bos included
@@ -75,8 +81,7 @@ class StaticRunner(ModelRunner):
         position_row = None
         if table is not None:
             position_row = table[self.model.decoder.padding_idx + length, :].expand(tokens.size(0), 1, -1)
-        features, attn = self.decoder_step.exact(tokens[:, -1:], position_row, cache)
-        return self.lprobs(features), attn[:, -1, :]
+        return form(tokens[:, -1:], position_row, cache)
 
     def step_block(self, tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
         """As ``ModelRunner.step_block`` (fairseq's ``forward_block`` of a k-head decoder)."""
