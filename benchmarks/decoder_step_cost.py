@@ -1,7 +1,7 @@
 """Cost of one incremental decoder step (vocabulary projection included) per engine and row count.
 
     python benchmarks/decoder_step_cost.py --path CKPT --data DATA_BIN \
-        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled[,compiled-exact]] [--threads 1] \
+        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled[,compiled-frozen,compiled-exact]] [--threads 1] \
         [--rounds 5] \
         [--onednn-linear] [--compiled-max-rows N]
 
@@ -38,8 +38,12 @@ def run_steps(runner, encoder_out, rows, steps, capacity):
 
 
 def make_runner(engine, model):
-    """The runner of a --step-engine setting; ``compiled-exact``: the compiled engine with its eager rows in
-    the static engine's exact form instead of its fast form (what the fast form gains)."""
+    """The runner of a --step-engine setting; ``compiled-frozen``: the compiled engine with
+    --compiled-freezing; ``compiled-exact``: the compiled engine with its eager rows in the static engine's
+    exact form instead of its fast form (what the fast form gains)."""
+    if engine == "compiled-frozen":
+        options = SimpleNamespace(step_engine="compiled", temperature=1.0, compiled_freezing=True)
+        return build_runner(model, options, None)
     if engine != "compiled-exact":
         return build_runner(model, SimpleNamespace(step_engine=engine, temperature=1.0), None)
     runner = build_runner(model, SimpleNamespace(step_engine="compiled", temperature=1.0), None)

@@ -45,7 +45,7 @@ def serve_stock_search(generator, models, gen_cfg) -> bool:
         return False
     from fairseq_fastgen.engine.stock_search import run_stock_search_on_engine
 
-    return run_stock_search_on_engine(generator, models, engine)
+    return run_stock_search_on_engine(generator, models, engine, option_value(gen_cfg, "compiled_freezing"))
 
 
 def build_runner(model, gen_cfg, projection):
@@ -59,10 +59,11 @@ def build_runner(model, gen_cfg, projection):
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         engine = "fairseq"
-    return make_runner(engine, model, option_value(gen_cfg, "temperature"), projection)
+    return make_runner(engine, model, option_value(gen_cfg, "temperature"), projection,
+                       option_value(gen_cfg, "compiled_freezing"))
 
 
-def make_runner(engine: str, model, temperature: float, projection):
+def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False):
     """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job)."""
     if engine == "static":
         from fairseq_fastgen.engine.runners import StaticRunner
@@ -71,5 +72,5 @@ def make_runner(engine: str, model, temperature: float, projection):
     if engine == "compiled":
         from fairseq_fastgen.engine.compiled import CompiledRunner
 
-        return CompiledRunner(model, temperature, projection)
+        return CompiledRunner(model, temperature, projection, freezing)
     return ModelRunner(model, temperature, projection)

@@ -71,7 +71,7 @@ def stock_search_refusal(generator, models) -> Optional[str]:
     return unsupported_reason(models[0].decoder)
 
 
-def run_stock_search_on_engine(generator, models, engine: str) -> bool:
+def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = False) -> bool:
     """Give ``generator`` (fairseq's ``--decoder beam``) an :class:`EngineEnsemble` of ``engine``'s
     runner; returns whether it did (otherwise one line says why, and fairseq's step runs)."""
     from fairseq_fastgen.engine import make_runner
@@ -80,6 +80,6 @@ def run_stock_search_on_engine(generator, models, engine: str) -> bool:
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         return False
-    runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None))
+    runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None), freezing)
     generator.model = EngineEnsemble(models, runner, generator.max_len + 2)
     return True

@@ -75,3 +75,29 @@ def test_unsupported_decoder_falls_back_with_its_reason(toy, monkeypatch, caplog
     assert type(generator.runner) is ModelRunner
     lines = [r.getMessage() for r in caplog.records]
     assert lines == ["--step-engine compiled: --cross-self-attention is not supported; using --step-engine fairseq"]
+
+
+def test_frozen_weights_follow_a_weight_change(toy):
+    """--compiled-freezing folds the weights into the compiled step: it gives fairseq's tokens, and after an
+    in-place update of a decoder weight it compiles again and gives the updated model's tokens."""
+    ids = SENTENCES[:12]
+    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_freezing=True)
+    runner = generator.runner
+    assert type(runner) is CompiledRunner and runner.freezing
+    _, expected = decode(toy, ids, 1, step_engine="fairseq", decoder="greedy", beam=1)
+    from tests.engine.test_static_engine import translate_batches
+
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 1))
+    first_compiled = runner._compiled_step
+    weight = toy.models[0].decoder.layers[-1].fc2.weight
+    original = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(-3.0)  # another model: other tokens
+        _, changed = decode(toy, ids, 1, step_engine="fairseq", decoder="greedy", beam=1)
+        assert any(not torch.equal(changed[s][0]["tokens"], expected[s][0]["tokens"]) for s in ids)
+        assert_same_tokens_close_scores(changed, translate_batches(toy, generator, ids, 1))
+        assert runner._compiled_step is not first_compiled  # compiled again, for the new weights
+    finally:
+        with torch.no_grad():
+            weight.copy_(original)
