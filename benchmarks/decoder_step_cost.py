@@ -72,7 +72,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.compiled_max_rows is not None:
-        compiled.COMPILED_MAX_ROWS = args.compiled_max_rows
+        compiled.COMPILED_MAX_ROWS = compiled.FROZEN_MAX_ROWS = args.compiled_max_rows
     models, _, _ = checkpoint_utils.load_model_ensemble_and_task([args.path], arg_overrides={"data": args.data})
     model = models[0].eval()
     engines = args.engines.split(",")

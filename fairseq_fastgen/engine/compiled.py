@@ -49,13 +49,17 @@ SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple o
 # the compiled step against eager + oneDNN: 1 row 0.73 vs 1.22 ms, 2 rows 1.04 vs 1.40, 4 rows 1.72 vs 1.62,
 # 16 rows 3.56 vs 2.52 (benchmarks/decoder_step_cost.py --compiled-max-rows 1000, and 0; docs/benchmarks.md)
 COMPILED_MAX_ROWS = 2
+# with --compiled-freezing: 4 rows 0.64 against 1.28 ms eager, 8 rows 1.58-1.68 against 1.60 (a probe of the same
+# step, frozen, against the eager fast form)
+FROZEN_MAX_ROWS = 4
 MAX_BUCKETS = 64  # compiled shapes kept per process
 logger = logging.getLogger("fairseq_fastgen.engine")
 
 
-def row_bucket(rows: int) -> int:
-    """The compiled row count for ``rows`` real rows: the next power of two (rows itself when eager)."""
-    if rows > COMPILED_MAX_ROWS or rows == 0:
+def row_bucket(rows: int, max_rows: int) -> int:
+    """The compiled row count for ``rows`` real rows: the next power of two (rows itself when eager, above
+    ``max_rows``)."""
+    if rows > max_rows or rows == 0:
         return rows
     return 1 << max(rows - 1, 0).bit_length()
 
@@ -76,6 +80,7 @@ class CompiledRunner(StaticRunner):
         # products for a few rows); it is compiled again when any decoder parameter changes
         self.freezing = freezing and next(model.parameters()).device.type == "cpu"
         self.frozen_signature = None  # the decoder parameters (identity, version) the compiled code holds
+        self.max_rows = FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS  # more rows run eager
         self.fused_weights = FusedWeightsCache(model.decoder)
         self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
         on_cpu = next(model.parameters()).device.type == "cpu"
@@ -93,7 +98,8 @@ class CompiledRunner(StaticRunner):
             # frozen weights: a copy of the method with its own code object, since torch.compile keeps compiled
             # code per code object and code compiled for older weights (as constants) must not be reused
             step = own_code(self.frozen_lprobs) if self.freezing else self.padded_lprobs
-            self._compiled_step = torch.compile(step, dynamic=False, fullgraph=True, options=inductor_options(self.model))
+            options = inductor_options(self.model)
+            self._compiled_step = torch.compile(step, dynamic=False, fullgraph=True, options=options)
         return self._compiled_step
 
     def eager_products(self):
@@ -109,14 +115,12 @@ class CompiledRunner(StaticRunner):
     def new_cache(capacity: int = 0) -> StaticCache:
         return StaticCache(POSITION_BUCKET, zeroed=True)  # grows (doubling) as the rows do: a bucket each
 
-    @staticmethod
-    def reorder_cache(cache: StaticCache, index: Tensor):
+    def reorder_cache(self, cache: StaticCache, index: Tensor):
         if cache.started:
-            cache.select(padded_index(index))
+            cache.select(padded_index(index, self.max_rows))
             cache.real_rows = index.numel()
 
-    @staticmethod
-    def concat_caches(caches):
+    def concat_caches(self, caches):
         if not any(c.started for c in caches):
             return StaticCache(max(c.capacity for c in caches), zeroed=True)
         for cache in caches:  # drop each part's padding rows before they end up between real rows
@@ -124,7 +128,7 @@ class CompiledRunner(StaticRunner):
                 cache.select(torch.arange(cache.real_rows, device=cache.cross_keys[0].device))
         merged = StaticRunner.concat_caches(caches)
         rows = sum(c.real_rows for c in caches)
-        merged.select(padded_index(torch.arange(rows, device=merged.cross_keys[0].device)))
+        merged.select(padded_index(torch.arange(rows, device=merged.cross_keys[0].device), self.max_rows))
         merged.real_rows = rows
         return merged
 
@@ -152,7 +156,7 @@ class CompiledRunner(StaticRunner):
         width = round_up(src_len, SOURCE_BUCKET)
         states = F.pad(states, (0, 0, 0, 0, 0, width - src_len))
         mask = F.pad(mask, (0, width - src_len), value=True)
-        index = padded_index(torch.arange(rows, device=states.device))
+        index = padded_index(torch.arange(rows, device=states.device), self.max_rows)
         with self.eager_products():
             keys, values = self.decoder_step.encoder_keys_values(states.index_select(1, index))
         keys, values = [k.contiguous() for k in keys], [v.contiguous() for v in values]  # the strides after a select
@@ -164,7 +168,7 @@ class CompiledRunner(StaticRunner):
     # ---- one decoder step ---------------------------------------------------------------------------
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         rows = tokens.size(0)
-        if row_bucket(rows) == rows and rows > COMPILED_MAX_ROWS:
+        if rows > self.max_rows:
             with self.eager_products():
                 form = self.decoder_step.exact if cache.self_padding is not None else self.fast_form
                 features, attn = self.next_position(tokens, encoder_out, cache, form)
@@ -175,7 +179,8 @@ class CompiledRunner(StaticRunner):
         length = tokens.size(1)
         cache.ensure_room(round_up(length, POSITION_BUCKET))
         bucket = cache.cross_keys[0].size(0)
-        last_tokens = tokens[:, -1:].index_select(0, padded_index(torch.arange(rows, device=tokens.device)))
+        rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)
+        last_tokens = tokens[:, -1:].index_select(0, rows_index)
         positions = tokens.new_full((bucket,), length - 1)
         shape = (bucket, cache.capacity, cache.cross_keys[0].size(2))
         start = time.perf_counter()
@@ -285,9 +290,9 @@ def own_code(method):
     return types.MethodType(copy, method.__self__)
 
 
-def padded_index(index: Tensor) -> Tensor:
-    """``index`` followed by repeats of its first entry up to the row bucket; (row_bucket(n),)."""
-    bucket = row_bucket(index.numel())
+def padded_index(index: Tensor, max_rows: int) -> Tensor:
+    """``index`` followed by repeats of its first entry up to the row bucket; (row_bucket(n, max_rows),)."""
+    bucket = row_bucket(index.numel(), max_rows)
     if bucket == index.numel():
         return index
     return torch.cat([index, index[:1].expand(bucket - index.numel())])
