@@ -28,6 +28,16 @@ def cache_capacity(max_len) -> int:
     return int(max_len.max()) + 2 if max_len.numel() else 1
 
 
+def engine_setting(gen_cfg) -> str:
+    """``--step-engine``, checked with the options that depend on it."""
+    engine = option_value(gen_cfg, "step_engine")
+    if engine not in ENGINES:
+        raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    if option_value(gen_cfg, "compiled_freezing") and engine != "compiled":
+        raise ValueError(f"--compiled-freezing applies to --step-engine compiled; got --step-engine {engine}")
+    return engine
+
+
 def serve_stock_search(generator, models, gen_cfg) -> bool:
     """fairseq's own SequenceGenerator (``--decoder beam``) on the engine: with ``--step-engine compiled``,
     fairseq's search loop over the compiled step (``stock_search.py``); returns whether the engine serves it.
@@ -36,7 +46,7 @@ def serve_stock_search(generator, models, gen_cfg) -> bool:
     keeps each beam's own copy of the encoder-decoder keys/values, which made stock beam search slower
     than the shared cache (docs/benchmarks.md, the engine section); its hypotheses would be bitwise the
     same (``tests/engine/test_stock_search.py``)."""
-    engine = option_value(gen_cfg, "step_engine")
+    engine = engine_setting(gen_cfg)
     if engine == "fairseq":
         return False
     if engine == "static":
@@ -52,9 +62,7 @@ def build_runner(model, gen_cfg, projection):
     """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not."""
     from fairseq_fastgen.engine.decoder_step import unsupported_reason
 
-    engine = option_value(gen_cfg, "step_engine")
-    if engine not in ENGINES:
-        raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    engine = engine_setting(gen_cfg)
     refusal = unsupported_reason(model.decoder) if engine != "fairseq" else None
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")

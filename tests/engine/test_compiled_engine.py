@@ -101,3 +101,9 @@ def test_frozen_weights_follow_a_weight_change(toy):
     finally:
         with torch.no_grad():
             weight.copy_(original)
+
+
+@pytest.mark.parametrize("decoder,beam", [("greedy", 1), ("beam", 4)])
+def test_freezing_without_the_compiled_engine_is_refused(toy, decoder, beam):
+    with pytest.raises(ValueError, match="--compiled-freezing applies to --step-engine compiled; got --step-engine static"):
+        toy.generator(decoder=decoder, beam=beam, step_engine="static", compiled_freezing=True)
