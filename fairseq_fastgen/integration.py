@@ -58,7 +58,7 @@ from fairseq.tasks.fairseq_task import FairseqTask
 
 from fairseq_fastgen import checkpoint_safety
 from fairseq_fastgen.config import build_generation_config
-from fairseq_fastgen.option_checks import check_generation_options
+from fairseq_fastgen.option_checks import UsageError, check_generation_options
 from fairseq_fastgen.sequence_generators.registry import DECODERS, option_value
 
 logger = logging.getLogger(__name__)
@@ -129,6 +129,14 @@ def _install_build_generator():
 
     @functools.wraps(original)
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
+        try:
+            return build_checked(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
+        except UsageError:
+            raise
+        except ValueError as error:  # the plugin's refusals of options and models: one line, a type of its own
+            raise UsageError(str(error)) from error
+
+    def build_checked(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn):
         name = decoder_name(args)
         entry = DECODERS.get(name)
         if entry is None:
@@ -215,7 +223,10 @@ def report_statistics(gen_cfg, stream):
 
 
 def _prepare_decoder(cfg, tool):
-    check_generation_options(cfg.generation)  # before the model loads, and before prepare_cli reads them
+    try:
+        check_generation_options(cfg.generation)  # before the model loads, and before prepare_cli reads them
+    except ValueError as error:
+        raise UsageError(str(error)) from error
     entry = DECODERS.get(decoder_name(cfg.generation))
     if entry is not None and entry.prepare_cli is not None:
         entry.prepare_cli(cfg, tool)
@@ -240,8 +251,27 @@ def _install_cli_reports():
         interactive_cli.main = _wrap_interactive_main(interactive_cli.main)
 
 
+def exit_on_usage_error(tool: str):
+    """Around a CLI's run: a :class:`UsageError` ends it with one ``fairseq-TOOL: error: ...`` line on stderr and
+    exit status 2 (argparse's convention), instead of a traceback."""
+
+    def wrap(run):
+        @functools.wraps(run)
+        def guarded(*args, **kwargs):
+            try:
+                return run(*args, **kwargs)
+            except UsageError as error:
+                print(f"fairseq-{tool}: error: {error}", file=sys.stderr, flush=True)
+                sys.exit(2)
+
+        return guarded
+
+    return wrap
+
+
 def _wrap_generate_main(original_generate):
     @functools.wraps(original_generate)
+    @exit_on_usage_error("generate")
     def generate_main(cfg, output_file):
         generators_built.clear()
         _prepare_decoder(cfg, "generate")
@@ -261,6 +291,7 @@ def _wrap_interactive_main(original_interactive):
     from fairseq_fastgen.cli.oversized_lines import OversizedLines
 
     @functools.wraps(original_interactive)
+    @exit_on_usage_error("interactive")
     def interactive_main(cfg):
         generators_built.clear()
         _prepare_decoder(cfg, "interactive")

@@ -21,6 +21,12 @@ from typing import NamedTuple, Optional
 from fairseq_fastgen.sequence_generators.registry import option_value
 
 
+class UsageError(ValueError):
+    """A misuse of the plugin's options or of a decoder with a model, raised when a generator is built (the hub
+    interface sees this type); fairseq-generate and fairseq-interactive print it as one ``error:`` line and exit
+    with status 2, as argparse does for a bad option."""
+
+
 def flag(name: str) -> str:
     """The command-line spelling of a config field: ``var_beam_delta`` -> ``--var-beam-delta``."""
     return "--" + name.replace("_", "-")
