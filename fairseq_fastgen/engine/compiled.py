@@ -113,7 +113,8 @@ class CompiledRunner(StaticRunner):
     # ---- cache: rows padded to the bucket ---------------------------------------------------------
     @staticmethod
     def new_cache(capacity: int = 0) -> StaticCache:
-        return StaticCache(POSITION_BUCKET, zeroed=True)  # grows (doubling) as the rows do: a bucket each
+        # grows (doubling) as the rows do: a bucket each; zeroed before its first compiled step (zero_unwritten)
+        return StaticCache(POSITION_BUCKET)
 
     def reorder_cache(self, cache: StaticCache, index: Tensor):
         if cache.started:
@@ -122,7 +123,7 @@ class CompiledRunner(StaticRunner):
 
     def concat_caches(self, caches):
         if not any(c.started for c in caches):
-            return StaticCache(max(c.capacity for c in caches), zeroed=True)
+            return StaticCache(max(c.capacity for c in caches))
         for cache in caches:  # drop each part's padding rows before they end up between real rows
             if cache.cross_keys[0].size(0) != cache.real_rows:
                 cache.select(torch.arange(cache.real_rows, device=cache.cross_keys[0].device))
@@ -169,6 +170,9 @@ class CompiledRunner(StaticRunner):
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         rows = tokens.size(0)
         if rows > self.max_rows:
+            # the eager forms never read unwritten positions: keeping them zero (a memset of most of every buffer
+            # at each beam reorder) would cost 10% of a beam-5 step; the next compiled step zeroes them again
+            cache.zeroed = False
             with self.eager_products():
                 form = self.decoder_step.exact if cache.self_padding is not None else self.fast_form
                 features, attn = self.next_position(tokens, encoder_out, cache, form)
@@ -178,6 +182,7 @@ class CompiledRunner(StaticRunner):
             self.start_cache(cache, encoder_out)
         length = tokens.size(1)
         cache.ensure_room(round_up(length, POSITION_BUCKET))
+        cache.zero_unwritten()  # the padded step reads every position, the unwritten ones masked
         bucket = cache.cross_keys[0].size(0)
         rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)
         last_tokens = tokens[:, -1:].index_select(0, rows_index)

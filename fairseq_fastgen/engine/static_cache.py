@@ -14,7 +14,8 @@ from torch import Tensor
 class StaticCache:
     def __init__(self, capacity: int, zeroed: bool = False):
         self.capacity = capacity  # target positions each row's buffers hold
-        # zeroed: unwritten positions hold zeros (the padded step reads them, masked); else they are never read
+        # zeroed: unwritten positions hold zeros, kept so by every change of the cache (the padded step reads them,
+        # masked); else they are never read. zero_unwritten() turns it on, for a cache about to take a padded step
         self.zeroed = zeroed
         self.length = 0  # positions written (every row of a cache is at the same length)
         self.real_rows = 0  # rows of the state; the compiled engine pads the buffers' rows beyond them
@@ -72,6 +73,13 @@ class StaticCache:
         if self.self_padding is not None:
             self.self_padding = F.pad(self.self_padding, (0, capacity - self.capacity))
         self.capacity = capacity
+
+    def zero_unwritten(self):
+        """Zero the unwritten positions (once) and keep them zero from now on."""
+        if not self.zeroed:
+            for buffer in self.self_keys + self.self_values:
+                buffer[:, :, self.length:] = 0
+            self.zeroed = True
 
     def attended_padding(self, new: int) -> Optional[Tensor]:
         """The padding (rows, length + new) of the positions a step writing ``new`` positions attends to
@@ -154,7 +162,7 @@ class StaticCache:
         length = caches[0].length
         if any(c.length != length for c in caches):
             raise ValueError("only caches at the same length can be concatenated")
-        merged = StaticCache(max(c.capacity for c in caches), caches[0].zeroed)
+        merged = StaticCache(max(c.capacity for c in caches), all(c.zeroed for c in caches))
         merged.length = length
         src_len = max(c.cross_keys[0].size(2) for c in caches)
         masks = []

@@ -113,3 +113,24 @@ def test_row_origins_group_the_copies_of_a_sentences_encoder_output():
     mask[4, 2] = True  # row 4: sentence 1's states under another padding mask
     assert StaticCache.row_origins(states, mask).tolist() == [0, 0, 0, 3, 4, 5, 6, 6]
     assert StaticCache.row_origins(states, None).tolist() == [0, 0, 0, 3, 3, 5, 6, 6]
+
+
+def test_zero_unwritten_zeroes_the_tail_once_and_keeps_it_zero():
+    """A cache of the eager forms leaves unwritten positions as they are (here NaN, then whatever a row
+    selection's new buffers hold); before a padded step, zero_unwritten zeroes them, and a later row selection
+    keeps them zero."""
+    rows, heads, head_dim = 3, 2, 4
+    cache = StaticCache(capacity=6)
+    cache.start([torch.zeros(rows, heads, 5, head_dim)], [torch.zeros(rows, heads, 5, head_dim)], None, heads, head_dim)
+    for buffer in cache.self_keys + cache.self_values:
+        buffer.fill_(float("nan"))
+        buffer[:, :, :2] = 1.0
+    cache.length = 2
+    cache.select(torch.tensor([2, 0]))
+    assert not cache.zeroed and (cache.self_keys[0][:, :, :2] == 1).all()  # the tail: whatever memory held
+    cache.zero_unwritten()
+    assert cache.zeroed and (cache.self_values[0][:, :, 2:] == 0).all() and (cache.self_values[0][:, :, :2] == 1).all()
+    cache.select(torch.tensor([1, 1, 0]))
+    for buffer in cache.self_keys + cache.self_values:
+        assert buffer.shape == (3, heads, 6, head_dim)
+        assert (buffer[:, :, :2] == 1).all() and (buffer[:, :, 2:] == 0).all()
