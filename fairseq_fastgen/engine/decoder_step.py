@@ -149,9 +149,7 @@ class DecoderStep(nn.Module):
         padding = cache.attended_padding(n)  # (rows, end) or None
         attn = None
         for index, layer in enumerate(self.layers):
-            residual = x
-            if layer.normalize_before:
-                x = layer.self_attn_layer_norm(x)
+            x, residual = self.sublayer_input(layer, layer.self_attn_layer_norm, x)
             attention = layer.self_attn
             q = attention.q_proj(x)
             k = attention.k_proj(x)
@@ -211,6 +209,11 @@ class DecoderStep(nn.Module):
             x = layer.encoder_attn_layer_norm(x)
         return x, (weights if need_weights else None)
 
+    @staticmethod
+    def sublayer_input(layer, norm, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """The input of a sublayer (through ``norm`` first when the layer normalizes before) and its residual."""
+        return (norm(x) if layer.normalize_before else x), x
+
     def merge_heads(self, x: Tensor, rows: int) -> Tensor:
         """(rows * heads, n, head_dim) -> (n, rows, dim), fairseq's layout."""
         return x.transpose(0, 1).contiguous().view(x.size(1), rows, self.heads * self.head_dim)
@@ -236,13 +239,12 @@ class DecoderStep(nn.Module):
         rows, position = last_tokens.size(0), cache.length
         x = self.embed(last_tokens, position_rows)  # (1, rows, dim)
         dim = self.heads * self.head_dim
-        mask = cache.cross_mask
-        attended = None if mask is None else ~mask[:, None, None, :]  # (rows, 1, 1, src_len)
+        mask = cache.cross_mask  # (rows, src_len) True at padding
+        if mask is None:
+            mask = cache.cross_keys[0].new_zeros((rows, cache.cross_keys[0].size(2)), dtype=torch.bool)
         attn = None
         for index, layer in enumerate(self.layers):
-            residual = x
-            if layer.normalize_before:
-                x = layer.self_attn_layer_norm(x)
+            x, residual = self.sublayer_input(layer, layer.self_attn_layer_norm, x)
             attention = layer.self_attn
             q, k, v = qkv_product(index, x)[0].split(dim, dim=-1)  # (rows, dim) each
             key_buffer, value_buffer = cache.self_keys[index], cache.self_values[index]  # (rows, heads, cap, hd)
@@ -256,21 +258,10 @@ class DecoderStep(nn.Module):
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
 
-            residual = x
-            if layer.normalize_before:
-                x = layer.encoder_attn_layer_norm(x)
-            attention = layer.encoder_attn
-            q = (attention.q_proj(x) * attention.scaling).view(rows, self.heads, 1, self.head_dim)
-            keys, values = cache.cross_keys[index], cache.cross_values[index]  # (rows, heads, src_len, hd)
-            if index == self.num_layers - 1:  # the attention weights go into the hypotheses
-                masked = mask if mask is not None else keys.new_zeros((rows, keys.size(2)), dtype=torch.bool)
-                x, weights = self.masked_attention(q, keys, values, masked)
-                attn = weights.mean(dim=1)  # (rows, 1, src_len)
-            else:
-                x = F.scaled_dot_product_attention(q, keys, values, attn_mask=attended, scale=1.0).view(1, rows, dim)
-            x = layer.residual_connection(attention.out_proj(x), residual)
-            if not layer.normalize_before:
-                x = layer.encoder_attn_layer_norm(x)
+            last = index == self.num_layers - 1  # its attention weights go into the hypotheses
+            x, weights = self.encoder_attention(layer, x, cache.cross_keys[index], cache.cross_values[index], mask,
+                                                need_weights=last)
+            attn = weights if last else attn
             x = self.feed_forward(layer, x)
         cache.length = position + 1
         return self.finish(x), attn
@@ -297,9 +288,7 @@ class DecoderStep(nn.Module):
         earlier = torch.arange(capacity, device=positions.device) < positions.unsqueeze(1)  # (rows, cap)
         attn, new_keys, new_values = None, [], []
         for index, layer in enumerate(self.layers):
-            residual = x
-            if layer.normalize_before:
-                x = layer.self_attn_layer_norm(x)
+            x, residual = self.sublayer_input(layer, layer.self_attn_layer_norm, x)
             attention = layer.self_attn
             q, k, v = F.linear(x, qkv_weights[index], qkv_biases[index]).chunk(3, dim=-1)  # (1, rows, dim) each
             q = (q * attention.scaling).view(rows, self.heads, 1, self.head_dim)
@@ -311,23 +300,34 @@ class DecoderStep(nn.Module):
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
 
-            residual = x
-            if layer.normalize_before:
-                x = layer.encoder_attn_layer_norm(x)
-            attention = layer.encoder_attn
-            q = (attention.q_proj(x) * attention.scaling).view(rows, self.heads, 1, self.head_dim)
-            if index == self.num_layers - 1:  # the attention weights go into the hypotheses
-                x, weights = self.masked_attention(q, cross_keys[index], cross_values[index], cross_mask)
-                attn = weights.mean(dim=1)[:, 0]  # (rows, src_width)
-            else:
-                x = F.scaled_dot_product_attention(
-                    q, cross_keys[index], cross_values[index], attn_mask=~cross_mask[:, None, None, :], scale=1.0
-                ).reshape(rows, 1, self.heads * self.head_dim).transpose(0, 1)
-            x = layer.residual_connection(attention.out_proj(x), residual)
-            if not layer.normalize_before:
-                x = layer.encoder_attn_layer_norm(x)
+            last = index == self.num_layers - 1  # its attention weights go into the hypotheses
+            x, weights = self.encoder_attention(layer, x, cross_keys[index], cross_values[index], cross_mask,
+                                                need_weights=last)
+            attn = weights[:, 0] if last else attn  # (rows, src_width)
             x = self.feed_forward(layer, x)
         return self.finish(x), attn, new_keys, new_values
+
+    def encoder_attention(self, layer, x, keys, values, mask, need_weights: bool):
+        """The encoder-decoder attention block of the fast and padded forms: x (1, rows, dim) over keys/values
+        (rows, heads, src_len, hd), ``mask`` (rows, src_len) True at padding -> x (1, rows, dim) and, with
+        ``need_weights``, the attention weights averaged over the heads (rows, 1, src_len), else None."""
+        rows = x.size(1)
+        residual = x
+        if layer.normalize_before:
+            x = layer.encoder_attn_layer_norm(x)
+        attention = layer.encoder_attn
+        q = (attention.q_proj(x) * attention.scaling).view(rows, self.heads, 1, self.head_dim)
+        weights = None
+        if need_weights:
+            x, weights = self.masked_attention(q, keys, values, mask)
+            weights = weights.mean(dim=1)  # (rows, 1, src_len)
+        else:
+            x = F.scaled_dot_product_attention(q, keys, values, attn_mask=~mask[:, None, None, :], scale=1.0)
+            x = x.view(1, rows, self.heads * self.head_dim)
+        x = layer.residual_connection(attention.out_proj(x), residual)
+        if not layer.normalize_before:
+            x = layer.encoder_attn_layer_norm(x)
+        return x, weights
 
     def attention_with_new_position(self, q, keys, values, earlier, new_key, new_value):
         """q (rows, heads, 1, hd) over the ``earlier`` (rows, cap) positions of keys/values (rows, heads,
