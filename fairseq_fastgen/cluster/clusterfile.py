@@ -26,13 +26,14 @@ import torch
 from torch import Tensor
 
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets
+from fairseq_fastgen.option_checks import UsageError
 
 FORMAT_NAME = "fairseq_fastgen cluster projection"
 FORMAT_VERSION = 1
 TENSOR_NAMES = ("centroids", "centroid_sqnorms", "offsets", "tokens")
 
 
-class ClusterFileError(ValueError):
+class ClusterFileError(UsageError):
     """A cluster file that cannot be used (unreadable, inconsistent, or made for another model)."""
 
 
