@@ -31,7 +31,6 @@ import numpy
 import torch
 from torch import Tensor
 
-from fairseq import utils
 from fairseq.dataclass import FairseqDataclass
 
 from fairseq_fastgen.option_checks import require_finite_in_range, require_int
@@ -512,23 +511,13 @@ class BlockwisePolicy:
 
     @staticmethod
     def log_probs(features, ctx, project=None, normalize=True):
-        """Log-probabilities (..., vocab) of head features (..., dim), as the runner computes them
-        (``project``: features -> logits in place of the model's projection; ``normalize=False``:
-        the scaled logits, without the log-softmax)."""
-        runner = ctx.runner
+        """Log-probabilities (..., vocab) of head features (rows, dim) or (rows, n, dim), from the runner
+        (``project``: features -> logits in place of the model's projection; ``normalize=False``: the scaled
+        logits, without the log-softmax)."""
         squeeze = features.dim() == 2
         # contiguous: the decoder's output is a transposed view, on which a 3-D linear is several times slower
         features = features.unsqueeze(1) if squeeze else features.contiguous()  # (rows, n, dim)
-        decoder = runner.model.decoder
-        if project is not None:
-            logits = project(features)
-        elif runner.projection is None:
-            logits = decoder.output_layer(features)
-        else:
-            logits = runner.projection(features, decoder)
-        if runner.temperature != 1.0:
-            logits = logits.div_(runner.temperature)
-        lprobs = utils.log_softmax(logits, dim=-1) if normalize else logits.float()
+        lprobs = ctx.runner.project(features, project, normalize)
         return lprobs[:, 0] if squeeze else lprobs
 
 

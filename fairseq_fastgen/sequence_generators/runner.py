@@ -143,10 +143,20 @@ class ModelRunner:
         self.model.decoder.drop_last_positions(cache, dropped)
 
     def lprobs(self, features: Tensor) -> Tensor:
-        """features (rows, 1, dim) -> log-probabilities (rows, vocab): projection (full or the
-        projection's), temperature, log-softmax."""
+        """features (rows, 1, dim) -> log-probabilities (rows, vocab) of the next token."""
+        return self.project(features)[:, -1, :]
+
+    def project(self, features: Tensor, project=None, normalize: bool = True) -> Tensor:
+        """features (rows, n, dim) -> log-probabilities (rows, n, vocab): the projection (full, or the
+        cluster projection's; ``project``: features -> logits in its place), the temperature, log-softmax
+        (``normalize=False``: the scaled logits as float, for callers that read only their argmax)."""
         decoder = self.model.decoder
-        logits = decoder.output_layer(features) if self.projection is None else self.projection(features, decoder)
+        if project is not None:
+            logits = project(features)
+        elif self.projection is None:
+            logits = decoder.output_layer(features)
+        else:
+            logits = self.projection(features, decoder)
         if self.temperature != 1.0:
             logits = logits.div_(self.temperature)
-        return utils.log_softmax(logits, dim=-1)[:, -1, :]  # (rows, vocab)
+        return utils.log_softmax(logits, dim=-1) if normalize else logits.float()
