@@ -8,10 +8,11 @@ its source positions up to a multiple of ``SOURCE_BUCKET`` (masked).  Each
 on-disk cache keeps the generated code for the next process); the time each
 compilation took is logged and counted (``compile_seconds``).
 
-Above ``COMPILED_MAX_ROWS`` rows, and for several positions per row (blockwise
-verification, ``step_block``), the step runs eager, in the static engine's
-exact form, its linear layers (the vocabulary projection included) through
-oneDNN's prepacked products on the CPU (``ops/onednn_linear.py``): there the
+Above ``COMPILED_MAX_ROWS`` rows (``FROZEN_MAX_ROWS`` with ``--compiled-freezing``,
+which folds the weights into the compiled code), and for several positions per
+row (blockwise verification, ``step_block``), the step runs eager, in the
+decoder step's fast form (the exact form for blockwise), its linear layers (the
+vocabulary projection included) through oneDNN's prepacked products on the CPU (``ops/onednn_linear.py``): there the
 products are the step, and on the AMD EPYC of docs/benchmarks.md MKL's run 2-3x
 slower than oneDNN's from 8 rows up (the engine section measures the crossing).
 
@@ -91,7 +92,8 @@ class CompiledRunner(StaticRunner):
 
     @property
     def compiled_step(self):
-        """``padded_lprobs`` through ``torch.compile``; a decode that never runs 1-2 rows never loads it."""
+        """``padded_lprobs`` through ``torch.compile``; a decode that never runs ``max_rows`` rows or fewer never
+        loads it."""
         if self._compiled_step is None:
             # one compiled graph per bucket: room for every bucket of a long decode (dynamo's default is 8)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_BUCKETS)

@@ -3,7 +3,7 @@
 :class:`DecoderStep` reads the parameters of the loaded fairseq decoder itself
 (no conversion) and runs the same layer arithmetic as fairseq's incremental
 decoder, with the cache in :class:`~fairseq_fastgen.engine.static_cache.StaticCache`
-buffers instead of a dict of tensors grown with ``torch.cat``.  Two forms:
+buffers instead of a dict of tensors grown with ``torch.cat``.  Three forms:
 
 * :meth:`DecoderStep.exact`: every row at the same buffer length, one or several
   new positions per row (blockwise verification); attention reads the filled
@@ -12,6 +12,9 @@ buffers instead of a dict of tensors grown with ``torch.cat``.  Two forms:
   products, softmaxes and additions are fairseq's, in fairseq's order and
   layouts, so its features are bitwise fairseq's on the CPU
   (``tests/engine/test_static_engine.py``).
+* :meth:`DecoderStep.fast`: the exact form's single-position step in fewer,
+  larger calls (one query/key/value product, fused attention over the buffers
+  in place), for the compiled engine's eager rows; scores move in the last bits.
 * :meth:`DecoderStep.padded`: every shape fixed (rows, buffer capacity, source
   width), each row at its own position; attention runs over the whole buffer
   with the unwritten positions masked.  This is the form ``torch.compile``
