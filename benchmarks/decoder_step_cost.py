@@ -1,9 +1,8 @@
 """Cost of one incremental decoder step (vocabulary projection included) per engine and row count.
 
     python benchmarks/decoder_step_cost.py --path CKPT --data DATA_BIN \
-        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled[,compiled-frozen,compiled-exact]] [--threads 1] \
-        [--rounds 5] \
-        [--onednn-linear] [--compiled-max-rows N]
+        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled[,compiled-frozen,compiled-exact]] \
+        [--threads 1] [--rounds 5] [--onednn-linear] [--compiled-max-rows N]
 
 Feeds random source sentences of 16 tokens and decodes 20 greedy steps per row
 count and ``--step-engine`` setting, the engines interleaved round by round;

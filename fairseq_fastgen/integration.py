@@ -45,6 +45,7 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    lacks it.
 """
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -129,12 +130,8 @@ def _install_build_generator():
 
     @functools.wraps(original)
     def build_generator(self, models, args, seq_gen_cls=None, extra_gen_cls_kwargs=None, prefix_allowed_tokens_fn=None):
-        try:
+        with usage_errors():
             return build_checked(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
-        except UsageError:
-            raise
-        except ValueError as error:  # the plugin's refusals of options and models: one line, a type of its own
-            raise UsageError(str(error)) from error
 
     def build_checked(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn):
         name = decoder_name(args)
@@ -223,13 +220,11 @@ def report_statistics(gen_cfg, stream):
 
 
 def _prepare_decoder(cfg, tool):
-    try:
+    with usage_errors():
         check_generation_options(cfg.generation)  # before the model loads, and before prepare_cli reads them
-    except ValueError as error:
-        raise UsageError(str(error)) from error
-    entry = DECODERS.get(decoder_name(cfg.generation))
-    if entry is not None and entry.prepare_cli is not None:
-        entry.prepare_cli(cfg, tool)
+        entry = DECODERS.get(decoder_name(cfg.generation))
+        if entry is not None and entry.prepare_cli is not None:
+            entry.prepare_cli(cfg, tool)
 
 
 def _cli_modules(name):
@@ -249,6 +244,18 @@ def _install_cli_reports():
         generate_cli._main = _wrap_generate_main(generate_cli._main)
     for interactive_cli in _cli_modules("interactive"):
         interactive_cli.main = _wrap_interactive_main(interactive_cli.main)
+
+
+@contextlib.contextmanager
+def usage_errors():
+    """Inside the block, the plugin's refusals of options and models (``ValueError``) become its one
+    :class:`UsageError` type, with the same message."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as error:
+        raise UsageError(str(error)) from error
 
 
 def exit_on_usage_error(tool: str):

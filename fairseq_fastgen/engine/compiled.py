@@ -79,12 +79,12 @@ class CompiledRunner(StaticRunner):
         self.compile_seconds = 0.0  # every first call of a bucket, recompilations after a weight change included
         # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
         # products for a few rows); it is compiled again when any decoder parameter changes
-        self.freezing = freezing and next(model.parameters()).device.type == "cpu"
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        self.freezing = freezing and on_cpu
         self.frozen_signature = None  # the decoder parameters (identity, version) the compiled code holds
         self.max_rows = FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS  # more rows run eager
         self.fused_weights = FusedWeightsCache(model.decoder)
         self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
-        on_cpu = next(model.parameters()).device.type == "cpu"
         # the eager step's products above COMPILED_MAX_ROWS rows (None: torch's own, on CUDA)
         self.eager_linears = OneDNNLinears(model) if on_cpu and onednn_available() else None
         self.qkv_packed_from: Optional[FusedWeights] = None  # the fused weights qkv_packed holds, packed
@@ -225,8 +225,8 @@ class CompiledRunner(StaticRunner):
         """The decoder step's fast form, its fused query/key/value products through oneDNN where it serves."""
         if self.qkv_packed_from is not self.fused:  # the decode's fused weights: packed once per change
             self.qkv_packed_from = self.fused
-            on_cpu = self.eager_linears is not None
-            self.qkv_packed = [pack_weight(w) if on_cpu else None for w in self.fused.qkv_weights]
+            with_onednn = self.eager_linears is not None
+            self.qkv_packed = [pack_weight(w) if with_onednn else None for w in self.fused.qkv_weights]
         fused, packed = self.fused, self.qkv_packed
 
         def qkv_product(index: int, x: Tensor) -> Tensor:

@@ -105,5 +105,6 @@ def test_frozen_weights_follow_a_weight_change(toy):
 
 @pytest.mark.parametrize("decoder,beam", [("greedy", 1), ("beam", 4)])
 def test_freezing_without_the_compiled_engine_is_refused(toy, decoder, beam):
-    with pytest.raises(ValueError, match="--compiled-freezing applies to --step-engine compiled; got --step-engine static"):
+    refusal = "--compiled-freezing applies to --step-engine compiled; got --step-engine static"
+    with pytest.raises(ValueError, match=refusal):
         toy.generator(decoder=decoder, beam=beam, step_engine="static", compiled_freezing=True)
