@@ -14,6 +14,9 @@ MISUSES = {
     "engine": (["--decoder", "greedy", "--beam", "1", "--compiled-freezing"],
                "--compiled-freezing applies to --step-engine compiled"),
     "streaming option": (["--decoder", "var-stream", "--beam", "4", "--stream-eps", "2"], "--stream-eps"),
+    # issue 30 item 2: 0 was read as "every head"; refused before the model loads, whatever the model
+    "block size 0": (["--decoder", "blockwise", "--beam", "1", "--blockwise-block-size", "0"],
+                     "--blockwise-block-size must be an integer >= 1, got 0"),
     "cluster file": (["--decoder", "greedy", "--beam", "1", "--cluster-projection", "/nonexistent/clusters.pt"],
                      "/nonexistent/clusters.pt"),
 }
