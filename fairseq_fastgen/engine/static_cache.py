@@ -158,10 +158,11 @@ class StaticCache:
 
     @staticmethod
     def concat(caches: List["StaticCache"]) -> "StaticCache":
-        """Rows of caches at the same length, one after the other; narrower sources are left-padded."""
-        length = caches[0].length
-        if any(c.length != length for c in caches):
-            raise ValueError("only caches at the same length can be concatenated")
+        """Rows of several caches, one after the other; narrower sources are left-padded.  Caches at
+        different target lengths are right-aligned: a shorter cache's positions move to the end of the
+        longest's and the positions left of them become padding (``self_padding``), as ``keep_accepted``
+        leaves rows that kept fewer positions (streaming joins rows at different lengths)."""
+        length = max(c.length for c in caches)
         merged = StaticCache(max(c.capacity for c in caches), all(c.zeroed for c in caches))
         merged.length = length
         src_len = max(c.cross_keys[0].size(2) for c in caches)
@@ -178,14 +179,11 @@ class StaticCache:
                 parts = [F.pad(p, (0, 0, src_len - p.size(2), 0)) for p in parts]
                 getattr(merged, name).append(torch.cat(parts))
             for name in ("self_keys", "self_values"):
-                parts = [getattr(c, name)[layer] for c in caches]
-                parts = [F.pad(p, (0, 0, 0, merged.capacity - p.size(2))) for p in parts]
+                parts = [c.right_aligned(getattr(c, name)[layer], length, merged.capacity) for c in caches]
                 getattr(merged, name).append(torch.cat(parts))
         merged.cross_mask = torch.cat(masks)
-        if any(c.self_padding is not None for c in caches):
-            paddings = [c.self_padding if c.self_padding is not None else torch.zeros(
-                (c.self_keys[0].size(0), c.capacity), dtype=torch.bool, device=c.self_keys[0].device) for c in caches]
-            merged.self_padding = torch.cat([F.pad(p, (0, merged.capacity - p.size(1))) for p in paddings])
+        if any(c.self_padding is not None or c.length != length for c in caches):
+            merged.self_padding = torch.cat([c.right_aligned_padding(length, merged.capacity) for c in caches])
         origins, offset = [], 0
         for cache in caches:  # origins stay distinct across the merged caches
             origins.append(cache.cross_origin + offset)
@@ -193,3 +191,23 @@ class StaticCache:
         merged.cross_origin = torch.cat(origins)
         merged.real_rows = sum(c.real_rows for c in caches)
         return merged
+
+    def right_aligned(self, buffer: Tensor, length: int, capacity: int) -> Tensor:
+        """``buffer`` (rows, heads, capacity_i, head_dim) of this cache with its written positions moved
+        to end at ``length``, in a buffer of ``capacity`` positions (unwritten ones zero)."""
+        shift = length - self.length
+        if shift == 0:
+            return F.pad(buffer, (0, 0, 0, capacity - buffer.size(2)))
+        moved = buffer.new_zeros(buffer.shape[:2] + (capacity,) + buffer.shape[3:])
+        moved[:, :, shift:length] = buffer[:, :, : self.length]
+        return moved
+
+    def right_aligned_padding(self, length: int, capacity: int) -> Tensor:
+        """``self_padding`` (rows, capacity) of this cache's rows once ``right_aligned`` to ``length``."""
+        rows, device = self.self_keys[0].size(0), self.self_keys[0].device
+        padding = torch.zeros((rows, capacity), dtype=torch.bool, device=device)
+        shift = length - self.length
+        padding[:, :shift] = True
+        if self.self_padding is not None:
+            padding[:, shift:length] = self.self_padding[:, : self.length]
+        return padding

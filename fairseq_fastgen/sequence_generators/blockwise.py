@@ -22,6 +22,7 @@ output of head 1.  ``--blockwise-top-k``, ``--blockwise-epsilon`` and
 ``--blockwise-min-block`` accept more, approximately (see the options).
 """
 
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -29,17 +30,19 @@ from typing import Optional
 
 import numpy
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq.dataclass import FairseqDataclass
 
-from fairseq_fastgen.option_checks import require_finite_in_range, require_int
+from fairseq_fastgen.option_checks import UsageError, require_finite_in_range, require_int
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator
 from fairseq_fastgen.sequence_generators.int8_proposals import Int8Proposer
 from fairseq_fastgen.sequence_generators.processors import ForbidPad, LengthLimits, UnkPenalty
 from fairseq_fastgen.sequence_generators.registry import option_value, register_decoder
 from fairseq_fastgen.sequence_generators.state import DecodingState
+from fairseq_fastgen.sequence_generators.streaming import CompanionFreeLayout, StreamingScheduler, prepare_streaming_cli
 
 
 @dataclass
@@ -216,6 +219,7 @@ class BlockwiseState:
 
     def __init__(self, start: DecodingState, pad: int, rules: RowStepProcessors):
         self.rules = rules  # the decode's step processors, for rows at different steps
+        self.pad = pad
         rows, capacity = start.rows, int(start.max_len.max()) + 1  # at most max_len tokens and eos
         self.runner = start.runner
         self.tokens = start.tokens.new_full((rows, 1 + capacity), pad)  # (rows, 1 + capacity)
@@ -286,6 +290,32 @@ class BlockwiseState:
         self.encoder_out = self.runner.reorder_encoder_out(self.encoder_out, index)
         self.runner.reorder_cache(self.cache, index)
 
+    @staticmethod
+    def concat(states) -> "BlockwiseState":
+        """The rows of several states (streaming: a refill joins the running rows), whatever their
+        lengths: the runner right-aligns their cached positions; sources are right-padded to the widest."""
+        width = max(s.src_len for s in states)
+        for state in states:
+            extra = width - state.src_len
+            CompanionFreeLayout.widen(state, width)  # encoder output, cached keys/values and attn
+            if state.first_attn is not None:
+                state.first_attn = F.pad(state.first_attn, (0, extra))  # (rows, width)
+        capacity = max(s.cum_scores.size(1) for s in states)
+        merged = copy.copy(states[0])
+        merged.tokens = torch.cat([F.pad(s.tokens, (0, 1 + capacity - s.tokens.size(1)), value=s.pad) for s in states])
+        merged.cum_scores = torch.cat([F.pad(s.cum_scores, (0, capacity - s.cum_scores.size(1))) for s in states])
+        if any(s.attn is not None for s in states):
+            merged.attn = torch.cat([
+                s.cum_scores.new_zeros((s.rows, width, capacity)) if s.attn is None
+                else F.pad(s.attn, (0, capacity - s.attn.size(2))) for s in states
+            ])  # (rows, width, capacity)
+        for name in ("length", "score", "sentence", "max_len", "proposals", "first_lprob", "first_attn"):
+            if getattr(merged, name) is not None:
+                setattr(merged, name, torch.cat([getattr(s, name) for s in states]))
+        merged.encoder_out = merged.runner.concat_encoder_out([s.encoder_out for s in states])
+        merged.cache = merged.runner.concat_caches([s.cache for s in states])
+        return merged
+
     def finished_row(self, row: int) -> DecodingState:
         """Row ``row`` as a one-row DecodingState, for ``DecodeContext.hypothesis``."""
         length = int(self.length[row])
@@ -313,6 +343,13 @@ class BlockwisePolicy:
         # a lone row with exact acceptance takes advance_one_row: the same computation with Python
         # integers in place of the small tensors of per-row bookkeeping (batch 1, a batch's last row)
         self.one_row_path = isinstance(acceptance, ExactMatch) and min_block == 1
+
+    joins_lengths = True  # streaming: a refill's rows join the running ones, whatever their lengths
+
+    @staticmethod
+    def join(states):
+        """Streaming: every state's rows in one (a list of at most one state)."""
+        return [BlockwiseState.concat(states)] if len(states) > 1 else states
 
     def start(self, state: DecodingState, ctx) -> BlockwiseState:
         """Run the bos position; its heads propose the first block."""
@@ -569,4 +606,28 @@ class BlockwiseGenerator(FastgenGenerator):
         require_int("--blockwise-min-block", min_block, 1)
         policy = BlockwisePolicy(decoder, block_size, build_acceptance(gen_cfg, tgt_dict), min_block, tgt_dict.pad(),
                                  int8_proposals=option_value(gen_cfg, "blockwise_int8_proposals"))
-        return cls(model, tgt_dict, gen_cfg, policy, projection=projection)
+        return cls(model, tgt_dict, gen_cfg, policy, cls.scheduler_for(gen_cfg), projection=projection)
+
+    @staticmethod
+    def scheduler_for(gen_cfg):
+        return None  # static batches
+
+
+@register_decoder(
+    "blockwise-stream", prepare_cli=prepare_streaming_cli,
+    guarantee="blockwise decoding streamed with refills (continuous batching): rows at different lengths verify "
+              "their blocks in one call; blockwise's tokens",
+)
+class BlockwiseStreamGenerator(BlockwiseGenerator):
+    """Blockwise decoding with streaming refills: a refill's rows join the running ones (see streaming.py)."""
+
+    name = "blockwise-stream"
+
+    @staticmethod
+    def scheduler_for(gen_cfg):
+        scheduler = StreamingScheduler.from_config(gen_cfg)
+        if scheduler.selection != "min-length":
+            raise UsageError(f"--stream-selection {scheduler.selection}: --decoder blockwise-stream expands every "
+                             f"active row at every iteration; the selection applies to the cohorts of greedy-stream, "
+                             f"var-stream and fixed-stream")
+        return scheduler

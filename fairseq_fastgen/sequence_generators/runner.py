@@ -75,27 +75,30 @@ class ModelRunner:
 
     @staticmethod
     def concat_caches(caches):
-        """Concatenate incremental caches of cohorts at the same target length.
+        """Concatenate the incremental caches of several cohorts.
 
-        Encoder-decoder keys/values of different source lengths are left-padded,
-        and their key padding masks extended accordingly.
+        Cached keys/values of different widths (encoder-decoder ones of different source lengths;
+        self-attention ones of cohorts at different target lengths, which only blockwise decoding's
+        k-head decoder reads with their padding) are left-padded, and their key padding masks extended
+        accordingly.
         """
         merged = {}
         for key in caches[0]:
             buffers = [c[key] for c in caches]
-            merged[key] = {}
-            for name, first in buffers[0].items():
-                if first is None:
-                    merged[key][name] = None
-                    continue
-                parts = [b[name] for b in buffers]
-                if name == "prev_key_padding_mask":
-                    width = max(p.size(1) for p in parts)
-                    parts = [torch.nn.functional.pad(p, (width - p.size(1), 0), value=True) for p in parts]
-                elif first.dim() == 4:  # (rows, heads, len, head_dim)
-                    width = max(p.size(2) for p in parts)
-                    parts = [torch.nn.functional.pad(p, (0, 0, width - p.size(2), 0)) for p in parts]
-                merged[key][name] = torch.cat(parts, dim=0)
+            merged[key] = {name: None for name in buffers[0]}
+            keys = [b.get("prev_key") for b in buffers]
+            if keys[0] is None:
+                continue
+            width = max(k.size(2) for k in keys)  # (rows, heads, width, head_dim)
+            for name in ("prev_key", "prev_value"):
+                merged[key][name] = torch.cat([F.pad(b[name], (0, 0, width - b[name].size(2), 0)) for b in buffers])
+            masks = [b.get("prev_key_padding_mask") for b in buffers]
+            if all(m is None for m in masks) and all(k.size(2) == width for k in keys):
+                continue
+            masks = [k.new_zeros((k.size(0), k.size(2)), dtype=torch.bool) if m is None else m.bool()
+                     for m, k in zip(masks, keys)]
+            merged[key]["prev_key_padding_mask"] = torch.cat([F.pad(m, (width - m.size(1), 0), value=True)
+                                                              for m in masks])
         return merged
 
     @staticmethod

@@ -67,10 +67,10 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from fairseq_fastgen.engine import cache_capacity
-from fairseq_fastgen.option_checks import require_finite_in_range, require_int
+from fairseq_fastgen.option_checks import UsageError, require_finite_in_range, require_int
 from fairseq_fastgen.sequence_generators.registry import option_value
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
@@ -78,6 +78,7 @@ ROW_MULTIPLE = 4  # row counts that give every row its batch-independent MKL res
 KEY_BLOCK = 4  # q·Kᵀ columns computed together
 MIN_KEY_WIDTH = 16  # narrower encoder outputs take another q·Kᵀ kernel
 PADDING_SENTENCE = -1  # sentence index of padding rows
+SELECTIONS = ["min-length", "fifo"]  # which cohort a streaming iteration expands
 
 
 @dataclass
@@ -96,6 +97,18 @@ class StreamOptions(FairseqDataclass):
     stream_capacity_tokens: Optional[int] = field(
         default=None,
         metadata={"help": "streaming decoders: at most this many active source tokens; default: --max-tokens"},
+    )
+    stream_capacity_rows: Optional[int] = field(
+        default=None,
+        metadata={"help": "streaming decoders: at most this many active candidate rows, the sum of the active "
+                          "sources' beam widths (each new source counted at --beam): variable widths packed to "
+                          "capacity, a budget in place of a source count"},
+    )
+    stream_selection: ChoiceEnum(SELECTIONS) = field(
+        default="min-length",
+        metadata={"help": "streaming decoders: which sources expand at each iteration: min-length, those expanded "
+                          "least (Yang et al. 2020); fifo, those admitted first (VAR-STR-FIFO, longest first). "
+                          "blockwise-stream expands every row at every iteration"},
     )
     stream_pool: int = field(
         default=1024,
@@ -122,7 +135,8 @@ def prepare_streaming_cli(cfg, tool):
             max_tokens = 12000
         else:
             batch_size = 1
-    if generation.stream_capacity is None and generation.stream_capacity_tokens is None:
+    if all(getattr(generation, option, None) is None
+           for option in ("stream_capacity", "stream_capacity_tokens", "stream_capacity_rows")):
         generation.stream_capacity = batch_size
         generation.stream_capacity_tokens = max_tokens
     dataset.max_tokens = None
@@ -130,16 +144,22 @@ def prepare_streaming_cli(cfg, tool):
 
 
 class StreamingScheduler:
-    """Refill-on-demand streaming over cohorts of equal target length."""
+    """Refill-on-demand streaming over cohorts of sources (see the module doc)."""
 
-    def __init__(self, capacity: Optional[int] = None, capacity_tokens: Optional[int] = None, eps: float = 1 / 6):
-        for option, value in (("--stream-capacity", capacity), ("--stream-capacity-tokens", capacity_tokens)):
+    def __init__(self, capacity: Optional[int] = None, capacity_tokens: Optional[int] = None, eps: float = 1 / 6,
+                 capacity_rows: Optional[int] = None, selection: str = "min-length"):
+        for option, value in (("--stream-capacity", capacity), ("--stream-capacity-tokens", capacity_tokens),
+                              ("--stream-capacity-rows", capacity_rows)):
             if value is not None:
                 require_int(option, value, 1)
         eps = require_finite_in_range("--stream-eps", eps, 0, 1)
+        if selection not in SELECTIONS:
+            raise UsageError(f"--stream-selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
         self.capacity = capacity
         self.capacity_tokens = capacity_tokens
+        self.capacity_rows = capacity_rows
         self.eps = eps
+        self.selection = selection
 
     @classmethod
     def from_config(cls, gen_cfg):
@@ -147,64 +167,81 @@ class StreamingScheduler:
             option_value(gen_cfg, "stream_capacity"),
             option_value(gen_cfg, "stream_capacity_tokens"),
             option_value(gen_cfg, "stream_eps"),
+            option_value(gen_cfg, "stream_capacity_rows"),
+            str(option_value(gen_cfg, "stream_selection")),
         )
 
     @property
     def streams(self) -> bool:
-        return self.capacity is not None or self.capacity_tokens is not None
+        return any(c is not None for c in (self.capacity, self.capacity_tokens, self.capacity_rows))
 
     def run(self, policy, ctx):
+        """Decode the pool with ``policy``.  A policy whose rows advance by different numbers of tokens
+        (``joins_lengths``: blockwise) keeps every active row in one state, a refill joining it; the others
+        keep cohorts of equal length in the companion-free layout."""
+        joins_lengths = getattr(policy, "joins_lengths", False)
         layout = CompanionFreeLayout(ctx)
+        self.source_len, self.width = layout.source_len, getattr(policy, "width", 1)
+        encode = ctx.start_state if joins_lengths else functools.partial(layout.encode, ctx)
+        merge = policy.join if joins_lengths else functools.partial(_merge_equal_lengths, layout=layout)
         if self.streams:
             ctx.counters.add("refills", 0)  # reported even when none was needed
         next_source = 0  # sources before it (in pool order) have been admitted
-        cohorts: List[DecodingState] = []
+        cohorts = []
         while True:
-            if next_source < ctx.pool.size and self._wants_refill(cohorts, layout):
-                admitted = self._admit(cohorts, layout, next_source)
+            if next_source < ctx.pool.size and self._wants_refill(cohorts):
+                admitted = self._admit(cohorts, next_source)
                 if admitted:
-                    sentences = torch.arange(next_source, next_source + admitted, device=layout.source_len.device)
-                    cohorts = _merge_equal_lengths(cohorts + [policy.start(layout.encode(ctx, sentences), ctx)], layout)
+                    sentences = torch.arange(next_source, next_source + admitted, device=self.source_len.device)
+                    cohorts = merge(cohorts + [policy.start(encode(sentences), ctx)])
                     if next_source:
                         ctx.counters.add("refills")
                     next_source += admitted
             if not cohorts:
                 break
-            cohort = min(cohorts, key=lambda c: c.length)
+            cohort = self._select(cohorts)
             ctx.counters.record_step("candidate_expansions", int(cohort.sentence.ne(PADDING_SENTENCE).sum()))
             policy.advance(cohort, ctx)
             ctx.counters.add("iterations")
-            cohorts = _merge_equal_lengths([c for c in cohorts if c.rows > 0], layout)
+            cohorts = merge([c for c in cohorts if c.rows > 0])
+
+    def _select(self, cohorts):
+        """The cohort this iteration expands: the least expanded, or with fifo the most (admitted first)."""
+        if len(cohorts) == 1:
+            return cohorts[0]
+        pick = max if self.selection == "fifo" else min
+        return pick(cohorts, key=lambda c: c.length)
 
     # ---- capacity ----------------------------------------------------------------
-    def _load(self, cohorts, layout):
-        """Active sources and their source tokens."""
-        active = layout.source_len.new_zeros(layout.source_len.size(0), dtype=torch.bool)  # (pool,)
+    def _load(self, cohorts):
+        """Active sources, their source tokens and their candidate rows."""
+        active = self.source_len.new_zeros(self.source_len.size(0), dtype=torch.bool)  # (pool,)
+        rows = 0
         for cohort in cohorts:
-            active[cohort.sentence[cohort.sentence.ne(PADDING_SENTENCE)]] = True
-        return int(active.sum()), int(layout.source_len[active].sum())
+            real = cohort.sentence[cohort.sentence.ne(PADDING_SENTENCE)]
+            active[real] = True
+            rows += real.numel()
+        return int(active.sum()), int(self.source_len[active].sum()), rows
 
-    def _wants_refill(self, cohorts, layout):
+    def _within(self, sentences, tokens, rows, share=1.0):
+        """Whether a load is within ``share`` of every capacity."""
+        return all(limit is None or load <= share * limit for load, limit in (
+            (sentences, self.capacity), (tokens, self.capacity_tokens), (rows, self.capacity_rows)))
+
+    def _wants_refill(self, cohorts):
         if not cohorts:
             return True
-        if not self.streams:
-            return False
-        sentences, tokens = self._load(cohorts, layout)
-        return (self.capacity is None or sentences <= self.eps * self.capacity) and (
-            self.capacity_tokens is None or tokens <= self.eps * self.capacity_tokens
-        )
+        return self.streams and self._within(*self._load(cohorts), share=self.eps)
 
-    def _admit(self, cohorts, layout, next_source):
+    def _admit(self, cohorts, next_source):
         """How many sources, from ``next_source`` on, fit beside the active ones (at least one if none is)."""
-        pending = layout.source_len[next_source:].tolist()
+        pending = self.source_len[next_source:].tolist()
         if not self.streams:
             return len(pending)
-        sentences, tokens = self._load(cohorts, layout) if cohorts else (0, 0)
+        sentences, tokens, rows = self._load(cohorts) if cohorts else (0, 0, 0)
         admitted = 0
         for length in pending:
-            fits = (self.capacity is None or sentences + admitted + 1 <= self.capacity) and (
-                self.capacity_tokens is None or tokens + length <= self.capacity_tokens
-            )
+            fits = self._within(sentences + admitted + 1, tokens + length, rows + (admitted + 1) * self.width)
             if not fits and (admitted or sentences):
                 break
             admitted += 1
@@ -213,6 +250,7 @@ class StreamingScheduler:
 
 
 def _merge_equal_lengths(cohorts, layout):
+    """Cohorts at the same target length become one (right-padding the narrower sources)."""
     by_length = {}
     for cohort in cohorts:
         by_length.setdefault(cohort.length, []).append(cohort)

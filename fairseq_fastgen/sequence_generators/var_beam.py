@@ -126,6 +126,11 @@ class BeamSearchPolicy:
         self.max_cands = beam if max_cands is None else max_cands
         self._records, self._records_ctx = None, None
 
+    @property
+    def width(self) -> int:
+        """Candidate rows a source may hold (streaming's --stream-capacity-rows counts new sources at it)."""
+        return self.beam
+
     def records(self, ctx) -> SentenceRecords:
         if self._records_ctx is not ctx:  # a new generate() call
             self._records = SentenceRecords(ctx.pool.size, self.beam, ctx.pool.src_lengths.device)
