@@ -7,6 +7,10 @@ disables that protection globally; it allows exactly the globals fairseq's own
 training writes.  Any other
 global is still refused, with a message naming it and the explicit opt-in:
 ``FASTGEN_TRUSTED_GLOBALS=module.Name[,module.Other]``.
+
+A checkpoint that cannot be read at all (cut short by an interrupted copy or a
+full disk, damaged, not a torch file) is refused with its path and the reader's
+first line (:func:`explain_unreadable`), not with torch's traceback.
 """
 
 import argparse
@@ -15,9 +19,12 @@ import importlib
 import os
 import pickle
 import re
+import zipfile
 
 import numpy as np
 import torch
+
+from fairseq_fastgen.option_checks import UsageError
 
 TRUST_ENV = "FASTGEN_TRUSTED_GLOBALS"
 
@@ -66,16 +73,45 @@ def allow_fairseq_checkpoint_globals():
 _GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
 
 
-class UntrustedCheckpointError(pickle.UnpicklingError):
-    pass
+class UntrustedCheckpointError(pickle.UnpicklingError, UsageError):
+    """A checkpoint whose pickle references a global outside the allow-list (one error line in the CLIs)."""
+
+
+class UnreadableCheckpointError(UsageError):
+    """A checkpoint file that torch cannot read: truncated, damaged or not a checkpoint."""
+
+
+# what torch.load raises on a file cut short or damaged (the zip reader, the unpickler, the file itself)
+UNREADABLE_ERRORS = (RuntimeError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError)
 
 
 def explain_refusal(path, error):
-    """Turn torch's weights_only refusal into a message with the opt-in."""
+    """Turn torch's weights_only refusal into a message with the opt-in; a refusal that names no
+    global is a damaged file, not a foreign one."""
     found = _GLOBAL_IN_MESSAGE.search(str(error))
-    name = found.group(1) if found else "an unknown global"
+    if not found:
+        return explain_unreadable(path, error)
+    name = found.group(1)
     return UntrustedCheckpointError(
         f"refusing to load {path}: its pickle references {name}, which fairseq checkpoints do not "
         f"contain and loading it would run arbitrary code.  If you trust this file, allow that "
         f"global explicitly: {TRUST_ENV}={name} (comma-separated for several)."
     )
+
+
+def explain_unreadable(path, error):
+    """One line naming the file and what the reader said first."""
+    said = _first_line(error)
+    if "WeightsUnpickler error:" in str(error):  # torch's weights_only text hides the reader's own words
+        said = str(error).split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0]
+    return UnreadableCheckpointError(
+        f"cannot load checkpoint {path}: the file is truncated, damaged or not a torch checkpoint "
+        f"({type(error).__name__}: {said})"
+    )
+
+
+def _first_line(error, limit=200):
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    line = line.split(". ", 1)[0]  # torch's zip reader adds several sentences of advice
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -7,7 +7,8 @@ says why it is needed.  They were written against fairseq 0.12.x (the
 ``fairseq-fixed`` 0.12.3.1 fork); :func:`install` warns on any other version.
 
 1. Checkpoint loading: torch >= 2.6 loads with ``weights_only=True``; we allow
-   the globals fairseq checkpoints contain and explain any other refusal.
+   the globals fairseq checkpoints contain and explain any other refusal; a
+   file torch cannot read (truncated, damaged) is named in a one-line error.
 2. Generation options: fairseq reads them from one dataclass,
    ``GenerationConfig``; we substitute a subclass holding ``--decoder`` and
    every decoder's options, so they appear in ``--help`` and reach
@@ -98,8 +99,10 @@ def _install_checkpoint_loading():
             return original(path, *args, **kwargs)
         except pickle.UnpicklingError as error:
             if "weights_only" not in str(error) and "Unsupported global" not in str(error):
-                raise
+                raise checkpoint_safety.explain_unreadable(path, error) from error
             raise checkpoint_safety.explain_refusal(path, error) from error
+        except checkpoint_safety.UNREADABLE_ERRORS as error:  # cut short or damaged: name the file, in one line
+            raise checkpoint_safety.explain_unreadable(path, error) from error
 
     checkpoint_utils.load_checkpoint_to_cpu = load_checkpoint_to_cpu
 

@@ -13,6 +13,8 @@ import torch
 import fairseq_fastgen  # noqa: F401  (installs the allow-list)
 from fairseq_fastgen import toy
 from fairseq_fastgen.checkpoint_safety import TRUST_ENV
+from tests.test_foundation_cli import interactive
+from tests.test_usage_errors import assert_one_error_line
 
 pytestmark = pytest.mark.xdist_group("toy_cli")
 
@@ -55,6 +57,31 @@ def test_foreign_global_is_refused_with_the_opt_in(toy_model, tmp_path):
     assert "fractions.Fraction" in refused.stderr and f"{TRUST_ENV}=fractions.Fraction" in refused.stderr
     trusted = generate(toy_model, checkpoint, env=dict(os.environ, **{TRUST_ENV: "fractions.Fraction"}))
     assert trusted.returncode == 0, trusted.stderr[-2000:]
+
+
+def damaged_copies(checkpoint, directory):
+    """A checkpoint cut short (an interrupted copy, a full disk), and bytes that are no checkpoint."""
+    data = checkpoint.read_bytes()
+    truncated, garbage = directory / "truncated.pt", directory / "garbage.pt"
+    truncated.write_bytes(data[: len(data) * 9 // 10])
+    garbage.write_bytes(bytes(range(256)) * 8)
+    return {"truncated": truncated, "garbage": garbage}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_a_damaged_checkpoint_is_named_in_one_error_line(toy_model, tmp_path, damage):
+    """Issue 30 item 6: torch's traceback named no file; fairseq-generate and fairseq-interactive now end
+    with one error line naming it, exit status 2."""
+    checkpoint = damaged_copies(toy_model.checkpoint, tmp_path)[damage]
+    message = f"cannot load checkpoint {checkpoint}: the file is truncated, damaged or not a torch checkpoint"
+    assert_one_error_line(generate(toy_model, checkpoint), "generate", message)
+    lines = (toy_model.raw / "test.en").read_text().splitlines()[:2]
+    assert_one_error_line(interactive(toy_model, lines, "--path", str(checkpoint)), "interactive", message)
+
+
+def test_a_foreign_global_is_refused_in_one_error_line(toy_model, tmp_path):
+    checkpoint = rewrite_checkpoint(toy_model.checkpoint, tmp_path / "foreign.pt", payload=fractions.Fraction(1, 3))
+    assert_one_error_line(generate(toy_model, checkpoint), "generate", f"refusing to load {checkpoint}")
 
 
 def test_train_restore_file_loads(toy_model, toy_spec, tmp_path):
