@@ -21,9 +21,9 @@ CTRANSLATE2 = "ctranslate2"  # the peer, measured beside the registered decoders
 STOCK_PROCESS = "fairseq"  # --whole-process: stock fairseq-generate without the plugin
 FAIRSEQ_DEFAULT_MAX_TOKENS = 12000  # fairseq-generate's batching when neither limit is given
 # decoders that produce one hypothesis per sentence: measured once per batching, at beam 1
-BEAM_ONE_DECODERS = ("greedy", "blockwise")
+BEAM_ONE_DECODERS = ("greedy", "greedy-stream", "blockwise", "blockwise-stream")
 # decoders that need a k-head model: they decode with --khead-path when it is given
-KHEAD_DECODERS = ("blockwise",)
+KHEAD_DECODERS = ("blockwise", "blockwise-stream")
 
 USAGE = """fastgen-bench DATA --path CKPT --decoders beam,greedy[,...] [--beam 1,5] [--batch-size 1,64]
                      [--max-tokens N,...] [--repeat N] [--threads N] [--subset test] [--max-sentences N]

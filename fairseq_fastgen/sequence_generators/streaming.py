@@ -214,13 +214,14 @@ class StreamingScheduler:
 
     # ---- capacity ----------------------------------------------------------------
     def _load(self, cohorts):
-        """Active sources, their source tokens and their candidate rows."""
+        """Active sources, their source tokens and their candidate rows (a source not yet expanded counts
+        at the policy's full width, ``--beam`` for the beam searches)."""
         active = self.source_len.new_zeros(self.source_len.size(0), dtype=torch.bool)  # (pool,)
         rows = 0
         for cohort in cohorts:
             real = cohort.sentence[cohort.sentence.ne(PADDING_SENTENCE)]
             active[real] = True
-            rows += real.numel()
+            rows += real.numel() if _expanded(cohort) else self.width * real.numel()
         return int(active.sum()), int(self.source_len[active].sum()), rows
 
     def _within(self, sentences, tokens, rows, share=1.0):
@@ -247,6 +248,11 @@ class StreamingScheduler:
             admitted += 1
             tokens += length
         return admitted
+
+
+def _expanded(cohort) -> bool:
+    """Whether a cohort's rows have taken a step (a blockwise state holds per-row lengths)."""
+    return bool((torch.as_tensor(cohort.length) > 0).all())
 
 
 def _merge_equal_lengths(cohorts, layout):

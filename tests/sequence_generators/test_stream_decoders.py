@@ -1,0 +1,213 @@
+"""Streaming for every decoder (issue 28): greedy-stream gives greedy's tokens and blockwise-stream
+blockwise's, sentence by sentence, over many refills; the fifo selection and the row budget give
+var-batch's outputs; fairseq-generate and fairseq-interactive answer every input once, in order."""
+
+import re
+
+import pytest
+import torch
+
+from fairseq_fastgen.engine.static_cache import StaticCache
+from fairseq_fastgen.sequence_generators import streaming
+from test_blockwise import SOURCE_LENGTH, decode, loaded  # noqa: F401  (loaded: the k-head fixture)
+from test_streaming import (  # noqa: F401  (fixtures: toy, var_batch_results, edge_case_data)
+    CAPACITY, AdmissionLog, edge_case_data, hypothesis_lines, run_cli, translate_in_batches, var_batch_results,
+)
+from test_var_beam import TEST_SENTENCES, assert_identical, toy  # noqa: F401
+
+LENGTH_LIMITS = {
+    "source length": SOURCE_LENGTH,  # about half of the toy outputs are cut at this limit
+    "one token": {"max_len_a": 0, "max_len_b": 1},  # every output: one token (then eos)
+}
+
+
+def assert_same_tokens_close_scores(expected, actual):
+    """Sentence by sentence: the same tokens; scores within float rounding (the rows ran beside other
+    companions, which changes the last bits of a product on this CPU)."""
+    assert expected.keys() == actual.keys()
+    for sentence, hypotheses in expected.items():
+        want, got = hypotheses[0], actual[sentence][0]
+        assert torch.equal(got["tokens"], want["tokens"]), sentence
+        assert torch.allclose(got["positional_scores"], want["positional_scores"], atol=1e-5, rtol=0), sentence
+        assert abs(float(got["score"]) - float(want["score"])) <= 1e-5, sentence
+
+
+# ---- greedy-stream ------------------------------------------------------------------------------
+@pytest.mark.parametrize("limits", LENGTH_LIMITS.values(), ids=LENGTH_LIMITS.keys())
+@pytest.mark.parametrize("eps", [1 / 12, 1 / 6, 1 / 2])
+def test_greedy_stream_gives_greedys_tokens_over_many_refills(toy, eps, limits):
+    ids = list(range(TEST_SENTENCES))
+    greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **limits), ids, 25)
+    static = toy.translate(toy.generator(decoder="greedy-stream", **limits), ids)  # one batch, no refill
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=eps, **limits)
+    streamed = toy.translate(generator, ids)
+
+    assert_same_tokens_close_scores(greedy, streamed)
+    assert_identical(static, streamed, across_batches=True)  # bitwise where this CPU is companion-free
+    assert generator.counters.counts["refills"] >= TEST_SENTENCES / CAPACITY - 1
+    sample = toy.sample(ids)
+    source_len = sample["net_input"]["src_lengths"] - 1  # without the eos
+    limit = dict(zip(sample["id"].tolist(), (source_len * limits["max_len_a"] + limits["max_len_b"]).tolist()))
+    cut = [s for s in ids if streamed[s][0]["tokens"].numel() == limit[s] + 1]  # the limit's tokens and eos
+    assert len(cut) >= 20  # sentences cut at the length limit are among them
+
+
+@pytest.mark.parametrize("engine", ["static", "compiled"])
+def test_greedy_stream_on_the_engine(toy, engine):
+    ids = list(range(0, TEST_SENTENCES, 2))
+    greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=6, step_engine=engine, **SOURCE_LENGTH)
+    streamed = toy.translate(generator, ids)
+    if engine == "static":
+        assert_same_tokens_close_scores(greedy, streamed)
+    assert all(torch.equal(streamed[s][0]["tokens"], greedy[s][0]["tokens"]) for s in ids)
+    assert generator.counters.counts["refills"] >= 10
+
+
+# ---- blockwise-stream ---------------------------------------------------------------------------
+class PositionLog:
+    """The first target position of every row in each step_block call of a runner."""
+
+    def __init__(self, runner, monkeypatch):
+        self.calls = []
+        step_block = runner.step_block
+
+        def logged(tokens, positions, encoder_out, cache):
+            self.calls.append(positions[:, 0].tolist())
+            return step_block(tokens, positions, encoder_out, cache)
+
+        monkeypatch.setattr(runner, "step_block", logged)
+
+    def joined_calls(self):
+        """Calls that verified the first block of some rows beside rows further on: rows that entered the
+        batch at different times (in a static batch every row verifies its first block in the same call)."""
+        return [c for c in self.calls if 1 in c and max(c) > 1]
+
+
+@pytest.mark.parametrize("eps", [1 / 12, 1 / 6, 1 / 2])
+@pytest.mark.parametrize("engine", ["fairseq", "static"])
+def test_blockwise_stream_gives_blockwise_tokens_over_many_refills(loaded, engine, eps, monkeypatch):
+    model, task = loaded(4)
+    reference, _ = decode(model, task, 25, decoder="blockwise", step_engine=engine, **SOURCE_LENGTH)
+    options = dict(decoder="blockwise-stream", stream_capacity=CAPACITY, stream_eps=eps, step_engine=engine)
+    from fairseq.dataclass.configs import GenerationConfig
+
+    generator = task.build_generator([model], GenerationConfig(beam=1, **options, **SOURCE_LENGTH))
+    log = PositionLog(generator.runner, monkeypatch)
+    sample = task.dataset("test").collater([task.dataset("test")[i] for i in range(TEST_SENTENCES)])
+    results = generator.generate([model], sample)
+    streamed = {s: (h[0]["tokens"].tolist(), h[0]["positional_scores"]) for s, h in zip(sample["id"].tolist(), results)}
+
+    assert streamed.keys() == reference.keys()
+    for sentence, (tokens, scores) in reference.items():
+        assert streamed[sentence][0] == tokens, sentence
+        assert torch.allclose(streamed[sentence][1], scores, atol=1e-5, rtol=0), sentence
+    assert generator.counters.counts["refills"] >= TEST_SENTENCES / CAPACITY - 1
+    if eps * CAPACITY >= 1:  # a refill comes while rows are running: they verify their blocks beside new rows
+        assert len(log.joined_calls()) >= 5
+    else:  # a refill only once every row has finished
+        assert log.joined_calls() == []
+
+
+def test_joined_caches_keep_each_rows_positions():
+    """StaticCache.concat of caches at different lengths: each row's written positions end at the longest
+    length, in order, and everything left of them is padding."""
+    def cache(rows, length, offset):
+        c = StaticCache(8)
+        keys = [torch.zeros(rows, 1, 3, 2)]
+        c.start(keys, keys, None, heads=1, head_dim=2)
+        c.length = length
+        for buffer in c.self_keys + c.self_values:
+            buffer[:, 0, :length, 0] = offset + torch.arange(length, dtype=torch.float)
+        return c
+
+    merged = StaticCache.concat([cache(2, 5, 100), cache(1, 2, 200)])
+    assert merged.length == 5
+    assert merged.self_keys[0][:2, 0, :5, 0].tolist() == [[100, 101, 102, 103, 104]] * 2
+    assert merged.self_keys[0][2, 0, 3:5, 0].tolist() == [200, 201]
+    assert merged.self_padding[:, :5].tolist() == [[False] * 5] * 2 + [[True, True, True, False, False]]
+
+
+# ---- the streaming paper's other schedulers -----------------------------------------------------
+@pytest.fixture(scope="module")
+def var_batch_expansions(toy):
+    generator = toy.generator(decoder="var-batch", beam=5)
+    translate_in_batches(toy, generator, list(range(TEST_SENTENCES)), 25)
+    return generator.counters.counts["candidate_expansions"]
+
+
+@pytest.mark.parametrize("options", [
+    {"stream_capacity": CAPACITY, "stream_selection": "fifo"},
+    {"stream_capacity_rows": 24},
+    {"stream_capacity_rows": 24, "stream_selection": "fifo", "stream_eps": 1 / 2},
+], ids=["fifo", "row budget", "fifo row budget"])
+def test_fifo_and_row_budget_give_var_batch_outputs(toy, var_batch_results, var_batch_expansions, options,
+                                                    monkeypatch):
+    log = AdmissionLog(monkeypatch)
+    generator = toy.generator(decoder="var-stream", beam=5, **options)
+    sample = toy.sample(range(TEST_SENTENCES))
+    streamed = dict(zip(sample["id"].tolist(), generator.generate(toy.models, sample)))
+    assert_identical(var_batch_results, streamed, across_batches=True)
+
+    counts, per_step = generator.counters.counts, generator.counters.per_step["candidate_expansions"]
+    assert counts["candidate_expansions"] == var_batch_expansions  # the same search, scheduled otherwise
+    assert counts["iterations"] == len(per_step) and counts["refills"] >= 10
+    source_len = sample["net_input"]["src_tokens"].ne(toy.task.source_dictionary.pad()).sum(1).tolist()
+    _, (peak_sentences, _) = log.loads_at_refills(source_len)
+    if "stream_capacity_rows" in options:  # pruned beams leave room: more sources than 24 rows // beam 5
+        assert options["stream_capacity_rows"] // 5 < peak_sentences <= options["stream_capacity_rows"]
+    else:
+        assert peak_sentences == CAPACITY
+
+
+def test_fifo_expands_the_earliest_cohort_first(toy):
+    """With cohorts at two lengths, min-length expands the newer (shorter) one, fifo the older."""
+    ids = list(range(60))
+    schedules = {}
+    for selection in ("min-length", "fifo"):
+        generator = toy.generator(decoder="var-stream", beam=3, stream_capacity=6, stream_eps=0.5,
+                                  stream_selection=selection)
+        toy.translate(generator, ids)
+        schedules[selection] = generator.counters.per_step["candidate_expansions"]
+    assert sum(schedules["fifo"]) == sum(schedules["min-length"])
+    assert schedules["fifo"] != schedules["min-length"]
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"decoder": "blockwise-stream", "stream_selection": "fifo"}, "--stream-selection fifo: --decoder blockwise-stream"),
+    ({"decoder": "var-stream", "stream_capacity_rows": 0}, "--stream-capacity-rows must be an integer >= 1, got 0"),
+])
+def test_scheduler_misuse_is_refused(loaded, options, message):
+    model, task = loaded(4)
+    from fairseq.dataclass.configs import GenerationConfig
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        task.build_generator([model], GenerationConfig(beam=1, **options))
+
+
+def test_an_unknown_selection_is_refused():
+    with pytest.raises(ValueError, match="--stream-selection must be one of min-length, fifo; got 'lifo'"):
+        streaming.StreamingScheduler(capacity=4, selection="lifo")
+
+
+# ---- command line -------------------------------------------------------------------------------
+def test_fairseq_generate_and_interactive_greedy_stream(toy_model, plugin_dir, edge_case_data, monkeypatch):
+    data, sources = edge_case_data
+    args = [str(data), "--path", str(toy_model.checkpoint), "--user-dir", plugin_dir, "--cpu", "--dataset-impl",
+            "raw", "--gen-subset", "test", "--beam", "1", "--batch-size", "4"]
+    greedy = hypothesis_lines(run_cli("generate", args + ["--decoder", "greedy"], monkeypatch))
+    streamed = hypothesis_lines(run_cli("generate", args + ["--decoder", "greedy-stream", "--stream-pool", "16"],
+                                        monkeypatch))
+    texts = lambda lines: {s: [line.split("\t")[2] for line in pair if line.startswith("H")]  # noqa: E731
+                           for s, pair in lines.items()}
+    assert sorted(streamed) == list(range(len(sources)))
+    assert texts(streamed) == texts(greedy)
+
+    interactive = run_cli("interactive", [str(toy_model.data_bin), "--path", str(toy_model.checkpoint),
+                                          "--user-dir", plugin_dir, "--cpu", "--source-lang", "en",
+                                          "--target-lang", "fr", "--beam", "1", "--decoder", "greedy-stream",
+                                          "--buffer-size", "10", "--batch-size", "3"],
+                          monkeypatch, stdin="\n".join(sources) + "\n")
+    assert [int(m) for m in re.findall(r"^S-(\d+)\t", interactive, flags=re.M)] == list(range(len(sources)))
+    assert texts(hypothesis_lines(interactive)) == texts(greedy)
+    assert re.search(r"decoder greedy-stream: .*refills=\d+", interactive)
