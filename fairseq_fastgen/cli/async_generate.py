@@ -11,9 +11,17 @@ order and feeds the BLEU scorer.  The lines, their order and the final
 (``fairseq_cli.generate._main``): the workers call the same fairseq functions
 on the same values; only where they run changes.
 
-Errors: a batch is printed whole or not at all.  When post-processing fails
-(or a worker dies), the main process raises it with the worker's traceback and
-fairseq-generate exits non-zero: a run never ends normally with lines missing.
+Errors: a batch is printed whole or not at all.  When post-processing fails,
+the main process raises it with the worker's traceback and fairseq-generate
+exits non-zero: a run never ends normally with lines missing.  A worker that
+dies (killed, crashed) is found at the next batch, or when the run ends, even
+when the other workers printed every line: the run then ends the other
+workers, says on stderr which worker died and how many sentences were
+written, and exits with status 1.  SIGTERM or SIGINT to fairseq-generate ends
+every worker (:mod:`fairseq_fastgen.stop_signals`), writes no partial batch,
+says how many sentences were written and how many were not, and exits with
+status 128 + the signal's number.  A worker whose parent is gone (killed with
+SIGKILL) exits by itself.
 
 Why processes and not threads: post-processing is Python code that holds the
 GIL, and so is much of beam search.  Worker threads made decoding slower than
@@ -32,6 +40,8 @@ import math
 import multiprocessing
 import os
 import queue
+import signal
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -44,6 +54,7 @@ from fairseq.logging.meters import StopwatchMeter, TimeMeter
 from fairseq_cli.generate import get_symbols_to_strip_from_output
 
 from fairseq_fastgen.sequence_generators.registry import option_value
+from fairseq_fastgen.stop_signals import StopSignals, Stopped, ignore_in_worker
 
 logger = logging.getLogger("fairseq_cli.generate")
 
@@ -70,32 +81,15 @@ def async_generate_main(cfg, output_file):
 
     task = tasks.setup_task(cfg.task)
     formatter = BatchFormatter.for_task(cfg, task)
-    with WorkerPool(option_value(cfg.generation, "postprocess_workers"), formatter) as pool:  # forks now
-        run = GenerationRun.load(cfg, task)
-        scorer = scoring.build_scorer(cfg.scoring, run.tgt_dict)
-        writer = OrderedWriter(output_file, scorer, run.tgt_dict)
-        gen_timer, wps_meter = StopwatchMeter(), TimeMeter()
-        num_sentences = 0
-        for sample in run.progress:
-            sample = utils.move_to_cuda(sample) if run.use_cuda else sample
-            if "net_input" not in sample:
-                continue
-            gen_timer.start()
-            hypos = task.inference_step(
-                run.generator,
-                run.models,
-                sample,
-                prefix_tokens=_prefix_tokens(cfg, sample),
-                constraints=sample.get("constraints"),
-            )
-            num_generated_tokens = sum(len(h[0]["tokens"]) for h in hypos)
-            gen_timer.stop(num_generated_tokens)
-            pool.submit(DecodedBatch.of(sample, hypos, cfg, run, formatter.align_dict is not None))
-            writer.write_ready(pool.finished())
-            wps_meter.update(num_generated_tokens)
-            run.progress.log({"wps": round(wps_meter.avg)})
-            num_sentences += sample["nsentences"] if "nsentences" in sample else sample["id"].numel()
-        writer.write_ready(pool.wait_all())
+    tally = WrittenTally()
+    try:
+        with StopSignals() as signals, WorkerPool(option_value(cfg.generation, "postprocess_workers"),
+                                                  formatter) as pool:  # forks now
+            scorer, gen_timer, num_sentences, has_target = _generate(cfg, task, pool, output_file, signals, tally)
+    except (Stopped, WorkerDied) as stop:
+        output_file.flush()
+        print(f"fairseq-generate: {stop}; {tally.summary()}", file=sys.stderr, flush=True)
+        raise SystemExit(stop.exit_status) from None
 
     logger.info("NOTE: hypothesis and token scores are output in base 2")
     logger.info(
@@ -103,12 +97,43 @@ def async_generate_main(cfg, output_file):
             num_sentences, gen_timer.n, gen_timer.sum, num_sentences / gen_timer.sum, 1.0 / gen_timer.avg
         )
     )
-    if writer.has_target:
+    if has_target:
         _warn_about_bpe_bleu(cfg)
         output_file.write(
             "Generate {} with beam={}: {}\n".format(cfg.dataset.gen_subset, cfg.generation.beam, scorer.result_string())
         )
     return scorer
+
+
+def _generate(cfg, task, pool, output_file, signals, tally):
+    """The decoding loop; returns the scorer, the timer, the number of sentences and whether they had targets."""
+    run = GenerationRun.load(cfg, task)
+    tally.total = len(run.dataset)
+    scorer = scoring.build_scorer(cfg.scoring, run.tgt_dict)
+    writer = OrderedWriter(output_file, scorer, run.tgt_dict, signals, tally)
+    gen_timer, wps_meter = StopwatchMeter(), TimeMeter()
+    num_sentences = 0
+    for sample in run.progress:
+        sample = utils.move_to_cuda(sample) if run.use_cuda else sample
+        if "net_input" not in sample:
+            continue
+        gen_timer.start()
+        hypos = task.inference_step(
+            run.generator,
+            run.models,
+            sample,
+            prefix_tokens=_prefix_tokens(cfg, sample),
+            constraints=sample.get("constraints"),
+        )
+        num_generated_tokens = sum(len(h[0]["tokens"]) for h in hypos)
+        gen_timer.stop(num_generated_tokens)
+        pool.submit(DecodedBatch.of(sample, hypos, cfg, run, pool.formatter.align_dict is not None))
+        writer.write_ready(pool.finished())
+        wps_meter.update(num_generated_tokens)
+        run.progress.log({"wps": round(wps_meter.avg)})
+        num_sentences += sample["nsentences"] if "nsentences" in sample else sample["id"].numel()
+    writer.write_ready(pool.wait_all())
+    return scorer, gen_timer, num_sentences, writer.has_target
 
 
 def _prefix_tokens(cfg, sample):
@@ -271,6 +296,7 @@ class BatchOutput:
     text: str  # every line printed for the batch, in order
     score_inputs: List[ScoreInput] = field(default_factory=list)
     has_target: Optional[bool] = None  # whether the batch's last sentence had a target; None: no sentence
+    sentences: int = 0
 
 
 class BatchFormatter:
@@ -302,7 +328,7 @@ class BatchFormatter:
         return text
 
     def format_batch(self, batch: DecodedBatch) -> BatchOutput:
-        output = BatchOutput(batch.index, text="")
+        output = BatchOutput(batch.index, text="", sentences=len(batch.ids))
         src_tokens, target, hypos = _to_torch(batch.src_tokens), _to_torch(batch.target), _to_torch(batch.hypos)
         lines = []
         for row, sample_id in enumerate(batch.ids):
@@ -404,21 +430,35 @@ class PostProcessingError(RuntimeError):
     """A worker failed to post-process a batch; the message holds the worker's traceback."""
 
 
+class WorkerDied(PostProcessingError):
+    """A worker process ended without being asked to (killed, crashed)."""
+
+    exit_status = 1
+
+    def __init__(self, process):
+        code = process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        super().__init__(f"post-processing worker {process.name} (pid {process.pid}) died ({how})")
+
+
 class WorkerPool:
     """``formatter.format_batch`` in ``workers`` forked processes; results come back in any order.
 
     Use as a context manager, created before any model is loaded: leaving it
-    stops the workers (after the results are read, or at once on an error).
+    stops the workers (after the results are read, or at once on an error), and
+    raises :class:`WorkerDied` if one of them ended otherwise than asked.
     """
 
     def __init__(self, workers: int, formatter: BatchFormatter):
         if workers < 1:
             raise ValueError(f"--postprocess-workers must be positive here, got {workers}")
+        self.formatter = formatter
         context = multiprocessing.get_context("fork")
         self.jobs = context.Queue(maxsize=PENDING_BATCHES_PER_WORKER * workers)
         self.results = context.Queue()
         self.processes = [
-            context.Process(target=_work, args=(formatter, self.jobs, self.results), name=f"postprocess-{n}", daemon=True)
+            context.Process(target=_work, args=(formatter, self.jobs, self.results, os.getpid()),
+                            name=f"postprocess-{n}", daemon=True)
             for n in range(workers)
         ]
         for process in self.processes:
@@ -428,6 +468,7 @@ class WorkerPool:
 
     def submit(self, batch: DecodedBatch):
         """Hand a batch to the workers; waits while too many batches wait."""
+        self._check_alive()  # a death is reported at the next batch, even when the others keep up
         batch.index = self.submitted
         while True:
             try:
@@ -464,32 +505,60 @@ class WorkerPool:
         return output
 
     def _check_alive(self):
+        """While batches may come: a worker that has ended has died."""
         for process in self.processes:
             if process.exitcode is not None:
-                raise PostProcessingError(f"post-processing worker {process.name} died (exit code {process.exitcode})")
+                raise WorkerDied(process)
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc is None:
-            for _ in self.processes:
-                self.jobs.put(None)
-            for process in self.processes:
-                process.join()
-        else:
-            self.jobs.cancel_join_thread()  # batches no worker will read must not hold up the exit
-            for process in self.processes:
-                process.terminate()
-                process.join()
+        if exc is not None:
+            self._terminate()
+            return False
+        try:
+            self._stop_when_idle()
+        except BaseException:
+            self._terminate()
+            raise
         return False
 
+    def _stop_when_idle(self):
+        """Ask every worker to stop and wait for them; a worker that died meanwhile, or before, is raised."""
+        self._check_alive()
+        for _ in self.processes:
+            self.jobs.put(None)
+        for process in self.processes:
+            while process.exitcode is None:  # a dead worker may hold the queue's lock: do not wait blindly
+                process.join(LIVENESS_CHECK_S)
+                self._check_exit_codes()
+        self._check_exit_codes()
 
-def _work(formatter: BatchFormatter, jobs, results):
-    """A worker's loop: format batches until it gets None."""
+    def _check_exit_codes(self):
+        for process in self.processes:
+            if process.exitcode not in (None, 0):
+                raise WorkerDied(process)
+
+    def _terminate(self):
+        self.jobs.cancel_join_thread()  # batches no worker will read must not hold up the exit
+        for process in self.processes:
+            process.terminate()
+        for process in self.processes:
+            process.join()
+
+
+def _work(formatter: BatchFormatter, jobs, results, parent: int):
+    """A worker's loop: format batches until it gets None, or its parent is gone."""
+    ignore_in_worker()
     torch.set_num_threads(1)
     while True:
-        batch = jobs.get()
+        try:
+            batch = jobs.get(timeout=LIVENESS_CHECK_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return  # the main process was killed without stopping us
+            continue
         if batch is None:
             return
         try:
@@ -498,11 +567,27 @@ def _work(formatter: BatchFormatter, jobs, results):
             results.put((None, traceback.format_exc()))
 
 
+class WrittenTally:
+    """How many sentences were written whole, for the report of a run that stopped early."""
+
+    def __init__(self):
+        self.written = 0
+        self.total = None  # sentences of the split, once it is loaded
+
+    def summary(self) -> str:
+        if self.total is None:
+            return "stopped before the data was loaded; no sentence was written"
+        return (f"{self.written} of {self.total} sentences were written, each with all its lines; "
+                f"the other {self.total - self.written} were not")
+
+
 class OrderedWriter:
     """Prints batches and feeds the scorer in decoding order (in the main process)."""
 
-    def __init__(self, output_file, scorer, tgt_dict):
+    def __init__(self, output_file, scorer, tgt_dict, signals=None, tally=None):
         self.output_file, self.scorer, self.tgt_dict = output_file, scorer, tgt_dict
+        self.signals = signals or StopSignals()  # a signal waits until the batch being written is written
+        self.tally = tally or WrittenTally()
         self.has_target = True  # as fairseq: the last sentence's, True when none was decoded
         self.next_index = 0
         self.waiting: Dict[int, BatchOutput] = {}  # finished out of order
@@ -511,8 +596,11 @@ class OrderedWriter:
         for output in outputs:
             self.waiting[output.index] = output
         while self.next_index in self.waiting:
-            self._write(self.waiting.pop(self.next_index))
-            self.next_index += 1
+            with self.signals.held():
+                batch = self.waiting.pop(self.next_index)
+                self._write(batch)
+                self.next_index += 1
+                self.tally.written += batch.sentences
 
     def _write(self, batch: BatchOutput):
         self.output_file.write(batch.text)

@@ -7,8 +7,11 @@ every other line (S/T/H/D/P/A and the final BLEU line) must be byte-identical.
 
 import inspect
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -132,6 +135,132 @@ def test_worker_error_stops_the_run_with_that_error(toy_model):
     sources = [line for line in completed.stdout.splitlines() if line.startswith("S-")]
     hypotheses = [line for line in completed.stdout.splitlines() if line.startswith("P-")]
     assert len(sources) == len(hypotheses) and len(sources) % 8 == 0 and len(sources) < 200
+
+
+def start_long_run(toy_model, stderr_file):
+    """fairseq-generate with 2 post-processing workers over the 4000 training sentences, one per batch: still
+    running long after its first output.  Returns the process, once it has printed its first hypothesis, and
+    the lines read so far."""
+    command = toy.fairseq_command("generate") + [
+        str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--user-dir", toy.PLUGIN_DIR,
+        "--gen-subset", "train", "--beam", "1", "--batch-size", "1", "--postprocess-workers", "2",
+        "--num-workers", "0",  # no data-loader process: the only children are the two workers
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=env)
+    lines = []
+    for line in iter(process.stdout.readline, ""):
+        lines.append(line)
+        if line.startswith("H-"):
+            break
+    return process, lines
+
+
+def children(pid):
+    """The process ids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and parent_of(int(entry)) == pid:
+            found.append(int(entry))
+    return sorted(found)
+
+
+def process_state(pid):
+    """(parent pid, state letter) from /proc/PID/stat, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), fields[0]
+
+
+def parent_of(pid):
+    state = process_state(pid)
+    return state[0] if state else None
+
+
+def running(pid):
+    state = process_state(pid)
+    return state is not None and state[1] != "Z"  # a zombie has ended
+
+
+def finish(process, pids):
+    """The rest of the output, once the process has ended, and which of ``pids`` were still running then.
+    Those (what the test reports as a failure) are then killed, so that no orphan outlives the test; orphans
+    hold the output pipe open, so it is read in a thread, not waited for."""
+    rest = []
+    reader = threading.Thread(target=lambda: rest.append(process.stdout.read()))
+    reader.start()
+    survivors = list(pids)
+    try:
+        process.wait(timeout=600)
+        survivors = [pid for pid in pids if running(pid)]
+    finally:
+        for pid in [process.pid] + pids:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+        reader.join()
+    return "".join(rest), survivors
+
+
+SENTENCE_LINE = re.compile(r"(?P<kind>[STHDP])-(?P<id>\d+)\t")
+
+
+def assert_whole_sentences(output, written):
+    """Every sentence in the output has its S, T, H, D and P lines, each once, and the output ends with a
+    newline; ``written`` sentences in all."""
+    assert output.endswith("\n")
+    kinds = {}
+    for line in output.splitlines():
+        match = SENTENCE_LINE.match(line)
+        if match:
+            kinds.setdefault(int(match["id"]), []).append(match["kind"])
+    assert all(sorted(found) == sorted("STHDP") for found in kinds.values()), kinds
+    assert len(kinds) == written
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_every_worker_and_reports_what_was_written(toy_model, tmp_path, signum):
+    """Issue 30 item 3: SIGTERM left both workers running as orphans, blocked on the job queue."""
+    with open(tmp_path / "stderr", "w") as stderr_file:
+        process, lines = start_long_run(toy_model, stderr_file)
+        workers = children(process.pid)
+        try:
+            process.send_signal(signum)
+        finally:
+            rest, survivors = finish(process, workers)
+    stderr = (tmp_path / "stderr").read_text()
+    assert len(workers) == 2 and survivors == []
+    output = "".join(lines) + rest
+    assert process.returncode == 128 + signum, stderr[-2000:]
+    report = re.search(rf"fairseq-generate: stopped by {signum.name}; (\d+) of 4000 sentences were written, each "
+                       rf"with all its lines; the other (\d+) were not", stderr)
+    assert report, stderr[-2000:]
+    assert 0 < int(report[1]) < 4000 and int(report[1]) + int(report[2]) == 4000
+    assert_whole_sentences(output, int(report[1]))
+    assert "Generate train with beam=" not in output
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_killed_worker_is_reported_and_fails_the_run(toy_model, tmp_path, victim):
+    """Issue 30 item 3: killing the worker that waited for the queue's lock behind the other one ended the run
+    with status 0 and every line, the death unreported."""
+    with open(tmp_path / "stderr", "w") as stderr_file:
+        process, lines = start_long_run(toy_model, stderr_file)
+        workers = children(process.pid)
+        try:
+            os.kill(workers[victim], signal.SIGKILL)
+        finally:
+            rest, survivors = finish(process, workers)
+    stderr = (tmp_path / "stderr").read_text()
+    assert len(workers) == 2 and survivors == []
+    output = "".join(lines) + rest
+    assert process.returncode == 1, stderr[-2000:]
+    report = re.search(rf"fairseq-generate: post-processing worker postprocess-\d \(pid {workers[victim]}\) "
+                       rf"died \(killed by SIGKILL\); (\d+) of 4000 sentences were written", stderr)
+    assert report, stderr[-2000:]
+    assert_whole_sentences(output, int(report[1]))
 
 
 class RecordingScorer:

@@ -1,0 +1,77 @@
+"""SIGTERM and SIGINT as an exception, so that a run with worker processes ends them and reports.
+
+By default SIGTERM ends a Python process at once: no ``finally`` block runs, so
+worker processes it started are left running (orphans), and what was finished is
+never reported.  Inside :class:`StopSignals` the first SIGTERM or SIGINT raises
+:class:`Stopped` in the main thread instead; the code around stops its workers
+on the way out and says what was finished.  Further signals are ignored until the
+block ends, so that cleaning up is not cut short.
+
+Code that must not be cut in the middle (writing one batch of output lines and
+counting it) runs in :meth:`StopSignals.held`: a signal arriving there raises
+when the block ends.
+"""
+
+import contextlib
+import signal
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(Exception):
+    """The process received SIGTERM or SIGINT."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {self.name}")
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum  # the shell's status for a process ended by that signal
+
+
+class StopSignals:
+    """While active (``with StopSignals() as signals:``), SIGTERM and SIGINT raise :class:`Stopped`."""
+
+    def __init__(self):
+        self.received = None  # the first signal's number
+        self.holding = False
+        self.previous = {}
+
+    def __enter__(self):
+        self.previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.received is not None:
+            return  # already stopping
+        self.received = signum
+        if not self.holding:
+            raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        """Run the block whole; a signal received meanwhile raises :class:`Stopped` after it."""
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.received is not None:
+            raise Stopped(self.received)
+
+
+def ignore_in_worker():
+    """In a forked worker: SIGTERM back to its default (the parent ends workers with it), SIGINT ignored
+    (a Ctrl-C reaches the whole process group; the parent alone decides, and ends the workers)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
