@@ -1,23 +1,30 @@
 """Streaming: a scheduler that refills a running batch with new sources.
 
 The scheduler of Yang, Yao, DeNero & Klein (2020), apart from any search
-policy (variable-width beam, fixed-width beam, greedy):
+policy (variable-width beam, fixed-width beam, greedy, blockwise):
 
-* at most ``capacity`` sources (``--batch-size``) or ``capacity_tokens``
-  source tokens (``--max-tokens``) are active at once;
-* when the active sources fall to ``eps`` of that capacity, the next sources
-  of the pool (in pool order) are encoded and added as a new *cohort*;
+* at most ``capacity`` sources (``--batch-size``), ``capacity_tokens`` source
+  tokens (``--max-tokens``) or ``capacity_rows`` candidate rows (the sum of
+  the active beams' widths; a source not yet expanded counts at ``--beam``)
+  are active at once;
+* when the load falls to ``eps`` of that capacity, the next sources of the
+  pool (in pool order) are encoded and added as a new *cohort*;
 * every cohort is a :class:`DecodingState` whose rows all have the same
-  target length, with its own incremental cache; each iteration advances only
-  the cohort of minimal length, and cohorts that reach the same length are
-  merged (:meth:`DecodingState.concat`).  Sources at different lengths thus
-  never share a model call, and encoder outputs and cached keys/values stay
-  with their rows.
+  target length, with its own incremental cache; each iteration advances one
+  cohort (the least expanded; with ``--stream-selection fifo`` the most, the
+  earliest admitted), and cohorts that reach the same length are merged
+  (:meth:`DecodingState.concat`).  Sources at different lengths thus never
+  share a model call, and encoder outputs and cached keys/values stay with
+  their rows.
+* a policy whose rows advance by different numbers of tokens (blockwise:
+  ``joins_lengths``) keeps one state instead: a refill's rows join the
+  running ones whatever their lengths (the runner right-aligns the cached
+  positions), so rows at different lengths verify their blocks in one call.
 
 Without a capacity every source of the call starts at once: a static batch
 (``var-batch`` uses that).  Any policy with ``start(state, ctx)`` and
 ``advance(state, ctx)`` streams; the exactness below needs a policy that pads
-its rows (``var_beam.py`` does; greedy does not).
+its rows (``var_beam.py`` does, and ``greedy.py``'s for ``greedy-stream``).
 
 Batch-composition-independent numerics
 --------------------------------------
@@ -62,7 +69,7 @@ step and one encoder call per distinct source length.
 
 import functools
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
