@@ -25,12 +25,25 @@ Shards
     ``OUT/distill-shards/SPLIT/`` (atomic): a killed run leaves only whole
     shards, and the same command run again decodes only the missing ones.
     ``run.json`` beside them records the settings; a resumed run with other
-    settings is refused.
+    settings is refused.  A resumed run reads every shard it keeps and checks
+    that it holds its sentences exactly once before decoding the others; a
+    damaged shard is named in the error.
+
+Files
+    Every file of OUT is written to a temporary name and renamed
+    (:mod:`fairseq_fastgen.safe_files`), so a kill leaves no partial file, and
+    recorded with its size and SHA-256 in ``OUT/distill-files.json``.  The
+    split's files are written again by every run; the other splits' files that
+    OUT already holds are kept only when they are what was recorded (a damaged
+    copy of DATA's file is copied again, a damaged distilled split is refused
+    by name), or, when not recorded, when they are DATA's file byte for byte.
 
 Workers
     ``--workers N`` starts N processes on this machine; under ``torchrun
     --nproc_per_node N -m fairseq_fastgen.distill ...`` each rank is a worker
-    (gloo, for two barriers).  Worker i uses GPU i on a GPU machine.  A worker
+    (gloo, for two barriers).  Worker i uses GPU i on a GPU machine.  SIGTERM
+    or SIGINT to fastgen-distill ends its workers, says how many shards are
+    done (kept for the next run) and exits with status 128 + the signal.  A worker
     takes a shard by creating its claim file exclusively, so a faster worker
     simply takes more shards; claims left by a killed run are dropped when the
     next run starts.  When all shards are done one process merges them in
@@ -49,14 +62,16 @@ Refusals and reports
 """
 
 import ast
+import filecmp
 import json
 import logging
 import math
 import os
 import re
-import shutil
+import signal
 import sys
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
@@ -73,6 +88,9 @@ from fairseq.data import data_utils, indexed_dataset
 from fairseq.dataclass import FairseqDataclass
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf, gen_parser_from_dataclass
 from fairseq_fastgen.option_checks import check_generation_options, require_int
+from fairseq_fastgen.safe_files import (FileManifest, copy_atomically, remove_stale_temporaries, write_atomically,
+                                        write_step)
+from fairseq_fastgen.stop_signals import StopSignals, Stopped
 from fairseq_fastgen.tasks.translation_distill import check_same_dictionaries
 
 logger = logging.getLogger("fairseq_fastgen.distill")
@@ -80,6 +98,7 @@ logger = logging.getLogger("fairseq_fastgen.distill")
 SENTENCES_PER_SHARD = 1000  # shard size when --num-shards is 0
 DEFAULT_MAX_TOKENS = 12000  # fairseq-generate's batch size when neither --max-tokens nor --batch-size is given
 SHARDS_DIR = "distill-shards"
+MANIFEST = "distill-files.json"  # in OUT: size, SHA-256 and origin of every file written there
 # for tests: a worker exits abruptly (no merge) after finishing this many shards, as if killed
 STOP_AFTER_SHARDS_ENV = "FASTGEN_DISTILL_STOP_AFTER_SHARDS"
 INTERRUPTED_EXIT_CODE = 75
@@ -255,6 +274,11 @@ def prepare(job: DistillJob):
     claim_shard_dir(job)
     for stale in job.shard_dir.glob("*.claim"):
         stale.unlink()
+    remove_stale_temporaries(job.shard_dir)
+    remove_stale_temporaries(job.output_dir)
+    for shard in job.shards:  # what a resumed run keeps, checked before it is trusted
+        if job.shard_path(shard).exists():
+            load_shard(job, shard)
     done = job.shards_done()
     if done:
         logger.info("resuming: %d of %d shards of %r already done, %d to distill (%s)",
@@ -275,16 +299,6 @@ def take(job: DistillJob, shard: Shard) -> bool:
         job.claim_path(shard).unlink()
         return False
     return True
-
-
-def write_atomically(path: Path, write):
-    """``write(file)`` into a temporary file beside ``path``, then rename it to ``path``."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---- the teacher ----------------------------------------------------------------------------------
@@ -459,10 +473,24 @@ def write_shard_file(path, content: ShardContent):
 
 
 def read_shard_file(path) -> ShardContent:
-    with np.load(path) as stored:
-        targets = np.split(stored["tokens"], np.cumsum(stored["lengths"])[:-1])
-        return ShardContent(stored["ids"], targets, stored["truncated"].tolist(), float(stored["started"]),
-                            float(stored["seconds"]), float(stored["cpu_seconds"]))
+    try:
+        with np.load(path) as stored:
+            targets = np.split(stored["tokens"], np.cumsum(stored["lengths"])[:-1])
+            return ShardContent(stored["ids"], targets, stored["truncated"].tolist(), float(stored["started"]),
+                                float(stored["seconds"]), float(stored["cpu_seconds"]))
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:  # cut short, damaged, foreign
+        raise DistillError(f"shard file {path} is damaged ({type(error).__name__}: {error}); delete it and run "
+                           "the same command again to decode that shard again") from error
+
+
+def load_shard(job: DistillJob, shard: Shard) -> ShardContent:
+    """A finished shard's content, checked: it holds its sentences, each exactly once."""
+    path = job.shard_path(shard)
+    content = read_shard_file(path)
+    if not np.array_equal(content.ids, np.arange(shard.start, shard.stop)) or len(content.targets) != shard.size:
+        raise DistillError(f"{path} does not hold sentences {shard.start}..{shard.stop - 1} exactly once; "
+                           "delete it and run again")
+    return content
 
 
 # ---- merging ------------------------------------------------------------------------------------------
@@ -474,10 +502,7 @@ def merge_shards(job: DistillJob, run_started: float, workers: int) -> dict:
                            "missing; run the same command again to distill them")
     targets, truncated, this_run = [], [], []
     for shard in job.shards:
-        content = read_shard_file(job.shard_path(shard))
-        if not np.array_equal(content.ids, np.arange(shard.start, shard.stop)) or len(content.targets) != shard.size:
-            raise DistillError(f"{job.shard_path(shard)} does not hold sentences {shard.start}..{shard.stop - 1} "
-                               "exactly once; delete it and run again")
+        content = load_shard(job, shard)
         targets.extend(content.targets)
         truncated.extend(content.truncated)
         if content.started >= run_started:
@@ -487,7 +512,8 @@ def merge_shards(job: DistillJob, run_started: float, workers: int) -> dict:
                            f"{len(job.dataset)} sentences")
     write_data_bin(job, targets)
     summary = run_summary(job, targets, truncated, this_run, run_started, workers)
-    (job.output_dir / f"distill.{job.split}.json").write_text(json.dumps(summary, indent=2))
+    summary_text = json.dumps(summary, indent=2).encode()
+    write_atomically(job.output_dir / f"distill.{job.split}.json", lambda f: f.write(summary_text))
     return summary
 
 
@@ -499,9 +525,14 @@ def split_prefix(data_dir: Path, split, src, tgt) -> str:
     raise DistillError(f"{data_dir} has no binarized split {split!r} for {src}-{tgt}")
 
 
-def copy_indexed(source: Path, destination: Path):
-    for path_of in (indexed_dataset.data_file_path, indexed_dataset.index_file_path):
-        shutil.copyfile(path_of(str(source)), path_of(str(destination)))
+def copy_recorded(source: Path, destination: Path, manifest: FileManifest):
+    copy_atomically(source, destination)
+    manifest.record(destination, "copy")
+
+
+def indexed_files(prefix) -> List[Path]:
+    """The data and index files of an indexed dataset."""
+    return [Path(path_of(str(prefix))) for path_of in (indexed_dataset.data_file_path, indexed_dataset.index_file_path)]
 
 
 def write_data_bin(job: DistillJob, targets: List[np.ndarray]):
@@ -513,24 +544,35 @@ def write_data_bin(job: DistillJob, targets: List[np.ndarray]):
     if dataset_impl not in ("mmap", "cached"):
         raise DistillError(f"{source}: dataset format {dataset_impl!r} is not supported; "
                            "binarize with fairseq-preprocess")
+    manifest = open_manifest(job)
     for lang in (src, tgt):
-        shutil.copyfile(data_dir / f"dict.{lang}.txt", out / f"dict.{lang}.txt")
-    copy_indexed(source, out / (prefix + src))
-    tmp = str(out / f".{prefix}{tgt}.tmp")
+        copy_recorded(data_dir / f"dict.{lang}.txt", out / f"dict.{lang}.txt", manifest)
+    for original, copy in zip(indexed_files(source), indexed_files(out / (prefix + src))):
+        copy_recorded(original, copy, manifest)
+    tmp = str(out / f".{prefix}{tgt}.{os.getpid()}.tmp")
     builder = indexed_dataset.make_builder(indexed_dataset.data_file_path(tmp), dataset_impl,
                                            vocab_size=len(job.task.target_dictionary))
     for tokens in targets:
         builder.add_item(torch.from_numpy(tokens))
     builder.finalize(indexed_dataset.index_file_path(tmp))
-    final = str(out / (prefix + tgt))
-    for path_of in (indexed_dataset.data_file_path, indexed_dataset.index_file_path):
-        os.replace(path_of(tmp), path_of(final))
-    copy_other_splits(job, prefix)
+    write_step(f"{prefix}{tgt} targets written to their temporary files")
+    for written, final in zip(indexed_files(tmp), indexed_files(out / (prefix + tgt))):
+        os.replace(written, final)
+        write_step(f"{final.name} renamed")
+        manifest.record(final, "distilled")
+    copy_other_splits(job, prefix, manifest)
 
 
-def copy_other_splits(job: DistillJob, prefix: str):
+def open_manifest(job: DistillJob) -> FileManifest:
+    try:
+        return FileManifest(job.output_dir, MANIFEST)
+    except ValueError as error:
+        raise DistillError(str(error)) from error
+
+
+def copy_other_splits(job: DistillJob, prefix: str, manifest: FileManifest):
     """Copy DATA's other splits (valid, test) so that OUT alone is a complete data-bin;
-    splits OUT already holds (distilled by an earlier run) are kept."""
+    files OUT already holds (copied, or distilled by an earlier run) are kept once checked."""
     src, tgt = job.languages
     pairs = "|".join(re.escape(p) for p in (f"{src}-{tgt}", f"{tgt}-{src}"))
     langs = "|".join(re.escape(lang) for lang in (src, tgt))
@@ -539,8 +581,29 @@ def copy_other_splits(job: DistillJob, prefix: str):
         match = pattern.fullmatch(path.name)
         if match is None or re.fullmatch(rf"{re.escape(job.split)}\d*", match["split"]):
             continue  # not a split file, or this split (and its fairseq continuation files SPLIT1, ...)
-        if not (job.output_dir / path.name).exists():
-            shutil.copyfile(path, job.output_dir / path.name)
+        kept = job.output_dir / path.name
+        if not kept.exists() or not keep_checked(kept, path, manifest):
+            copy_recorded(path, kept, manifest)
+
+
+def keep_checked(kept: Path, original: Path, manifest: FileManifest) -> bool:
+    """Whether OUT's file ``kept`` (for DATA's ``original``) is whole: what this tool recorded writing, or DATA's
+    file byte for byte.  False for a damaged copy (copied again); a damaged distilled file is refused."""
+    problem = manifest.problem(kept)
+    if problem is None:
+        return True
+    origin = manifest.origin(kept)
+    if origin == "distilled":
+        raise DistillError(f"{kept} (distilled by an earlier run) is damaged: {problem}; delete it and distill "
+                           "that split again")
+    if origin is None:
+        if not filecmp.cmp(kept, original, shallow=False):
+            raise DistillError(f"{kept} is neither DATA's {original} nor a file this tool recorded writing; "
+                               "delete it to copy DATA's")
+        manifest.record(kept, "copy")
+        return True
+    logger.warning("%s is damaged (%s); copying %s again", kept, problem, original)
+    return False
 
 
 def teacher_bleu(job: DistillJob, targets: List[np.ndarray]):
@@ -636,15 +699,33 @@ def run_spawned_workers(job: DistillJob, argv, run_started: float):
 
     workers = job.args.workers
     prepare(job)
+    context = torch.multiprocessing.start_processes(spawned_worker, args=(argv, workers), nprocs=workers,
+                                                    join=False)
     try:
-        torch.multiprocessing.spawn(spawned_worker, args=(argv, workers), nprocs=workers)
+        while not context.join():  # on a worker's failure, join ends the others and raises
+            pass
     except ProcessException as error:
         message = f"a worker failed; its finished shards are kept and the same command resumes:\n{error}"
         raise DistillError(message) from error
+    except BaseException:  # a signal (Stopped) or anything else here: no worker may outlive this process
+        end_workers(context.processes)
+        raise
     return merge_shards(job, run_started, workers)
 
 
+def end_workers(processes):
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join()
+
+
 def spawned_worker(rank, argv, workers):
+    # torch asks for SIGINT when this worker's parent dies (prctl); a worker started with SIGINT ignored
+    # (from a shell's background job) would miss it and go on decoding as an orphan
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     configure_logging()
     if "OMP_NUM_THREADS" not in os.environ:  # share this machine's cores between the workers
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -665,10 +746,25 @@ def configure_logging():
 def cli_main(argv=None):
     configure_logging()
     try:
-        main(argv)
+        with StopSignals():
+            main(argv)
     except DistillError as error:
         logger.error("%s", error)
         sys.exit(1)
+    except Stopped as stop:
+        logger.error("fastgen-distill: %s; %s", stop, shards_left_report(argv))
+        sys.exit(stop.exit_status)
+
+
+def shards_left_report(argv) -> str:
+    """What a stopped run finished: the shards on disk (the same command resumes from them)."""
+    try:
+        job = open_job(list(sys.argv[1:] if argv is None else argv))
+    except Exception:  # noqa: BLE001  (the report must not fail where the run did not get this far)
+        return "its workers were stopped"
+    return (f"{job.shards_done()} of {len(job.shards)} shards of {job.split!r} are done and kept in {job.shard_dir}, "
+            "the others are not; the same command resumes from them (OUT is a complete data-bin only after a run "
+            "that ends with status 0); its workers were stopped")
 
 
 if __name__ == "__main__":
