@@ -24,8 +24,6 @@ import zipfile
 import numpy as np
 import torch
 
-from fairseq_fastgen.option_checks import UsageError
-
 TRUST_ENV = "FASTGEN_TRUSTED_GLOBALS"
 
 
@@ -73,11 +71,17 @@ def allow_fairseq_checkpoint_globals():
 _GLOBAL_IN_MESSAGE = re.compile(r"GLOBAL ([\w.]+)")
 
 
-class UntrustedCheckpointError(pickle.UnpicklingError, UsageError):
-    """A checkpoint whose pickle references a global outside the allow-list (one error line in the CLIs)."""
+# This module imports nothing of the package: stock_fairseq.py loads it by path, without installing the plugin.
+class CheckpointRefusal(Exception):
+    """A checkpoint that is not loaded, with a message naming it; fairseq-generate and fairseq-interactive print
+    it as one error line."""
 
 
-class UnreadableCheckpointError(UsageError):
+class UntrustedCheckpointError(pickle.UnpicklingError, CheckpointRefusal):
+    """A checkpoint whose pickle references a global outside the allow-list."""
+
+
+class UnreadableCheckpointError(CheckpointRefusal, ValueError):
     """A checkpoint file that torch cannot read: truncated, damaged or not a checkpoint."""
 
 

@@ -262,15 +262,15 @@ def usage_errors():
 
 
 def exit_on_usage_error(tool: str):
-    """Around a CLI's run: a :class:`UsageError` ends it with one ``fairseq-TOOL: error: ...`` line on stderr and
-    exit status 2 (argparse's convention), instead of a traceback."""
+    """Around a CLI's run: a :class:`UsageError`, or a checkpoint that is not loaded, ends it with one
+    ``fairseq-TOOL: error: ...`` line on stderr and exit status 2 (argparse's convention), instead of a traceback."""
 
     def wrap(run):
         @functools.wraps(run)
         def guarded(*args, **kwargs):
             try:
                 return run(*args, **kwargs)
-            except UsageError as error:
+            except (UsageError, checkpoint_safety.CheckpointRefusal) as error:
                 print(f"fairseq-{tool}: error: {error}", file=sys.stderr, flush=True)
                 sys.exit(2)
 

@@ -97,3 +97,14 @@ def test_train_restore_file_loads(toy_model, toy_spec, tmp_path):
     log = result.stdout + result.stderr
     assert f"Loaded checkpoint {toy_model.checkpoint}" in log
     assert f"num_updates {resumed.max_update}" in log
+
+
+def test_stock_fairseq_loads_checkpoints_without_installing_the_plugin(toy_model):
+    """stock_fairseq.py loads checkpoint_safety.py by path: that module must import nothing of the package, or
+    every stock side of a comparison silently runs with the plugin (its options, its kept batches)."""
+    stock = toy.stock_fairseq_command("generate")
+    help_text = subprocess.run(stock + ["--help"], capture_output=True, text=True).stdout
+    assert "--beam" in help_text and "--decoder" not in help_text
+    loaded = subprocess.run(stock + [str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu",
+                                     "--beam", "1", "--batch-size", "64", "--quiet"], capture_output=True, text=True)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
