@@ -31,6 +31,7 @@ from fairseq_fastgen.bench.ctranslate2_peer import CTranslate2Peer
 from fairseq_fastgen.bench.inputs import BenchInputs
 from fairseq_fastgen.bench.measure import ConfigResult, FairseqCandidate, WarmRun, time_interleaved, warm_up
 from fairseq_fastgen.bench.whole_process import ProcessPeer
+from fairseq_fastgen.safe_files import write_atomically
 
 logger = logging.getLogger("fastgen_bench")
 
@@ -144,7 +145,7 @@ def main(argv: List[str], log_to_stderr: bool = False) -> List[ConfigResult]:
     if projections:
         table += "\nVocabulary projection against the reference configuration:\n\n" + projections + "\n"
     table += "".join(f"\nNote: {note}" for note in notes)
-    (output_dir / "results.md").write_text(table + "\n")
+    write_atomically(output_dir / "results.md", lambda f: f.write((table + "\n").encode()))
     print(table)
     return results
 

@@ -84,9 +84,14 @@ class ConfigResult:
     seconds: List[float] = field(default_factory=list)  # one per timed pass
     memory: dict = field(default_factory=dict)
     statistics: dict = field(default_factory=dict)  # decoder counters of the warm-up pass
-    bleu: Optional[float] = None
+    bleu: Optional[float] = None  # over compared_sentences when set, else over every output
     reference: Optional[str] = None  # label of the configuration compared against
-    identical_rate: Optional[float] = None
+    identical_rate: Optional[float] = None  # likewise
+    total_sentences: Optional[int] = None  # of the subset measured
+    # when the configurations translated different sentences: how many all of them translated (BLEU and
+    # identical share are over those), and the BLEU over this configuration's own outputs
+    compared_sentences: Optional[int] = None
+    own_bleu: Optional[float] = None
 
     @property
     def ok(self) -> bool:

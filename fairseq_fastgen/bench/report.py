@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from fairseq_fastgen.bench.measure import ConfigResult, as_text
+from fairseq_fastgen.safe_files import write_atomically
 
 # counters that the table leaves to results.json (sizes of the run, not of the decoder)
 UNTABULATED_STATISTICS = ("decoder", "sentences", "tokens", "projection_seconds", "projection_states")
@@ -34,7 +35,10 @@ def config_record(result: ConfigResult, hypotheses: Optional[Path]) -> dict:
         seconds=result.seconds,
         sentences_per_second=result.sentences_per_second(),
         tokens_per_second=result.tokens_per_second(),
+        total_sentences=result.total_sentences,
+        compared_sentences=result.compared_sentences,  # set: bleu and identical_rate are over these only
         bleu=result.bleu,
+        bleu_own_sentences=result.own_bleu,
         reference=result.reference,
         identical_rate=result.identical_rate,
         memory=result.memory,
@@ -48,7 +52,8 @@ def config_record(result: ConfigResult, hypotheses: Optional[Path]) -> dict:
 
 def write_json(path: Path, results: List[ConfigResult], run_info: dict, hypotheses: Dict[str, Path]):
     records = [config_record(r, hypotheses.get(r.config.label)) for r in results]
-    path.write_text(json.dumps(dict(run_info, configurations=records), indent=2) + "\n")
+    text = json.dumps(dict(run_info, configurations=records), indent=2) + "\n"
+    write_atomically(path, lambda f: f.write(text.encode()))  # a killed bench leaves no partial results.json
 
 
 def write_hypotheses(output_dir: Path, results: List[ConfigResult], detokenize) -> Dict[str, Path]:
@@ -83,12 +88,43 @@ def memory_cell(memory: dict) -> str:
     return cell
 
 
+COMMON_MARK = "†"  # a BLEU or identical share over the sentences every configuration translated
+
+
 def identical_cell(result: ConfigResult) -> str:
     if result.reference is None:
         return ""
     if result.reference == result.config.label:
         return "(reference)"
-    return f"{100 * result.identical_rate:.1f}% {result.reference}"
+    mark = COMMON_MARK if result.compared_sentences is not None else ""
+    return f"{100 * result.identical_rate:.1f}%{mark} {result.reference}"
+
+
+def bleu_cell(result: ConfigResult) -> str:
+    if result.bleu is None:
+        return ""
+    return f"{result.bleu:.2f}" + (COMMON_MARK if result.compared_sentences is not None else "")
+
+
+def configuration_cell(result: ConfigResult) -> str:
+    """The label, and how many sentences the configuration translated when that is fewer than the subset."""
+    translated, total = len(result.outputs), result.total_sentences
+    if result.ok and total is not None and translated < total:
+        return f"{result.config.label} (only {translated} of {total} sentences)"
+    return result.config.label
+
+
+def coverage_note(results: List[ConfigResult]) -> Optional[str]:
+    """Under the table, when the configurations translated different sentences: what the marked cells cover."""
+    compared = [r for r in results if r.ok and r.compared_sentences is not None]
+    if not compared:
+        return None
+    counts = ", ".join(f"{r.config.label} {len(r.outputs)}" for r in compared)
+    first = compared[0]
+    return (f"{COMMON_MARK} The configurations translated different sentences ({counts}): BLEU and identical "
+            f"outputs marked {COMMON_MARK} are over the {first.compared_sentences} of {first.total_sentences} "
+            "sentences that every one translated; speeds are over each configuration's own sentences. "
+            "results.json also has each BLEU over its own sentences (bleu_own_sentences).")
 
 
 def markdown_table(results: List[ConfigResult]) -> str:
@@ -97,20 +133,21 @@ def markdown_table(results: List[ConfigResult]) -> str:
     rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
         if not result.ok:
-            cells = [result.config.label, f"skipped: {result.skipped}", "", "", "", "", ""]
+            cells = [configuration_cell(result), f"skipped: {result.skipped}", "", "", "", "", ""]
         else:
             sentences, tokens = result.sentences_per_second(), result.tokens_per_second()
             cells = [
-                result.config.label,
+                configuration_cell(result),
                 f"{sentences['median']:.1f} ({sentences['min']:.1f}-{sentences['max']:.1f})",
                 f"{tokens['median']:.0f}",
-                "" if result.bleu is None else f"{result.bleu:.2f}",
+                bleu_cell(result),
                 identical_cell(result),
                 memory_cell(result.memory),
                 statistics_cell(result.statistics),
             ]
         rows.append("| " + " | ".join(cell.replace("|", "/").replace("\n", " ") for cell in cells) + " |")
-    return "\n".join(rows)
+    note = coverage_note(results)
+    return "\n".join(rows) + (f"\n\n{note}" if note else "")
 
 
 def projection_table(results: List[ConfigResult]) -> Optional[str]:

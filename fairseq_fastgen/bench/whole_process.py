@@ -12,7 +12,11 @@ plus, per beam and batching, stock fairseq-generate without the plugin
 (``fairseq/bB/bsN``).  A pass's time is the process's wall time; its CPU time
 (user + system) and peak resident memory come from ``wait4``.  The outputs are
 the printed D- lines (detokenized best hypotheses), so BLEU and identical
-outputs compare what fairseq-generate prints.
+outputs compare what fairseq-generate prints.  Stock fairseq-generate drops
+the last batch when its size is not a multiple of ``--required-batch-size-multiple``
+(the plugin keeps it): its row then covers fewer sentences, which the table
+says in the row, and every row's BLEU and identical share are computed over
+the sentences all rows translated (:mod:`fairseq_fastgen.bench.scoring`).
 """
 
 import json

@@ -99,3 +99,46 @@ def test_whole_process_outputs_are_the_in_process_outputs_as_fairseq_generate_pr
     written = {c["label"]: c for c in json.loads((tmp_path / "whole" / "results.json").read_text())["configurations"]}
     assert "--decoder greedy" in written["greedy/b1/bs8"]["command"]
     assert "--user-dir" not in written["fairseq/b2/bs8"]["command"]
+
+
+def twenty_sentence_data_bin(toy_model, directory):
+    """The toy's first 20 test sentences, binarized with its dictionaries: at --batch-size 16 stock
+    fairseq-generate drops the last batch of 4 (not a multiple of --required-batch-size-multiple 8)."""
+    raw = directory / "raw"
+    raw.mkdir()
+    for lang in (toy.SRC, toy.TGT):
+        lines = (toy_model.raw / f"test.{lang}").read_text().splitlines()[:20]
+        (raw / f"test.{lang}").write_text("".join(line + "\n" for line in lines))
+    toy.run(toy.fairseq_command("preprocess") + [
+        "--source-lang", toy.SRC, "--target-lang", toy.TGT, "--testpref", str(raw / "test"),
+        "--srcdict", str(toy_model.data_bin / f"dict.{toy.SRC}.txt"),
+        "--tgtdict", str(toy_model.data_bin / f"dict.{toy.TGT}.txt"), "--destdir", str(directory / "bin"),
+        "--workers", "1",
+    ])
+    return directory / "bin"
+
+
+def test_rows_over_different_sentences_are_compared_over_the_common_ones_and_marked(toy_model, tmp_path):
+    """Issue 30 item 5: stock's BLEU, speed and "100.0% identical" were over 16 sentences beside rows over 20,
+    and only results.json said so."""
+    data_bin = twenty_sentence_data_bin(toy_model, tmp_path)
+    argv = [str(data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--threads", "1", "--beam", "2",
+            "--batch-size", "16", "--repeat", "1", "--no-progress-bar", "--no-ctranslate2", "--decoders", "beam",
+            "--whole-process", "--output-dir", str(tmp_path / "out")]
+    results = {r.config.label: r for r in bench.main(argv)}
+    plugin, stock = results["beam/b2/bs16"], results["fairseq/b2/bs16"]
+    assert (len(plugin.outputs), len(stock.outputs)) == (20, 16)
+    assert all(stock.outputs[i] == plugin.outputs[i] for i in stock.outputs)  # the same search
+    # over the same sentences, the same hypotheses score the same BLEU and are all identical
+    assert stock.bleu == plugin.bleu and stock.identical_rate == 1.0
+    assert stock.compared_sentences == plugin.compared_sentences == 16
+    assert plugin.own_bleu is not None and stock.own_bleu == stock.bleu  # plugin.own_bleu: over its 20
+
+    table = (tmp_path / "out" / "results.md").read_text()
+    stock_row = next(line for line in table.splitlines() if line.startswith("| fairseq/b2/bs16"))
+    plugin_row = next(line for line in table.splitlines() if line.startswith("| beam/b2/bs16"))
+    assert "fairseq/b2/bs16 (only 16 of 20 sentences)" in stock_row and "100.0%† beam/b2/bs16" in stock_row
+    assert f"{plugin.bleu:.2f}†" in plugin_row and "only" not in plugin_row
+    assert "over the 16 of 20 sentences that every one translated" in table
+    written = {c["label"]: c for c in json.loads((tmp_path / "out" / "results.json").read_text())["configurations"]}
+    assert written["fairseq/b2/bs16"]["sentences"] == 16 and written["beam/b2/bs16"]["compared_sentences"] == 16
