@@ -95,6 +95,7 @@ BAD_GENERATION_OPTIONS = [
     ("stream_eps", 1.5, "--stream-eps must be a finite number in [0, 1], got 1.5"),
     ("stream_capacity", 0, "--stream-capacity must be an integer >= 1, got 0"),
     ("stream_capacity_tokens", -5, "--stream-capacity-tokens must be an integer >= 1, got -5"),
+    ("stream_capacity_rows", 0, "--stream-capacity-rows must be an integer >= 1, got 0"),
     ("stream_pool", 0, "--stream-pool must be an integer >= 1, got 0"),
     ("postprocess_workers", -1, "--postprocess-workers must be an integer >= 0, got -1"),
 ]

@@ -54,6 +54,8 @@ class StaticRunner(ModelRunner):
         if cache.started:
             cache.widen_source(extra)
 
+    joins_rows_before_their_first_step = True  # start_cache takes their encoder keys/values at once
+
     def start_cache(self, cache: StaticCache, encoder_out):
         """At a cache's first step: the encoder-decoder keys/values of its rows, once."""
         states = encoder_out["encoder_out"][0]  # (src_len, rows, dim)

@@ -251,10 +251,12 @@ class BlockwiseState:
             running = running + token_lprobs[:, offset]
             cumulative.append(running)
         cumulative = torch.stack(cumulative, dim=1)  # (rows, n)
-        count = accepted.sum(dim=1)  # (rows,)
+        count = accepted.sum(dim=1)  # (rows,) 0 for a row that has only run its bos (streaming)
         self.tokens[rows, 1 + columns] = block[rows, offsets]
         self.cum_scores[rows, columns] = cumulative[rows, offsets]
-        self.score = cumulative.gather(1, (count - 1).unsqueeze(1)).squeeze(1)
+        last_score = cumulative.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        self.score = torch.where(count > 0, last_score, self.score)
+        self.length = self.length.clamp(min=0)  # such a row now holds its bos: no token yet
         if token_attn is not None:
             self.attention_buffer(token_attn)[rows, :, columns] = token_attn[rows, offsets]
         self.length = self.length + count
@@ -309,6 +311,10 @@ class BlockwiseState:
                 s.cum_scores.new_zeros((s.rows, width, capacity)) if s.attn is None
                 else F.pad(s.attn, (0, capacity - s.attn.size(2))) for s in states
             ])  # (rows, width, capacity)
+        if any(s.first_attn is not None for s in states):  # rows that have not run their bos have none yet
+            for state in states:
+                if state.first_attn is None:
+                    state.first_attn = state.cum_scores.new_zeros((state.rows, width))
         for name in ("length", "score", "sentence", "max_len", "proposals", "first_lprob", "first_attn"):
             if getattr(merged, name) is not None:
                 setattr(merged, name, torch.cat([getattr(s, name) for s in states]))
@@ -365,6 +371,20 @@ class BlockwisePolicy:
                      self.later_scores(base, heads, ctx))
         return blockwise
 
+    def start_joining(self, state: DecodingState, ctx) -> BlockwiseState:
+        """Streaming: rows about to join running ones.  Where the runner takes rows into a cache before
+        their first step, their bos position runs in the running rows' next call (a block of the bos and
+        padding, marked by length -1); else ``start`` runs it in a call of its own."""
+        if not state.runner.joins_rows_before_their_first_step:
+            return self.start(state, ctx)
+        blockwise = BlockwiseState(state, self.pad, RowStepProcessors(ctx.processors))
+        state.runner.start_cache(blockwise.cache, blockwise.encoder_out)
+        blockwise.length = blockwise.length - 1  # the next block starts at the bos position
+        blockwise.proposals = blockwise.tokens.new_full((blockwise.rows, self.block_size), self.pad)
+        blockwise.proposals[:, 0] = state.tokens[:, 0]  # (rows, block): the bos, then padding
+        blockwise.first_lprob = blockwise.cum_scores.new_zeros(blockwise.rows)  # read only for accepted tokens
+        return blockwise
+
     def advance(self, state: BlockwiseState, ctx):
         if state.rows == 1 and self.one_row_path and not state.rules.reads_history:
             self.advance_one_row(state, ctx)
@@ -387,17 +407,22 @@ class BlockwisePolicy:
         rules(flat, steps, history, row_of, state.sentence, state.max_len)
         best = lprobs.topk(1, dim=-1).indices.squeeze(2)  # (rows, n): greedy's choice after each block token
         accepted = self.accepted_prefix(block, lprobs, best, ctx.eos)  # (rows, n)
-        count = accepted.sum(dim=1)  # (rows,) >= 1
+        fresh = state.length.lt(0)  # (rows,) rows whose block is their bos (streaming: they joined just now)
+        kept = accepted  # (rows, n) the positions the cache keeps: a fresh row's bos
+        if fresh.any():
+            kept = torch.where(fresh.unsqueeze(1), offsets.eq(0).unsqueeze(0), accepted)
+            accepted = accepted & ~fresh.unsqueeze(1)  # a fresh row accepts no token yet
+        count = kept.sum(dim=1)  # (rows,) >= 1
 
         token_lprobs = torch.cat(
             [state.first_lprob.unsqueeze(1), lprobs[:, :-1].gather(2, block[:, 1:].unsqueeze(2)).squeeze(2)], dim=1
         )  # (rows, n)
         token_attn = None if attn is None else torch.cat([state.first_attn.unsqueeze(1), attn[:, :-1]], dim=1)
         state.accept(block, token_lprobs, token_attn, accepted)
-        state.runner.keep_accepted(state.cache, accepted)
+        state.runner.keep_accepted(state.cache, kept)
 
-        last = count - 1  # the last accepted position proposes the next block
-        finished = block[rows, last].eq(ctx.eos)
+        last = count - 1  # the last accepted position proposes the next block (a fresh row's bos, its first)
+        finished = block[rows, last].eq(ctx.eos) & ~fresh
         finished_rows = finished.nonzero().squeeze(1).tolist()
         for row in finished_rows:
             ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state.finished_row(row), 0)])
@@ -583,15 +608,15 @@ class BlockwiseGenerator(FastgenGenerator):
     def build(cls, model, tgt_dict, gen_cfg, projection=None):
         if gen_cfg.beam > 1:
             raise ValueError(
-                f"--decoder blockwise decodes one hypothesis per sentence (greedy with head 1); got --beam "
+                f"--decoder {cls.name} decodes one hypothesis per sentence (greedy with head 1); got --beam "
                 f"{gen_cfg.beam} (fairseq's default is 5): pass --beam 1"
             )
         if gen_cfg.nbest > 1:
-            raise ValueError(f"--decoder blockwise produces one hypothesis per sentence; got --nbest {gen_cfg.nbest}")
+            raise ValueError(f"--decoder {cls.name} produces one hypothesis per sentence; got --nbest {gen_cfg.nbest}")
         decoder = model.decoder
         if not hasattr(decoder, "forward_block"):
             raise ValueError(
-                f"--decoder blockwise needs a k-head model (--arch transformer_khead); this checkpoint's decoder is "
+                f"--decoder {cls.name} needs a k-head model (--arch transformer_khead); this checkpoint's decoder is "
                 f"{type(decoder).__name__}"
             )
         block_size = option_value(gen_cfg, "blockwise_block_size")

@@ -136,6 +136,9 @@ class ModelRunner:
         ``drop_last_positions`` drops some."""
         return self.model.decoder.forward_block(tokens, positions, encoder_out, cache)
 
+    # whether rows can join a cache before their first step (``start_cache``): fairseq's cache fills at a step
+    joins_rows_before_their_first_step = False
+
     def keep_accepted(self, cache, accepted: Tensor):
         """Of the n positions the last ``step_block`` cached, keep those where ``accepted`` (rows, n; a
         prefix of each row) holds."""

@@ -200,7 +200,8 @@ class StreamingScheduler:
                 admitted = self._admit(cohorts, next_source)
                 if admitted:
                     sentences = torch.arange(next_source, next_source + admitted, device=self.source_len.device)
-                    cohorts = merge(cohorts + [policy.start(encode(sentences), ctx)])
+                    start = policy.start_joining if joins_lengths and cohorts else policy.start
+                    cohorts = merge(cohorts + [start(encode(sentences), ctx)])
                     if next_source:
                         ctx.counters.add("refills")
                     next_source += admitted

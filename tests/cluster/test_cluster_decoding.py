@@ -17,8 +17,8 @@ from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, M
 from fairseq_fastgen.cluster.projection import attached_projection, nearest_clusters
 from fairseq_fastgen.sequence_generators import DECODERS
 
-K_HEAD_DECODERS = {"blockwise"}  # need a transformer_khead model: tested on the toy k-head model below
-EXPECTED_PLAIN_DECODERS = ["beam", "greedy", "var-batch", "var-stream", "fixed-stream"]
+K_HEAD_DECODERS = {"blockwise", "blockwise-stream"}  # need a transformer_khead model: the toy k-head model below
+EXPECTED_PLAIN_DECODERS = ["beam", "greedy", "greedy-stream", "var-batch", "var-stream", "fixed-stream"]
 PLAIN_DECODERS = sorted(set(EXPECTED_PLAIN_DECODERS) | set(DECODERS) - K_HEAD_DECODERS)
 SENTENCES = 24
 
@@ -113,11 +113,12 @@ def test_whole_vocabulary_file_changes_nothing_with_onednn_products(toy, model, 
                                    common_options={"onednn_linear": True}, cluster_projection=str(full_coverage_path))
 
 
-def test_whole_vocabulary_file_changes_nothing_in_blockwise(khead, khead_full_coverage_path):
-    if "blockwise" not in DECODERS:
-        pytest.skip("--decoder blockwise is not registered (yet)")
+@pytest.mark.parametrize("decoder", sorted(K_HEAD_DECODERS))
+def test_whole_vocabulary_file_changes_nothing_in_blockwise(khead, khead_full_coverage_path, decoder):
+    if decoder not in DECODERS:
+        pytest.skip(f"--decoder {decoder} is not registered (yet)")
     stats = assert_unchanged_by_whole_vocabulary_file(khead.task, copy.deepcopy(khead.model), khead_full_coverage_path,
-                                                      "blockwise", 1)
+                                                      decoder, 1)
     assert stats["projection_states"] > stats["projection_steps"]  # the k heads' states are projected together
 
 

@@ -79,9 +79,13 @@ class PositionLog:
         monkeypatch.setattr(runner, "step_block", logged)
 
     def joined_calls(self):
-        """Calls that verified the first block of some rows beside rows further on: rows that entered the
-        batch at different times (in a static batch every row verifies its first block in the same call)."""
-        return [c for c in self.calls if 1 in c and max(c) > 1]
+        """Calls that ran the bos or the first block of some rows beside rows further on: rows that entered
+        the batch at different times (in a static batch every row runs them in the same calls)."""
+        return [c for c in self.calls if min(c) <= 1 < max(c)]
+
+    def shared_first_positions(self):
+        """Calls that ran the bos position of some rows beside rows further on."""
+        return [c for c in self.calls if min(c) == 0 < max(c)]
 
 
 @pytest.mark.parametrize("eps", [1 / 12, 1 / 6, 1 / 2])
@@ -105,6 +109,8 @@ def test_blockwise_stream_gives_blockwise_tokens_over_many_refills(loaded, engin
     assert generator.counters.counts["refills"] >= TEST_SENTENCES / CAPACITY - 1
     if eps * CAPACITY >= 1:  # a refill comes while rows are running: they verify their blocks beside new rows
         assert len(log.joined_calls()) >= 5
+        # the static cache takes new rows before their first step: their bos runs in the running rows' call
+        assert bool(log.shared_first_positions()) == (engine == "static")
     else:  # a refill only once every row has finished
         assert log.joined_calls() == []
 
