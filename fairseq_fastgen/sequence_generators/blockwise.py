@@ -37,7 +37,7 @@ from fairseq.dataclass import FairseqDataclass
 
 from fairseq_fastgen.option_checks import UsageError, require_finite_in_range, require_int
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
-from fairseq_fastgen.sequence_generators.generator import FastgenGenerator
+from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
 from fairseq_fastgen.sequence_generators.int8_proposals import Int8Proposer
 from fairseq_fastgen.sequence_generators.processors import ForbidPad, LengthLimits, UnkPenalty
 from fairseq_fastgen.sequence_generators.registry import option_value, register_decoder
@@ -606,13 +606,7 @@ class BlockwiseGenerator(FastgenGenerator):
 
     @classmethod
     def build(cls, model, tgt_dict, gen_cfg, projection=None):
-        if gen_cfg.beam > 1:
-            raise ValueError(
-                f"--decoder {cls.name} decodes one hypothesis per sentence (greedy with head 1); got --beam "
-                f"{gen_cfg.beam} (fairseq's default is 5): pass --beam 1"
-            )
-        if gen_cfg.nbest > 1:
-            raise ValueError(f"--decoder {cls.name} produces one hypothesis per sentence; got --nbest {gen_cfg.nbest}")
+        one_hypothesis_per_sentence(cls.name, gen_cfg)
         decoder = model.decoder
         if not hasattr(decoder, "forward_block"):
             raise ValueError(

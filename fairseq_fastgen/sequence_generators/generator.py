@@ -12,6 +12,7 @@ dict with ``tokens`` (ending in eos), ``score``, ``positional_scores``,
 * the **runner** runs the model (encoder, incremental step, projection).
 """
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -19,10 +20,13 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
+from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.processors import apply_processors, build_processors, row_max_len
 from fairseq_fastgen.engine import build_runner, cache_capacity
 from fairseq_fastgen.sequence_generators.state import DecodingState
+
+logger = logging.getLogger("fairseq_fastgen.generator")
 
 
 @dataclass
@@ -209,3 +213,13 @@ def build_projection(gen_cfg, model):
     from fairseq_fastgen.cluster.projection import projection_from_options  # noqa: the cluster package imports this one
 
     return projection_from_options(gen_cfg, model)
+
+
+def one_hypothesis_per_sentence(name, gen_cfg):
+    """The one rule of the decoders that produce one hypothesis per sentence (greedy, blockwise and their
+    streamed forms): ``--beam`` is not theirs to read, fairseq's default 5 included, and one other than 1 is
+    named in one warning line; ``--nbest`` above 1 is refused."""
+    if gen_cfg.nbest > 1:
+        raise UsageError(f"--decoder {name} produces one hypothesis per sentence; got --nbest {gen_cfg.nbest}")
+    if gen_cfg.beam != 1:
+        logger.warning(f"--decoder {name} decodes one hypothesis per sentence: --beam {gen_cfg.beam} is not used")

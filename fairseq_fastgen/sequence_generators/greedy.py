@@ -2,7 +2,7 @@
 
 import torch
 
-from fairseq_fastgen.sequence_generators.generator import FastgenGenerator
+from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
 from fairseq_fastgen.sequence_generators.registry import register_decoder
 from fairseq_fastgen.sequence_generators.streaming import (
     StreamingScheduler,
@@ -49,6 +49,7 @@ class GreedyGenerator(FastgenGenerator):
 
     @classmethod
     def build(cls, model, tgt_dict, gen_cfg, projection=None):
+        one_hypothesis_per_sentence(cls.name, gen_cfg)
         return cls(model, tgt_dict, gen_cfg, GreedyPolicy(), projection=projection)
 
 
@@ -62,5 +63,6 @@ class GreedyStreamGenerator(FastgenGenerator):
 
     @classmethod
     def build(cls, model, tgt_dict, gen_cfg, projection=None):
+        one_hypothesis_per_sentence(cls.name, gen_cfg)
         scheduler = StreamingScheduler.from_config(gen_cfg)
         return cls(model, tgt_dict, gen_cfg, GreedyPolicy(padded=True), scheduler, projection=projection)

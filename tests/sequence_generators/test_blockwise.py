@@ -358,7 +358,6 @@ def test_a_model_without_heads_is_refused(toy_model):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"beam": 5}, "--beam 1"),
     ({"beam": 1, "nbest": 2}, "--nbest 2"),
     ({"beam": 1, "blockwise_block_size": 5}, "the model has 4 heads"),
     ({"beam": 1, "blockwise_top_k": 2, "blockwise_epsilon": 1.0}, "give one"),
@@ -449,3 +448,19 @@ def test_fairseq_generate_and_interactive(khead_k4, tmp_path):
     expected = hypotheses(greedy)
     dataset_order = [expected[s] for s in range(5)]
     assert [hypotheses(interactive)[i] for i in range(5)] == dataset_order
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "greedy-stream", "blockwise", "blockwise-stream"])
+def test_one_beam_rule_for_the_one_hypothesis_decoders(loaded, decoder, caplog):
+    """--beam is not read by a decoder of one hypothesis per sentence (fairseq's default 5 named in one
+    warning line, the same outputs as --beam 1); --nbest 2 is refused by each of them."""
+    model, task = loaded(4)
+    with caplog.at_level("WARNING", logger="fairseq_fastgen.generator"):
+        generator = task.build_generator([model], GenerationConfig(decoder=decoder, beam=5, **SHORT))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--decoder {decoder} decodes one hypothesis per sentence: --beam 5 is not used"]
+    beam_five = run_generator(generator, model, task, 64)
+    beam_one, _ = decode(model, task, 64, decoder=decoder, **SHORT)
+    assert {s: t for s, (t, _) in beam_five.items()} == {s: t for s, (t, _) in beam_one.items()}
+    with pytest.raises(ValueError, match=f"--decoder {decoder} produces one hypothesis per sentence; got --nbest 2"):
+        task.build_generator([model], GenerationConfig(decoder=decoder, beam=1, nbest=2))
