@@ -9,7 +9,8 @@ from tests.test_foundation_cli import generate, interactive
 pytestmark = pytest.mark.xdist_group("toy_cli")
 
 MISUSES = {
-    "decoder vs options": (["--decoder", "blockwise"], "--decoder blockwise decodes one hypothesis per sentence"),
+    "decoder vs options": (["--decoder", "greedy", "--nbest", "2"],
+                           "--decoder greedy produces one hypothesis per sentence; got --nbest 2"),
     "decoder vs model": (["--decoder", "blockwise", "--beam", "1"], "--decoder blockwise needs a k-head model"),
     "engine": (["--decoder", "greedy", "--beam", "1", "--compiled-freezing"],
                "--compiled-freezing applies to --step-engine compiled"),
