@@ -5,9 +5,9 @@ import torch
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
 from fairseq_fastgen.sequence_generators.registry import register_decoder
 from fairseq_fastgen.sequence_generators.streaming import (
+    PADDING_SENTENCE,
     StreamingScheduler,
     prepare_streaming_cli,
-    real_rows,
     select_padded,
 )
 
@@ -31,12 +31,14 @@ class GreedyPolicy:
         lprobs, attn = ctx.next_lprobs(state)  # (rows, vocab), (rows, src_len)
         best_lprob, best = lprobs.topk(1, dim=-1)  # (rows, 1) each; topk breaks ties as stock beam search
         state.append(best, best_lprob, None if attn is None else attn.unsqueeze(2))
-        rows = real_rows(state) if self.padded else torch.arange(state.rows, device=best.device)  # (real,)
-        finished = best.squeeze(1)[rows].eq(ctx.eos)  # (real,)
-        for row in rows[finished].tolist():
+        finished = best.squeeze(1).eq(ctx.eos)  # (rows,)
+        real = state.sentence.ne(PADDING_SENTENCE) if self.padded else None  # (rows,) padding rows are ignored
+        if real is not None:
+            finished &= real
+        for row in finished.nonzero().squeeze(1).tolist():
             ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state, row)])
-        if self.padded:
-            select_padded(state, rows[~finished])
+        if real is not None:
+            select_padded(state, (real & ~finished).nonzero().squeeze(1))
         elif finished.any():
             state.select((~finished).nonzero().squeeze(1))
 
