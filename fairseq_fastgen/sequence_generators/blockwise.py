@@ -235,6 +235,8 @@ class BlockwiseState:
         self.proposals: Optional[Tensor] = None
         self.first_lprob: Optional[Tensor] = None  # (rows,)
         self.first_attn: Optional[Tensor] = None  # (rows, src_len)
+        # streaming: some rows joined before their first step (length -1) and run their bos in the next call
+        self.has_fresh_rows = False
 
     @property
     def rows(self) -> int:
@@ -251,12 +253,15 @@ class BlockwiseState:
             running = running + token_lprobs[:, offset]
             cumulative.append(running)
         cumulative = torch.stack(cumulative, dim=1)  # (rows, n)
-        count = accepted.sum(dim=1)  # (rows,) 0 for a row that has only run its bos (streaming)
+        count = accepted.sum(dim=1)  # (rows,) >= 1, but 0 for a fresh row (streaming), which has run its bos
         self.tokens[rows, 1 + columns] = block[rows, offsets]
         self.cum_scores[rows, columns] = cumulative[rows, offsets]
-        last_score = cumulative.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        self.score = torch.where(count > 0, last_score, self.score)
-        self.length = self.length.clamp(min=0)  # such a row now holds its bos: no token yet
+        if self.has_fresh_rows:
+            last_score = cumulative.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+            self.score = torch.where(count > 0, last_score, self.score)
+            self.length = self.length.clamp(min=0)  # a fresh row now holds its bos: no token yet
+        else:
+            self.score = cumulative.gather(1, (count - 1).unsqueeze(1)).squeeze(1)
         if token_attn is not None:
             self.attention_buffer(token_attn)[rows, :, columns] = token_attn[rows, offsets]
         self.length = self.length + count
@@ -318,6 +323,7 @@ class BlockwiseState:
         for name in ("length", "score", "sentence", "max_len", "proposals", "first_lprob", "first_attn"):
             if getattr(merged, name) is not None:
                 setattr(merged, name, torch.cat([getattr(s, name) for s in states]))
+        merged.has_fresh_rows = any(s.has_fresh_rows for s in states)
         merged.encoder_out = merged.runner.concat_encoder_out([s.encoder_out for s in states])
         merged.cache = merged.runner.concat_caches([s.cache for s in states])
         return merged
@@ -380,13 +386,14 @@ class BlockwisePolicy:
         blockwise = BlockwiseState(state, self.pad, RowStepProcessors(ctx.processors))
         state.runner.start_cache(blockwise.cache, blockwise.encoder_out)
         blockwise.length = blockwise.length - 1  # the next block starts at the bos position
+        blockwise.has_fresh_rows = True
         blockwise.proposals = blockwise.tokens.new_full((blockwise.rows, self.block_size), self.pad)
         blockwise.proposals[:, 0] = state.tokens[:, 0]  # (rows, block): the bos, then padding
         blockwise.first_lprob = blockwise.cum_scores.new_zeros(blockwise.rows)  # read only for accepted tokens
         return blockwise
 
     def advance(self, state: BlockwiseState, ctx):
-        if state.rows == 1 and self.one_row_path and not state.rules.reads_history:
+        if state.rows == 1 and self.one_row_path and not state.rules.reads_history and not state.has_fresh_rows:
             self.advance_one_row(state, ctx)
             return
         rows = torch.arange(state.rows, device=state.tokens.device)
@@ -407,9 +414,9 @@ class BlockwisePolicy:
         rules(flat, steps, history, row_of, state.sentence, state.max_len)
         best = lprobs.topk(1, dim=-1).indices.squeeze(2)  # (rows, n): greedy's choice after each block token
         accepted = self.accepted_prefix(block, lprobs, best, ctx.eos)  # (rows, n)
-        fresh = state.length.lt(0)  # (rows,) rows whose block is their bos (streaming: they joined just now)
-        kept = accepted  # (rows, n) the positions the cache keeps: a fresh row's bos
-        if fresh.any():
+        kept, fresh = accepted, None  # (rows, n) the positions the cache keeps: a fresh row's bos
+        if state.has_fresh_rows:
+            fresh = state.length.lt(0)  # (rows,) rows whose block is their bos (streaming: they joined just now)
             kept = torch.where(fresh.unsqueeze(1), offsets.eq(0).unsqueeze(0), accepted)
             accepted = accepted & ~fresh.unsqueeze(1)  # a fresh row accepts no token yet
         count = kept.sum(dim=1)  # (rows,) >= 1
@@ -422,7 +429,10 @@ class BlockwisePolicy:
         state.runner.keep_accepted(state.cache, kept)
 
         last = count - 1  # the last accepted position proposes the next block (a fresh row's bos, its first)
-        finished = block[rows, last].eq(ctx.eos) & ~fresh
+        finished = block[rows, last].eq(ctx.eos)
+        if fresh is not None:
+            finished &= ~fresh
+            state.has_fresh_rows = False  # accept() gave them length 0
         finished_rows = finished.nonzero().squeeze(1).tolist()
         for row in finished_rows:
             ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state.finished_row(row), 0)])

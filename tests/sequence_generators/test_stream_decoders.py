@@ -180,7 +180,8 @@ def test_fifo_expands_the_earliest_cohort_first(toy):
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"decoder": "blockwise-stream", "stream_selection": "fifo"}, "--stream-selection fifo: --decoder blockwise-stream"),
+    ({"decoder": "blockwise-stream", "stream_selection": "fifo"},
+     "--stream-selection fifo: --decoder blockwise-stream"),
     ({"decoder": "var-stream", "stream_capacity_rows": 0}, "--stream-capacity-rows must be an integer >= 1, got 0"),
 ])
 def test_scheduler_misuse_is_refused(loaded, options, message):
