@@ -1,22 +1,29 @@
 """The cluster file written by ``fastgen-train-clusters``: format, checks, I/O.
 
-One file serves one model and one language direction.  It holds
+One file serves one model and either one language direction (scope
+``direction``) or one target language, whatever the source (scope ``target``:
+a multilingual model's states of every direction into that language, pooled).
+It holds
 
 * ``centroids`` (clusters, hidden) float32 and their squared norms (clusters,);
 * the active token set of every cluster in CSR form: cluster ``c`` owns
   ``tokens[offsets[c]:offsets[c + 1]]`` (ascending token ids);
 * a fingerprint of the model it was made for (vocabulary size, hidden size,
-  SHA-256 of the output projection) and plain metadata (top-K, language pair,
-  number of clustered states, how it was trained).
+  SHA-256 of the output projection), the scope and languages it serves
+  (scope, source and target language; the source is None for scope ``target``)
+  and plain metadata (top-K, number of clustered states, how it was trained,
+  the directions whose states it holds).
 
 On disk it is ``torch.save`` of a dict of tensors and plain values, read back
 with ``weights_only=True``; a SHA-256 over the metadata and every tensor's bytes
 detects a corrupted file, and torch's zip reader refuses a truncated one.
+It is written to a temporary name and renamed (``safe_files``), so a killed
+run leaves the file whole or absent.  Version 1 files (before scopes) are read
+as scope ``direction``.
 """
 
 import hashlib
 import json
-import os
 import pickle
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,9 +34,12 @@ from torch import Tensor
 
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets
 from fairseq_fastgen.option_checks import UsageError
+from fairseq_fastgen.safe_files import write_atomically
 
 FORMAT_NAME = "fairseq_fastgen cluster projection"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 has no scope: it served one direction
+SCOPES = ("direction", "target")
 TENSOR_NAMES = ("centroids", "centroid_sqnorms", "offsets", "tokens")
 
 
@@ -86,9 +96,10 @@ class ClusterFile:
     fingerprint: ModelFingerprint
     top_k: int
     states: int  # number of decoder states that were clustered
-    source_lang: Optional[str] = None
+    source_lang: Optional[str] = None  # None for scope "target" (and in files made without languages)
     target_lang: Optional[str] = None
     training: Dict[str, object] = field(default_factory=dict)  # plain values: how the file was made
+    scope: str = "direction"  # "direction": one source and target language; "target": one target language
 
     @classmethod
     def build(cls, centroids: Tensor, token_lists_or_csr, fingerprint: ModelFingerprint, **metadata):
@@ -132,12 +143,42 @@ class ClusterFile:
             problems.append(f"top_k {self.top_k} is outside [1, vocabulary size {vocab_size}]")
         if self.states and clusters > self.states:
             problems.append(f"{clusters} clusters from only {self.states} states")
+        problems += self._scope_problems()
         if eos is not None and not problems:
             lacking = [c for c in range(clusters) if not self.cluster_tokens(c).eq(eos).any()]
             if lacking:
                 problems.append(f"{len(lacking)} clusters (first: {lacking[0]}) lack eos; decoding could never stop")
         if problems:
             raise ClusterFileError("invalid cluster file: " + "; ".join(problems))
+
+    def _scope_problems(self) -> List[str]:
+        if self.scope not in SCOPES:
+            return [f"scope {self.scope!r} is none of {', '.join(SCOPES)}"]
+        if self.scope == "target" and (self.source_lang is not None or self.target_lang is None):
+            return [f"a file of scope target names a target language and no source language, "
+                    f"got source {self.source_lang!r}, target {self.target_lang!r}"]
+        return []
+
+    def serves(self) -> str:
+        """What the file serves, in words: ``direction en-fr`` or ``target language fr (any source)``."""
+        if self.scope == "target":
+            return f"target language {self.target_lang} (any source)"
+        if self.source_lang is None and self.target_lang is None:
+            return "one direction (languages not recorded)"
+        return f"direction {self.source_lang}-{self.target_lang}"
+
+    def check_direction(self, source_lang: Optional[str], target_lang: Optional[str], path="cluster file"):
+        """Refuse a file made for another direction (scope ``direction``) or target language (either
+        scope) than the run's; a language that the file or the run does not name is not compared."""
+        def differ(mine, run):
+            return mine is not None and run is not None and mine != run
+
+        if differ(self.target_lang, target_lang) or (self.scope == "direction" and differ(self.source_lang, source_lang)):
+            raise ClusterFileError(
+                f"{path} holds the clusters of {self.serves()}; this run translates {source_lang}-{target_lang}: "
+                f"give the file of that direction or of its target language, or a directory of "
+                f"fastgen-train-clusters that has one"
+            )
 
     def check_model(self, decoder, path="cluster file"):
         """Refuse a file made for another model than the one ``decoder`` belongs to."""
@@ -157,6 +198,7 @@ class ClusterFile:
             "num_clusters": self.num_clusters,
             "top_k": self.top_k,
             "states": self.states,
+            "scope": self.scope,
             "source_lang": self.source_lang,
             "target_lang": self.target_lang,
             "training": dict(self.training),
@@ -168,10 +210,7 @@ class ClusterFile:
         tensors = {name: getattr(self, name).contiguous() for name in TENSOR_NAMES}
         metadata = self.metadata()
         payload = {"metadata": metadata, "tensors": tensors, "checksum": _checksum(metadata, tensors)}
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
+        write_atomically(Path(path), lambda f: torch.save(payload, f))
 
     @classmethod
     def load(cls, path) -> "ClusterFile":
@@ -194,6 +233,7 @@ class ClusterFile:
             source_lang=metadata["source_lang"],
             target_lang=metadata["target_lang"],
             training=dict(metadata["training"]),
+            scope=metadata.get("scope", "direction"),
         )
         if cluster_file.num_clusters != metadata["num_clusters"]:
             raise ClusterFileError(f"cluster file {path}: metadata says {metadata['num_clusters']} clusters, "
@@ -211,7 +251,7 @@ def _unpack(payload, path):
     metadata = payload["metadata"]
     if metadata.get("format") != FORMAT_NAME:
         raise ClusterFileError(f"{path} is not a cluster file of fastgen-train-clusters")
-    if metadata.get("version") != FORMAT_VERSION:
+    if metadata.get("version") not in READABLE_VERSIONS:
         raise ClusterFileError(
             f"{path} has cluster file format version {metadata.get('version')}; this fairseq_fastgen reads "
             f"version {FORMAT_VERSION}: rebuild it with fastgen-train-clusters"

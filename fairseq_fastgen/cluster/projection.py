@@ -1,4 +1,9 @@
-"""Cluster-projected vocabulary at inference (``--cluster-projection FILE``).
+"""Cluster-projected vocabulary at inference (``--cluster-projection FILE`` or ``DIR``).
+
+``DIR`` is a multilingual model's directory of cluster files: the run's
+``--source-lang``/``--target-lang`` pick the direction's file, else the target
+language's (:mod:`fairseq_fastgen.cluster.directory`); a single file of another
+direction or target language than the run's is refused.
 
 At every decoder step each hidden state h picks its nearest centroid
 (argmin over clusters of ||C||^2 - 2 h.C); the active sets of the picked
@@ -32,12 +37,14 @@ the same way (fastgen-bench turns it on for the configurations without a file).
 import contextlib
 import math
 import time
+from pathlib import Path
 from typing import Dict, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, output_projection_of
+from fairseq_fastgen.cluster.directory import Direction, load_for_direction
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
 from fairseq_fastgen.ops.generate_context import generate_within
 from fairseq_fastgen.ops.onednn_linear import attached_to, linear_like
@@ -223,9 +230,10 @@ def projection_requested(gen_cfg) -> bool:
                ("cluster_projection", "time_projection", "cluster_full_normalizer"))
 
 
-def projection_from_options(gen_cfg, model) -> Optional[TimedFullProjection]:
-    """The projection the generation options ask for: ``--cluster-projection FILE`` (checked against
-    ``model``), else ``--time-projection``'s timed full projection, else None (the decoder's own)."""
+def projection_from_options(gen_cfg, model, direction: Optional[Direction] = None) -> Optional[TimedFullProjection]:
+    """The projection the generation options ask for: ``--cluster-projection FILE`` or ``DIR`` (checked
+    against ``model`` and the run's ``direction``, its (source, target) languages or None), else
+    ``--time-projection``'s timed full projection, else None (the decoder's own)."""
     if not projection_requested(gen_cfg):
         return None
     path = option_value(gen_cfg, "cluster_projection")
@@ -233,7 +241,7 @@ def projection_from_options(gen_cfg, model) -> Optional[TimedFullProjection]:
     if path:
         temperature = option_value(gen_cfg, "temperature") or 1.0
         return load_projection(path, model, FullNormalizer(model.decoder.dictionary.pad(), temperature)
-                               if full_normalizer else None)
+                               if full_normalizer else None, direction)
     if full_normalizer:
         raise ValueError("--cluster-full-normalizer changes how --cluster-projection normalises; "
                          "give it a cluster file with --cluster-projection FILE")
@@ -241,16 +249,24 @@ def projection_from_options(gen_cfg, model) -> Optional[TimedFullProjection]:
     return TimedFullProjection()
 
 
-def load_projection(path, model, full_normalizer: Optional[FullNormalizer] = None) -> ClusterProjection:
-    """Read ``path``, check it against ``model``'s vocabulary projection, and return the projection
-    (normalising over the whole vocabulary with ``full_normalizer``, ``--cluster-full-normalizer``).
+def load_projection(path, model, full_normalizer: Optional[FullNormalizer] = None,
+                    direction: Optional[Direction] = None) -> ClusterProjection:
+    """Read ``path`` (a cluster file, or a directory of them: the file of ``direction``, the run's
+    (source, target) languages), check it against ``model``'s vocabulary projection and against
+    ``direction``, and return the projection (normalising over the whole vocabulary with
+    ``full_normalizer``, ``--cluster-full-normalizer``).
 
     Raises ClusterFileError for a missing, truncated, corrupted or inconsistent
-    file, or one made for another model.
+    file, one made for another model, or one of another direction or target language.
     """
-    cluster_file = ClusterFile.load(path)
+    if Path(path).is_dir():
+        cluster_file, path = load_for_direction(path, direction)
+    else:
+        cluster_file = ClusterFile.load(path)
     decoder = model.decoder
     cluster_file.check_model(decoder, path)
+    if direction is not None:
+        cluster_file.check_direction(*direction, path)
     eos = decoder.dictionary.eos() if getattr(decoder, "dictionary", None) is not None else None
     try:
         cluster_file.validate(eos=eos)
@@ -308,7 +324,8 @@ class ProjectionCounters(GenerationCounters):
         return self.statistics.as_dict()
 
 
-def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam") -> Optional[TimedFullProjection]:
+def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam",
+                              direction: Optional[Direction] = None) -> Optional[TimedFullProjection]:
     """Make ``--cluster-projection`` (or ``--time-projection``) apply to fairseq's SequenceGenerator.
 
     With the option: loads the file and gives ``generator`` a ``projection`` and a
@@ -321,7 +338,7 @@ def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam") -
         return None
     if len(models) != 1:
         raise ValueError(f"--cluster-projection holds the clusters of one model; got an ensemble of {len(models)}")
-    projection = projection_from_options(gen_cfg, models[0])
+    projection = projection_from_options(gen_cfg, models[0], direction)
     decoder = models[0].decoder
     generate_within(generator, lambda: attached(decoder, projection))
     generator.projection = projection

@@ -3,6 +3,14 @@
     fastgen-train-clusters DATA --path CKPT --split train --num-clusters 1000 \\
         --top-k 1 --max-states 500000 --output clusters.pt [--source-only]
 
+On a multilingual model (``--task translation_multi_simple_epoch``, one shared
+transformer over ``--lang-pairs``) ``--output`` is a directory: the states are
+recorded per direction and written as one file per direction
+(``--cluster-scope direction``, the default) or per target language
+(``--cluster-scope target``: the states of every direction into it pooled),
+with an index (:mod:`fairseq_fastgen.cluster.directory`). A bilingual model
+writes a directory too when ``--output`` is an existing directory.
+
 1. Runs the model over a split of the data-bin and records the decoder's final
    hidden states (the input of the vocabulary projection) and, per state, the
    model's top-K tokens. By default the decoder is teacher-forced on the target
@@ -11,7 +19,10 @@
 2. Clusters the states with faiss k-means (on GPU when faiss has one).
 3. Gives each cluster the union of its members' top-K tokens plus the
    dictionary's special symbols except pad (which fairseq bans anyway).
-4. Writes the file (format: :mod:`fairseq_fastgen.cluster.clusterfile`).
+   A multilingual model's clusters also keep the target language token the
+   decoder is forced to start with.
+4. Writes the file (format: :mod:`fairseq_fastgen.cluster.clusterfile`),
+   to a temporary name renamed into place; a directory's index last.
 """
 
 import argparse
@@ -20,7 +31,7 @@ import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -29,10 +40,14 @@ from tqdm import tqdm
 
 from fairseq import checkpoint_utils, utils
 from fairseq.data import data_utils
-from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
+from fairseq_fastgen.cluster.directory import write_directory
+from fairseq_fastgen.cluster.multilingual import (
+    direction_task, is_multilingual, model_directions, target_language_tokens,
+)
 from fairseq_fastgen.cluster.projection import nearest_clusters
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets
 from fairseq_fastgen.option_checks import require_int
@@ -41,6 +56,7 @@ logger = logging.getLogger("fastgen-train-clusters")
 
 ASSIGNMENT_CHUNK = 65536  # states per nearest-centroid matmul when assigning members
 MAX_SEED = 2**31 - 1  # numpy takes 0 .. 2**32 - 1 (fairseq adds the epoch), faiss a C int
+SCOPE_CHOICES = ChoiceEnum(["direction", "target"])
 
 
 @dataclass
@@ -48,7 +64,15 @@ class ClusterTrainingConfig(FairseqDataclass):
     # data is positional on the command line; path and output are checked by cli_main
     data: str = field(default="", metadata={"help": "fairseq data-bin directory (the model's dictionaries)"})
     path: str = field(default="", metadata={"help": "model checkpoint (required)"})
-    output: str = field(default="", metadata={"help": "cluster file to write (required)"})
+    output: str = field(default="", metadata={
+        "help": "cluster file to write (required); for a multilingual model (task translation_multi_simple_epoch) "
+                "a directory, created when absent, that receives one file per direction or target language "
+                "and index.json (an existing directory is also written so for a bilingual model)"})
+    cluster_scope: SCOPE_CHOICES = field(
+        default="direction",
+        metadata={"help": "one cluster file per language direction ('direction'), or per target language with "
+                          "the states of every direction into it pooled ('target')"},
+    )
     split: str = field(default="train", metadata={"help": "data-bin split whose sentences are run"})
     source_only: bool = field(
         default=False,
@@ -57,7 +81,8 @@ class ClusterTrainingConfig(FairseqDataclass):
     )
     num_clusters: int = field(default=1000, metadata={"help": "number of k-means clusters"})
     top_k: int = field(default=1, metadata={"help": "tokens added to a cluster's active set per member state"})
-    max_states: int = field(default=500000, metadata={"help": "record at most this many decoder states"})
+    max_states: int = field(default=500000, metadata={
+        "help": "record at most this many decoder states (per direction of a multilingual model)"})
     iterations: int = field(default=20, metadata={"help": "k-means iterations"})
     max_tokens: Optional[int] = field(default=4000, metadata={"help": "tokens per batch"})
     batch_size: Optional[int] = field(default=None, metadata={"help": "sentences per batch"})
@@ -109,41 +134,108 @@ def check_counts(cfg: ClusterTrainingConfig, vocab_size: Optional[int] = None):
     require_int("--seed", cfg.seed, 0, MAX_SEED, error=ClusterFileError)
 
 
-def train_clusters(cfg: ClusterTrainingConfig) -> ClusterFile:
+class Recording(NamedTuple):
+    """The decoder states of one direction and their top-K tokens."""
+
+    source_lang: Optional[str]
+    target_lang: Optional[str]
+    states: np.ndarray  # (states, hidden) float32
+    top_tokens: np.ndarray  # (states, K) int64
+
+
+def train_clusters(cfg: ClusterTrainingConfig) -> List[ClusterFile]:
+    """Record, cluster and write; returns the files written (one for a bilingual model's file)."""
     check_counts(cfg)
-    if not Path(cfg.output).resolve().parent.is_dir():
+    output = Path(cfg.output)
+    if not output.resolve().parent.is_dir():
         raise ClusterFileError(f"--output {cfg.output}: its folder does not exist")
-    model, task = load_model(cfg)
+    model, task = load_model(cfg, load_split=False)
     fingerprint = ModelFingerprint.of_decoder(model.decoder)
     check_counts(cfg, fingerprint.vocab_size)
+    multilingual = is_multilingual(task)
+    as_directory = multilingual or output.is_dir()
+    if multilingual and output.exists() and not output.is_dir():
+        raise ClusterFileError(f"--output {cfg.output} is a file; a multilingual model's clusters go into a directory")
     with torch.no_grad():
-        states, top_tokens = record_states(model, task, cfg)
-    if cfg.num_clusters > states.shape[0]:
-        raise ClusterFileError(f"--num-clusters {cfg.num_clusters} exceeds the {states.shape[0]} decoder states "
-                               f"of split {cfg.split!r}; use fewer clusters or more data")
+        recordings = record_directions(model, task, cfg) if multilingual else [record_model_direction(model, task, cfg)]
+    groups = group_by_scope(recordings, cfg.cluster_scope)
+    for (source_lang, target_lang), members in groups.items():
+        check_enough_states(cfg, members, f" ({cfg.cluster_scope} {source_lang or '*'}-{target_lang})"
+                            if as_directory else "")
+    specials = special_tokens(task.target_dictionary)
+    cluster_files = []
+    for (source_lang, target_lang), members in groups.items():
+        extra = target_language_tokens(task, target_lang) if multilingual else []
+        cluster_files.append(cluster_file_of(cfg, members, fingerprint, specials + extra, source_lang, target_lang))
+    if as_directory:
+        paths = write_directory(output, cluster_files)
+    else:
+        cluster_files[0].save(output)
+        paths = [output]
+    for cluster_file, path in zip(cluster_files, paths):
+        sizes = cluster_file.offsets.diff().float()
+        logger.info("wrote %s (%s): %d clusters from %d states, active set size mean %.1f max %d of %d tokens",
+                    path, cluster_file.serves(), cluster_file.num_clusters, cluster_file.states, sizes.mean(),
+                    sizes.max(), fingerprint.vocab_size)
+    return cluster_files
+
+
+def record_model_direction(model, task, cfg: ClusterTrainingConfig) -> Recording:
+    """A bilingual model's states (its task's direction)."""
+    task.load_dataset(cfg.split)
+    return Recording(task.cfg.source_lang, task.cfg.target_lang, *record_states(model, task, cfg))
+
+
+def record_directions(model, task, cfg: ClusterTrainingConfig) -> List[Recording]:
+    """A multilingual model's states, up to ``--max-states`` per direction of its ``--lang-pairs``."""
+    recordings = []
+    for source_lang, target_lang in model_directions(task):
+        logger.info("direction %s-%s", source_lang, target_lang)
+        one_direction = direction_task(task, source_lang, target_lang)
+        one_direction.load_dataset(cfg.split)
+        recordings.append(Recording(source_lang, target_lang, *record_states(model, one_direction, cfg)))
+    return recordings
+
+
+def group_by_scope(recordings: List[Recording], scope: str) -> Dict[Tuple[Optional[str], str], List[Recording]]:
+    """(source or None, target) of each file to write -> the recordings it clusters."""
+    groups = {}
+    for recording in recordings:
+        key = (recording.source_lang, recording.target_lang) if scope == "direction" else (None, recording.target_lang)
+        groups.setdefault(key, []).append(recording)
+    return groups
+
+
+def check_enough_states(cfg: ClusterTrainingConfig, recordings: List[Recording], what: str):
+    states = sum(r.states.shape[0] for r in recordings)
+    if cfg.num_clusters > states:
+        raise ClusterFileError(f"--num-clusters {cfg.num_clusters} exceeds the {states} decoder states "
+                               f"of split {cfg.split!r}{what}; use fewer clusters or more data")
+
+
+def cluster_file_of(cfg: ClusterTrainingConfig, recordings: List[Recording], fingerprint: ModelFingerprint,
+                    specials, source_lang: Optional[str], target_lang: Optional[str]) -> ClusterFile:
+    """k-means over the recordings' states pooled, and the clusters' active sets."""
+    states = np.ascontiguousarray(np.concatenate([r.states for r in recordings]))  # (states, hidden)
+    top_tokens = np.concatenate([r.top_tokens for r in recordings])  # (states, K)
     centroids = kmeans_centroids(states, cfg)
-    active_sets = cluster_active_sets(states, top_tokens, centroids, special_tokens(task.target_dictionary),
-                                      fingerprint.vocab_size)
-    cluster_file = ClusterFile.build(
+    active_sets = cluster_active_sets(states, top_tokens, centroids, specials, fingerprint.vocab_size)
+    return ClusterFile.build(
         centroids, active_sets, fingerprint, top_k=cfg.top_k, states=int(states.shape[0]),
-        source_lang=task.cfg.source_lang, target_lang=task.cfg.target_lang,
+        source_lang=source_lang, target_lang=target_lang, scope=cfg.cluster_scope,
         training={"checkpoint": cfg.path, "split": cfg.split, "source_only": cfg.source_only,
-                  "iterations": cfg.iterations, "seed": cfg.seed},
+                  "iterations": cfg.iterations, "seed": cfg.seed,
+                  "directions": [f"{r.source_lang}-{r.target_lang}" for r in recordings]},
     )
-    cluster_file.save(cfg.output)
-    sizes = active_sets.offsets.diff().float()
-    logger.info("wrote %s: %d clusters from %d states, active set size mean %.1f max %d of %d tokens",
-                cfg.output, cluster_file.num_clusters, states.shape[0], sizes.mean(), sizes.max(),
-                fingerprint.vocab_size)
-    return cluster_file
 
 
-def load_model(cfg: ClusterTrainingConfig):
+def load_model(cfg: ClusterTrainingConfig, load_split=True):
     models, _, task = checkpoint_utils.load_model_ensemble_and_task([cfg.path], arg_overrides={"data": cfg.data})
     model = models[0].eval()
     if not cfg.cpu and torch.cuda.is_available():
         model = model.cuda()
-    task.load_dataset(cfg.split)
+    if load_split:
+        task.load_dataset(cfg.split)
     return model, task
 
 

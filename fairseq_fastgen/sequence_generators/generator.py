@@ -156,9 +156,15 @@ class FastgenGenerator(nn.Module):
 
     @classmethod
     def from_config(cls, models, tgt_dict, gen_cfg, **extra):
+        """``extra``: the task's generator arguments; ``direction``, the run's (source, target) languages,
+        picks the file of ``--cluster-projection DIR``; ``symbols_to_strip_from_output`` (a multilingual
+        task's target language token) is left out of the printed output, as by fairseq's generator."""
         model = single_model(cls.name, models)
         reject_unsupported(cls.name, gen_cfg, extra)
-        return cls.build(model, tgt_dict, gen_cfg, projection=build_projection(gen_cfg, model))
+        projection = build_projection(gen_cfg, model, extra.get("direction"))
+        generator = cls.build(model, tgt_dict, gen_cfg, projection=projection)
+        generator.symbols_to_strip_from_output |= set(extra.get("symbols_to_strip_from_output") or ())
+        return generator
 
     @classmethod
     def build(cls, model, tgt_dict, gen_cfg, projection=None):
@@ -209,10 +215,10 @@ def reject_unsupported(name, gen_cfg, extra):
             raise ValueError(f"--decoder {name} does not support --{option.replace('_', '-')}; use --decoder beam")
 
 
-def build_projection(gen_cfg, model):
+def build_projection(gen_cfg, model, direction=None):
     from fairseq_fastgen.cluster.projection import projection_from_options  # noqa: the cluster package imports this one
 
-    return projection_from_options(gen_cfg, model)
+    return projection_from_options(gen_cfg, model, direction)
 
 
 def one_hypothesis_per_sentence(name, gen_cfg):
