@@ -142,11 +142,14 @@ def _install_build_generator():
         if entry is None:
             raise ValueError(f"unknown --decoder {name!r}; choose one of: {', '.join(DECODERS)}")
         check_generation_options(args)  # every numeric plugin option finite and in range (hub interface too)
+        from fairseq_fastgen.cluster.directory import run_direction
+
+        direction = run_direction(self)  # the run's (source, target) languages: the file --cluster-projection DIR gives
         if entry.builder is None:
             generator = original(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
             from fairseq_fastgen.cluster.projection import attach_to_stock_generator
 
-            attach_to_stock_generator(generator, models, args, name)  # stock search calls decoder.forward
+            attach_to_stock_generator(generator, models, args, name, direction)  # stock search calls decoder.forward
             from fairseq_fastgen.engine import serve_stock_search
 
             on_engine = serve_stock_search(generator, models, args)  # fairseq's search over the engine's step
@@ -157,6 +160,7 @@ def _install_build_generator():
         else:
             extra = dict(extra_gen_cls_kwargs or {})
             extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn
+            extra["direction"] = direction
             generator = entry.builder(models, self.target_dictionary, args, **extra)
         from fairseq_fastgen.ops.onednn_linear import use_onednn_linears
 

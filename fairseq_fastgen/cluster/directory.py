@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
-from fairseq_fastgen.safe_files import write_atomically
+from fairseq_fastgen.safe_files import remove_stale_temporaries, write_atomically
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "fairseq_fastgen cluster index"
@@ -125,6 +125,7 @@ def write_directory(directory, cluster_files: List[ClusterFile]) -> List[Path]:
     a directory whose index names another model is refused."""
     directory = Path(directory)
     directory.mkdir(exist_ok=True)
+    remove_stale_temporaries(directory)  # of a run that was killed
     fingerprint = cluster_files[0].fingerprint
     index = ClusterIndex(directory, fingerprint, {})
     if (directory / INDEX_NAME).exists():

@@ -35,6 +35,7 @@ the same way (fastgen-bench turns it on for the configurations without a file).
 """
 
 import contextlib
+import logging
 import math
 import time
 from pathlib import Path
@@ -50,6 +51,8 @@ from fairseq_fastgen.ops.generate_context import generate_within
 from fairseq_fastgen.ops.onednn_linear import attached_to, linear_like
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.registry import option_value
+
+logger = logging.getLogger(__name__)
 
 # Above this fraction of the vocabulary, the full projection followed by the -inf
 # mask is cheaper than gathering the union's rows of the weight (measured on CPU
@@ -261,6 +264,7 @@ def load_projection(path, model, full_normalizer: Optional[FullNormalizer] = Non
     """
     if Path(path).is_dir():
         cluster_file, path = load_for_direction(path, direction)
+        logger.info("--cluster-projection: %s, the clusters of %s", path, cluster_file.serves())
     else:
         cluster_file = ClusterFile.load(path)
     decoder = model.decoder

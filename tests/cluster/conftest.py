@@ -1,6 +1,8 @@
 """Fixtures of the cluster projection tests: the toy model loaded in this
-process, and cluster files made for it."""
+process, and cluster files made for it; the multilingual toy model (en and de
+into fr, one shared transformer) and its directions' tasks."""
 
+import inspect
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,7 +13,10 @@ import torch
 import fairseq_fastgen  # noqa: F401  (plugin: checkpoint allow-list, --decoder)
 from fairseq import checkpoint_utils
 from fairseq_fastgen import toy as toy_pipeline
+from fairseq_fastgen import toy_multilingual
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
+from fairseq_fastgen.cluster.multilingual import direction_task, model_directions
+from fairseq_fastgen.data import multi_source, synthetic
 from tests.models.khead_toy import khead_k4  # noqa: F401  (fixture)
 
 
@@ -35,12 +40,12 @@ def khead(khead_k4):
     return load_model_and_task(khead_k4.checkpoint, khead_k4.data_bin)
 
 
-def full_coverage_file(model, clusters=4, seed=0) -> ClusterFile:
-    """Random centroids, every active set the whole vocabulary."""
+def full_coverage_file(model, clusters=4, seed=0, **metadata) -> ClusterFile:
+    """Random centroids, every active set the whole vocabulary; ``metadata``: scope and languages."""
     fingerprint = ModelFingerprint.of_decoder(model.decoder)
     centroids = torch.randn(clusters, fingerprint.hidden_size, generator=torch.Generator().manual_seed(seed))
     every_token = list(range(fingerprint.vocab_size))
-    return ClusterFile.build(centroids, [every_token] * clusters, fingerprint, top_k=1, states=0)
+    return ClusterFile.build(centroids, [every_token] * clusters, fingerprint, top_k=1, states=0, **metadata)
 
 
 @pytest.fixture(scope="session")
@@ -100,3 +105,37 @@ def trained_cluster_run(toy_model, train_clusters_command, tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained_cluster_path(trained_cluster_run):
     return trained_cluster_run.path
+
+
+# ---- the multilingual toy model ------------------------------------------------------------------
+MULTILINGUAL_SPEC = toy_pipeline.ToyModelSpec(max_update=200, max_tokens=2000, warmup=50, validate_interval=1000,
+                                              extra_args=["--share-all-embeddings"])
+MULTILINGUAL_SIZES = {"n_train": 3000, "n_valid": 40, "n_test": 40}  # sentences per direction
+
+
+@pytest.fixture(scope="session")
+def multilingual_toy_model():
+    """en-fr and de-fr in one transformer (translation_multi_simple_epoch), trained once by the real
+    fairseq-train (about a minute on 2 cores) and cached like the toy transformer."""
+    steps = (toy_pipeline.train, toy_pipeline.ToyModelSpec.train_args)
+    key = [toy_pipeline.source_fingerprint(synthetic, multi_source, toy_multilingual),
+           *(inspect.getsource(f) for f in steps), repr(MULTILINGUAL_SPEC), repr(MULTILINGUAL_SIZES)]
+    root = toy_pipeline.cached_build("toy-multilingual", key, lambda d: toy_multilingual.build_multilingual_toy_model(
+        d, MULTILINGUAL_SPEC, **MULTILINGUAL_SIZES))
+    pairs = toy_multilingual.multilingual_pairs()
+    return SimpleNamespace(root=root, raw=root / "raw", data_bin=root / "bin",
+                           checkpoint=root / "ckpt" / "checkpoint_last.pt", pairs=pairs,
+                           task_args=toy_multilingual.multilingual_task_args(pairs))
+
+
+@pytest.fixture(scope="session")
+def multilingual(multilingual_toy_model):
+    """The multilingual model, its task as trained (no direction) and, per direction ("en-fr", ...),
+    the task set up as fairseq-generate sets it up for that direction (test split loaded)."""
+    models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(multilingual_toy_model.checkpoint)], arg_overrides={"data": str(multilingual_toy_model.data_bin)})
+    directions = {}
+    for source_lang, target_lang in model_directions(task):
+        directions[f"{source_lang}-{target_lang}"] = direction_task(task, source_lang, target_lang)
+        directions[f"{source_lang}-{target_lang}"].load_dataset("test")
+    return SimpleNamespace(model=models[0].eval(), task=task, directions=directions)

@@ -67,7 +67,8 @@ def assert_unchanged_by_whole_vocabulary_file(task, model, path, decoder, beam):
 
 
 def assert_unchanged_by_projection(task, model, decoder, beam, common_options=None, **projection_options):
-    """``common_options``: generation options of both runs (with and without the projection)."""
+    """``common_options``: generation options of both runs (with and without the projection).
+    Returns the projection that ran."""
     common_options = common_options or {}
     plain, no_projection = decode(task, model, decoder, beam, **common_options)
     projected, projection = decode(task, model, decoder, beam, **common_options, **projection_options)
@@ -81,7 +82,7 @@ def assert_unchanged_by_projection(task, model, decoder, beam, common_options=No
         assert torch.equal(got["tokens"], expected["tokens"]), sentence_id
         assert torch.equal(got["score"], expected["score"]), sentence_id
         assert torch.equal(got["positional_scores"], expected["positional_scores"]), sentence_id
-    return stats
+    return projection
 
 
 @pytest.mark.parametrize("decoder", PLAIN_DECODERS)
@@ -96,7 +97,7 @@ def test_time_projection_times_the_full_projection_and_changes_nothing(toy, mode
     if decoder not in DECODERS:
         pytest.skip(f"--decoder {decoder} is not registered (yet)")
     stats = assert_unchanged_by_projection(toy.task, model, decoder, 1 if decoder == "greedy" else 4,
-                                           time_projection=True)
+                                           time_projection=True).statistics.as_dict()
     assert stats["projection_seconds"] > 0 and stats["projection_full_vocab_steps"] == stats["projection_steps"]
     assert stats["projection_ms_per_step"] == pytest.approx(1000 * stats["projection_seconds"] / stats["projection_steps"])
 
@@ -118,7 +119,7 @@ def test_whole_vocabulary_file_changes_nothing_in_blockwise(khead, khead_full_co
     if decoder not in DECODERS:
         pytest.skip(f"--decoder {decoder} is not registered (yet)")
     stats = assert_unchanged_by_whole_vocabulary_file(khead.task, copy.deepcopy(khead.model), khead_full_coverage_path,
-                                                      decoder, 1)
+                                                      decoder, 1).statistics.as_dict()
     assert stats["projection_states"] > stats["projection_steps"]  # the k heads' states are projected together
 
 
