@@ -23,8 +23,11 @@ $(STAMP): requirements.txt setup.py Makefile
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# Importing fairseq configures the root logger at DEBUG (fairseq/models/wav2vec/wav2vec2_classification.py)
+# and then prints install hints and hydra's debug lines; configured first, it shows warnings only.
 demo: venv
-	$(BIN)/python -m fairseq_fastgen.demo
+	$(BIN)/python -c 'import logging; logging.basicConfig(level=logging.WARNING); \
+		from fairseq_fastgen.demo import main; main()'
 
 test: venv
 	$(BIN)/python -m pytest tests -q -n 2 --dist loadgroup

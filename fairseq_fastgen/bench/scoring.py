@@ -26,7 +26,9 @@ def corpus_bleu(result: ConfigResult, inputs, over: Optional[Iterable[int]] = No
     sentence_ids = sorted(result.outputs if over is None else over)
     hypotheses = [as_text(result.outputs[i], inputs.detokenize) for i in sentence_ids]
     references = [inputs.references[i] for i in sentence_ids]
-    return sacrebleu.corpus_bleu(hypotheses, [references]).score
+    # force: sacrebleu's warning about tokenized-looking output (a '.' after a space) is noise here, where
+    # every row is scored on the same post-processed text; it would repeat for every row
+    return sacrebleu.corpus_bleu(hypotheses, [references], force=True).score
 
 
 def identical_rate(result: ConfigResult, reference: ConfigResult, over: Optional[Iterable[int]] = None) -> float:
