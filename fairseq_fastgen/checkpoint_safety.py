@@ -10,7 +10,9 @@ global is still refused, with a message naming it and the explicit opt-in:
 
 A checkpoint that cannot be read at all (cut short by an interrupted copy or a
 full disk, damaged, not a torch file) is refused with its path and the reader's
-first line (:func:`explain_unreadable`), not with torch's traceback.
+first line (:func:`explain_unreadable`), not with torch's traceback; one that
+does not exist or cannot be opened is refused before anything loads
+(:func:`check_readable`).
 """
 
 import argparse
@@ -87,6 +89,18 @@ class UnreadableCheckpointError(CheckpointRefusal, ValueError):
 
 # what torch.load raises on a file cut short or damaged (the zip reader, the unpickler, the file itself)
 UNREADABLE_ERRORS = (RuntimeError, EOFError, OSError, zipfile.BadZipFile, pickle.UnpicklingError)
+
+
+def check_readable(path):
+    """Refuse, in one line naming it, a checkpoint path that does not exist, is a directory or cannot be opened."""
+    if not os.path.exists(path):
+        raise UnreadableCheckpointError(f"checkpoint {path} does not exist")
+    if os.path.isdir(path):
+        raise UnreadableCheckpointError(f"checkpoint {path} is a directory, not a checkpoint file")
+    try:
+        open(path, "rb").close()
+    except OSError as error:
+        raise UnreadableCheckpointError(f"cannot read checkpoint {path}: {error.strerror}") from error
 
 
 def explain_refusal(path, error):

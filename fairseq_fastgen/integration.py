@@ -31,6 +31,9 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    not a multiple of ``--required-batch-size-multiple`` (default 8), so
    fairseq-generate silently loses sentences; we keep that batch.  And
    ``FairseqTask.get_batch_iterator`` refuses any batching that loses sentences.
+   During a fairseq-generate run, a sentence longer than ``--max-tokens`` is
+   left out of the batches and refused alone (fairseq asserted on it, ending
+   the run with a traceback; :mod:`fairseq_fastgen.cli.generate_run`).
 5. ``fairseq_cli.generate._main`` / ``fairseq_cli.interactive.main``: let the
    selected decoder adjust the run (``prepare_cli``: streaming decoders read
    larger pools), run the plugin's asynchronous generate loop when
@@ -38,7 +41,13 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    In fairseq-interactive, ``make_batches`` is wrapped for the run
    (:mod:`fairseq_fastgen.cli.oversized_lines`): a line longer than the model
    reads is refused alone with an error naming it, instead of a traceback
-   that ends the run with the other lines untranslated.
+   that ends the run with the other lines untranslated.  Both commands run
+   with SIGTERM and SIGINT ending them between whole batches of output
+   (:mod:`fairseq_fastgen.cli.batched_output`: fairseq-interactive's
+   ``buffered_read`` and ``sys.stdout`` are swapped for the run, and each
+   generator fairseq-generate builds starts a batch at each call).  A
+   ``--path`` that does not exist or cannot be read is refused in one line
+   before anything loads.
 6. ``numpy.compat``: fairseq 0.12 reads ``np.compat.long`` (removed in numpy 2)
    when it builds a language model's dataset (``TokenBlockDataset``, eos break
    mode: fairseq-interactive and the hub interface of ``transformer_lm``) and a
@@ -54,7 +63,7 @@ import pickle
 import sys
 
 import fairseq
-from fairseq import checkpoint_utils
+from fairseq import checkpoint_utils, utils
 from fairseq.dataclass import configs as fairseq_configs
 from fairseq.tasks.fairseq_task import FairseqTask
 
@@ -69,6 +78,7 @@ TESTED_FAIRSEQ_VERSIONS = ("0.12.2", "0.12.3.1")
 
 _installed = False
 generators_built = []  # every generator built in this process, for the end-of-run statistics
+_generate_run = None  # the fairseq-generate run in progress (cli/generate_run.py), which the hooks report to
 
 
 def install():
@@ -173,6 +183,8 @@ def _install_build_generator():
         generate_in_inference_mode(generator, args)  # unless --no-inference-mode, every decoder
         generator.fastgen_decoder = name
         generators_built.append(generator)
+        if _generate_run is not None:
+            _generate_run.watch(generator)  # each batch starts by writing the previous one, printed whole
         return generator
 
     FairseqTask.build_generator = build_generator
@@ -186,6 +198,8 @@ def _install_batch_iterator():
 
     @functools.wraps(original_batch_by_size)
     def batch_by_size(indices, *args, **kwargs):
+        if _generate_run is not None and not args:  # fairseq's datasets pass every option by keyword
+            indices, kwargs = _generate_run.over_budget.leave_out(indices, kwargs)  # fairseq asserted on those
         batches = original_batch_by_size(indices, *args, **kwargs)
         if kwargs.get("fixed_shapes") is not None:
             return batches
@@ -201,19 +215,24 @@ def _install_batch_iterator():
     @functools.wraps(original)
     def get_batch_iterator(self, dataset, *args, **kwargs):
         iterator = original(self, dataset, *args, **kwargs)
-        _check_every_index_batched(dataset, iterator, kwargs)
+        left_out = 0
+        if _generate_run is not None:
+            _generate_run.batched(dataset)
+            left_out = _generate_run.over_budget.left_out
+        _check_every_index_batched(dataset, iterator, kwargs, left_out)
         return iterator
 
     FairseqTask.get_batch_iterator = get_batch_iterator
 
 
-def _check_every_index_batched(dataset, iterator, kwargs):
-    """Fail loudly instead of silently translating fewer sentences than given."""
+def _check_every_index_batched(dataset, iterator, kwargs, left_out=0):
+    """Fail loudly instead of silently translating fewer sentences than given (``left_out``: refused, and reported,
+    for their length)."""
     if kwargs.get("ignore_invalid_inputs") or kwargs.get("num_shards", 1) > 1:
         return  # the user asked fairseq to skip, or another rank holds the rest
     batched = sum(len(b) for b in iterator.frozen_batches)
-    if batched != len(dataset):
-        raise RuntimeError(f"batching lost {len(dataset) - batched} of {len(dataset)} sentences")
+    if batched + left_out != len(dataset):
+        raise RuntimeError(f"batching lost {len(dataset) - batched - left_out} of {len(dataset)} sentences")
 
 
 # ---- 5. end-of-run statistics ------------------------------------------------------------------
@@ -226,12 +245,28 @@ def report_statistics(gen_cfg, stream):
         plugin_generators[-1].counters.write_json(path)
 
 
-def _prepare_decoder(cfg, tool):
+def _prepare_run(cfg, tool):
+    _check_checkpoint_files(cfg)
     with usage_errors():
         check_generation_options(cfg.generation)  # before the model loads, and before prepare_cli reads them
         entry = DECODERS.get(decoder_name(cfg.generation))
         if entry is not None and entry.prepare_cli is not None:
             entry.prepare_cli(cfg, tool)
+
+
+def _check_checkpoint_files(cfg):
+    """Every file ``--path`` names (with ``--checkpoint-suffix`` and shards, as fairseq reads them) exists and can
+    be read; fairseq's own check ends in an OSError traceback."""
+    if cfg.common_eval.path is None:
+        raise UsageError("--path is required: the checkpoint(s) to generate with")
+    if "://" in cfg.common_eval.path:
+        return  # a remote path: fairseq's PathManager reads it
+    shards = cfg.checkpoint.checkpoint_shard_count
+    for path in utils.split_paths(cfg.common_eval.path):
+        for shard in range(shards):
+            shard_path = checkpoint_utils.get_maybe_sharded_checkpoint_filename(
+                path, cfg.checkpoint.checkpoint_suffix, shard, shards)
+            checkpoint_safety.check_readable(shard_path)
 
 
 def _cli_modules(name):
@@ -265,9 +300,9 @@ def usage_errors():
         raise UsageError(str(error)) from error
 
 
-def exit_on_usage_error(tool: str):
+def exit_on_usage_error(program: str):
     """Around a CLI's run: a :class:`UsageError`, or a checkpoint that is not loaded, ends it with one
-    ``fairseq-TOOL: error: ...`` line on stderr and exit status 2 (argparse's convention), instead of a traceback."""
+    ``PROGRAM: error: ...`` line on stderr and exit status 2 (argparse's convention), instead of a traceback."""
 
     def wrap(run):
         @functools.wraps(run)
@@ -275,7 +310,7 @@ def exit_on_usage_error(tool: str):
             try:
                 return run(*args, **kwargs)
             except (UsageError, checkpoint_safety.CheckpointRefusal) as error:
-                print(f"fairseq-{tool}: error: {error}", file=sys.stderr, flush=True)
+                print(f"{program}: error: {error}", file=sys.stderr, flush=True)
                 sys.exit(2)
 
         return guarded
@@ -283,39 +318,70 @@ def exit_on_usage_error(tool: str):
     return wrap
 
 
+@contextlib.contextmanager
+def _watching(run):
+    """Within the block, the hooks report to ``run`` (a :class:`GenerateRun`)."""
+    global _generate_run
+    _generate_run = run
+    try:
+        yield run
+    finally:
+        _generate_run = None
+
+
+@contextlib.contextmanager
+def _swapped(module, **replacements):
+    """Within the block, ``module``'s names are bound to the replacements (for one CLI run)."""
+    originals = {name: getattr(module, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(module, name, value)
+
+
 def _wrap_generate_main(original_generate):
+    from fairseq_fastgen.cli.batched_output import stopped_between_batches
+    from fairseq_fastgen.cli.generate_run import GenerateRun
+
     @functools.wraps(original_generate)
-    @exit_on_usage_error("generate")
+    @exit_on_usage_error("fairseq-generate")
     def generate_main(cfg, output_file):
         generators_built.clear()
-        _prepare_decoder(cfg, "generate")
-        if option_value(cfg.generation, "postprocess_workers") > 0:
-            from fairseq_fastgen.cli.async_generate import async_generate_main
+        _prepare_run(cfg, "generate")
+        with _watching(GenerateRun(cfg)) as run:
+            if option_value(cfg.generation, "postprocess_workers") > 0:
+                from fairseq_fastgen.cli.async_generate import async_generate_main
 
-            scorer = async_generate_main(cfg, output_file)
-        else:
-            scorer = original_generate(cfg, output_file)
+                scorer = async_generate_main(cfg, output_file)  # its own signal handling, between batches too
+            else:
+                with stopped_between_batches("fairseq-generate", output_file, run.tally) as run.output:
+                    scorer = original_generate(cfg, run.output)
         report_statistics(cfg.generation, output_file)
+        run.exit_if_refused()
         return scorer
 
     return generate_main
 
 
 def _wrap_interactive_main(original_interactive):
+    from fairseq_fastgen.cli.batched_output import AnsweredTally, answered_buffers, stopped_between_batches
     from fairseq_fastgen.cli.oversized_lines import OversizedLines
 
     @functools.wraps(original_interactive)
-    @exit_on_usage_error("interactive")
+    @exit_on_usage_error("fairseq-interactive")
     def interactive_main(cfg):
         generators_built.clear()
-        _prepare_decoder(cfg, "interactive")
+        _prepare_run(cfg, "interactive")
         interactive_cli = sys.modules[original_interactive.__module__]
         oversized = OversizedLines(interactive_cli.make_batches)
-        interactive_cli.make_batches = oversized.make_batches  # for this run only
-        try:
-            result = original_interactive(cfg)
-        finally:
-            interactive_cli.make_batches = oversized.original_make_batches
+        with stopped_between_batches("fairseq-interactive", sys.stdout, AnsweredTally()) as output:
+            read = answered_buffers(interactive_cli.buffered_read, output)
+            with _swapped(interactive_cli, make_batches=oversized.make_batches, buffered_read=read), \
+                    contextlib.redirect_stdout(output):
+                result = original_interactive(cfg)
         report_statistics(cfg.generation, sys.stdout)
         oversized.exit_if_refused()
         return result

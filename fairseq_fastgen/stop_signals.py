@@ -14,6 +14,7 @@ when the block ends.
 
 import contextlib
 import signal
+import sys
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -68,6 +69,14 @@ class StopSignals:
             self.holding = False
         if self.received is not None:
             raise Stopped(self.received)
+
+
+def exit_stopped(program: str, stop, finished: str):
+    """End the process after ``stop`` (a :class:`Stopped`, or any exception with an ``exit_status``): one line on
+    stderr, ``PROGRAM: what stopped it; what was finished``, and the stop's exit status."""
+    sys.stdout.flush()
+    print(f"{program}: {stop}; {finished}", file=sys.stderr, flush=True)
+    raise SystemExit(stop.exit_status) from None
 
 
 def ignore_in_worker():

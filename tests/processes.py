@@ -2,7 +2,9 @@
 
 import os
 import signal
+import subprocess
 import threading
+import time
 
 
 def children(pid):
@@ -12,6 +14,54 @@ def children(pid):
         if entry.isdigit() and parent_of(int(entry)) == pid:
             found.append(int(entry))
     return sorted(found)
+
+
+def descendants(pid):
+    """Every process below ``pid``: its children, theirs, and so on."""
+    found = []
+    for child in children(pid):
+        found += [child] + descendants(child)
+    return found
+
+
+def wait_for_children(pid, poll_s=0.05):
+    """The children of ``pid`` once it has one (polled), or [] once it has ended."""
+    while running(pid):
+        found = children(pid)
+        if found:
+            return found
+        time.sleep(poll_s)
+    return []
+
+
+class OutputReader(threading.Thread):
+    """Reads a piped output to its end in a thread, so that a full pipe never blocks the process writing it."""
+
+    def __init__(self, stream):
+        super().__init__(daemon=True)
+        self.stream, self.lines = stream, []
+        self.start()
+
+    def run(self):
+        for line in iter(self.stream.readline, ""):
+            self.lines.append(line)
+
+    def text(self) -> str:
+        self.join()
+        return "".join(self.lines)
+
+
+def start_reading_until(command, prefix, stderr, env=None, stdin=None):
+    """Start ``command`` with its output piped and read it up to its first line starting with ``prefix``; returns
+    the process, the lines read (all of them when no such line came) and an :class:`OutputReader` of the rest."""
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, stdin=stdin, text=True, env=env)
+    lines = []
+    for line in iter(process.stdout.readline, ""):
+        lines.append(line)
+        if line.startswith(prefix):
+            break
+    return process, lines, OutputReader(process.stdout)
 
 
 def process_state(pid):
@@ -34,13 +84,11 @@ def running(pid):
     return state is not None and state[1] != "Z"  # a zombie has ended
 
 
-def finish(process, pids):
+def finish(process, pids, reader=None):
     """The rest of the output, once the process has ended, and which of ``pids`` were still running then.
     Those (what the test reports as a failure) are then killed, so that no orphan outlives the test; orphans
-    hold the output pipe open, so it is read in a thread, not waited for."""
-    rest = []
-    reader = threading.Thread(target=lambda: rest.append(process.stdout.read()))
-    reader.start()
+    hold the output pipe open, so it is read in a thread (``reader``, else a new one), not waited for."""
+    reader = reader or OutputReader(process.stdout)
     survivors = list(pids)
     try:
         process.wait(timeout=600)
@@ -49,5 +97,4 @@ def finish(process, pids):
         for pid in [process.pid] + pids:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
-        reader.join()
-    return "".join(rest), survivors
+    return reader.text(), survivors

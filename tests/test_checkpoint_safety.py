@@ -108,3 +108,15 @@ def test_stock_fairseq_loads_checkpoints_without_installing_the_plugin(toy_model
     loaded = subprocess.run(stock + [str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu",
                                      "--beam", "1", "--batch-size", "64", "--quiet"], capture_output=True, text=True)
     assert loaded.returncode == 0, loaded.stderr[-2000:]
+
+
+@pytest.mark.parametrize("problem", ["missing", "directory"])
+def test_a_checkpoint_path_that_cannot_be_read_is_named_in_one_error_line(toy_model, tmp_path, problem):
+    """Issue 30: a --path that does not exist ended fairseq-generate and fairseq-interactive with fairseq's
+    OSError traceback ("Model file not found"); a directory with torch's."""
+    checkpoint = tmp_path / "missing.pt" if problem == "missing" else tmp_path
+    message = {"missing": f"checkpoint {checkpoint} does not exist",
+               "directory": f"checkpoint {checkpoint} is a directory, not a checkpoint file"}[problem]
+    assert_one_error_line(generate(toy_model, checkpoint), "generate", message)
+    lines = (toy_model.raw / "test.en").read_text().splitlines()[:2]
+    assert_one_error_line(interactive(toy_model, lines, "--path", str(checkpoint)), "interactive", message)

@@ -41,7 +41,6 @@ import multiprocessing
 import os
 import queue
 import signal
-import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -54,7 +53,8 @@ from fairseq.logging.meters import StopwatchMeter, TimeMeter
 from fairseq_cli.generate import get_symbols_to_strip_from_output
 
 from fairseq_fastgen.sequence_generators.registry import option_value
-from fairseq_fastgen.stop_signals import StopSignals, Stopped, ignore_in_worker
+from fairseq_fastgen.cli.batched_output import WrittenTally
+from fairseq_fastgen.stop_signals import StopSignals, Stopped, exit_stopped, ignore_in_worker
 
 logger = logging.getLogger("fairseq_cli.generate")
 
@@ -88,8 +88,7 @@ def async_generate_main(cfg, output_file):
             scorer, gen_timer, num_sentences, has_target = _generate(cfg, task, pool, output_file, signals, tally)
     except (Stopped, WorkerDied) as stop:
         output_file.flush()
-        print(f"fairseq-generate: {stop}; {tally.summary()}", file=sys.stderr, flush=True)
-        raise SystemExit(stop.exit_status) from None
+        exit_stopped("fairseq-generate", stop, tally.summary())
 
     logger.info("NOTE: hypothesis and token scores are output in base 2")
     logger.info(
@@ -565,20 +564,6 @@ def _work(formatter: BatchFormatter, jobs, results, parent: int):
             results.put((formatter.format_batch(batch), None))
         except Exception:  # noqa: BLE001  (any failure goes back to the main process, which raises it)
             results.put((None, traceback.format_exc()))
-
-
-class WrittenTally:
-    """How many sentences were written whole, for the report of a run that stopped early."""
-
-    def __init__(self):
-        self.written = 0
-        self.total = None  # sentences of the split, once it is loaded
-
-    def summary(self) -> str:
-        if self.total is None:
-            return "stopped before the data was loaded; no sentence was written"
-        return (f"{self.written} of {self.total} sentences were written, each with all its lines; "
-                f"the other {self.total - self.written} were not")
 
 
 class OrderedWriter:

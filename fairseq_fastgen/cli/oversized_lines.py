@@ -1,4 +1,4 @@
-"""fairseq-interactive: a line longer than the model reads is refused alone, not with the whole run.
+"""A sentence longer than the model reads, or than ``--max-tokens``, is refused alone, not with the whole run.
 
 Stock fairseq-interactive batches each buffer of input lines with fairseq's
 batch iterator, which raises on the first line longer than the model's
@@ -18,6 +18,13 @@ limit. At the end of the input the run exits with status 1, naming every refused
 sentence, so a script notices. With the option, fairseq's own behaviour is kept
 for the positions, and a line beyond ``--max-tokens`` is skipped with a warning
 like them instead of ending the run.
+
+fairseq-generate asserts in the same way on a sentence longer than
+``--max-tokens`` (its batching); there the plugin leaves that sentence out of
+the batches (:class:`OverBudgetSentences`, called by the plugin's
+``batch_by_size`` during a fairseq-generate run) and reports it in the same
+way: with its sentence id, its length and the limit, then exit status 1 at the
+end naming every refused sentence; skipped with a warning under the skip option.
 """
 
 import logging
@@ -30,13 +37,38 @@ import torch
 logger = logging.getLogger("fairseq_cli.interactive")
 
 
+class SentenceRefusals:
+    """Sentences not translated for their length: each reported when found; refused (then named again at the end,
+    exit status 1) or, under --skip-invalid-size-inputs-valid-test, skipped with a warning."""
+
+    def __init__(self, program: str):
+        self.program = program
+        self.refused: List[int] = []  # sentence ids
+
+    def refuse(self, sentence_id, length, limit, skip=False):
+        if skip:
+            logger.warning("sentence %d has %d tokens (with eos), more %s; skipped", sentence_id, int(length), limit)
+            return
+        self.refused.append(sentence_id)
+        print(f"{self.program}: sentence {sentence_id} has {int(length)} tokens (with eos), more {limit}; "
+              f"not translated. Shorten it, or pass --skip-invalid-size-inputs-valid-test to skip such sentences "
+              f"without an error.", file=sys.stderr, flush=True)
+
+    def exit_if_refused(self, total):
+        """After the run: exit with status 1 naming every refused sentence, if any (``total``: sentences read)."""
+        if self.refused:
+            ids = ", ".join(map(str, sorted(self.refused)))
+            raise SystemExit(f"{self.program}: {len(self.refused)} of {total} sentences were too long and not "
+                             f"translated (sentence ids {ids}); every other sentence was translated")
+
+
 class OversizedLines:
     """``make_batches`` for fairseq-interactive that refuses oversized lines one by one."""
 
     def __init__(self, original_make_batches):
         self.original_make_batches = original_make_batches
         self.lines_seen = 0  # sentence id of the next buffer's first line (fairseq's start_id)
-        self.refused: List[int] = []  # sentence ids
+        self.refusals = SentenceRefusals("fairseq-interactive")
 
     def make_batches(self, lines, cfg, task, max_positions, encode_fn):
         first_id = self.lines_seen
@@ -63,29 +95,44 @@ class OversizedLines:
         else:
             fitting, too_long = dataset.filter_indices_by_size(indices, max_positions)
             for index in too_long:
-                self.refuse(first_id + int(index), lengths[index], f"than this model reads (max positions "
-                            f"{max_positions})")
+                self.refusals.refuse(first_id + int(index), lengths[index], f"than this model reads (max positions "
+                                     f"{max_positions})")
         max_tokens = cfg.dataset.max_tokens
         if max_tokens is not None:  # fairseq's batching asserts on these, with or without the skip option
             within = [int(i) for i in fitting if dataset.num_tokens(int(i)) <= max_tokens]
             for index in sorted(set(map(int, fitting)) - set(within)):
-                self.refuse(first_id + index, lengths[index], f"than --max-tokens {max_tokens}", skip)
+                self.refusals.refuse(first_id + index, lengths[index], f"than --max-tokens {max_tokens}", skip)
             fitting = within
         return sorted(int(index) for index in fitting)
 
-    def refuse(self, sentence_id, length, limit, skip=False):
-        """Report a sentence not translated: refused (the run ends with status 1), or skipped as asked."""
-        if skip:
-            logger.warning("sentence %d has %d tokens (with eos), more %s; skipped", sentence_id, int(length), limit)
-            return
-        self.refused.append(sentence_id)
-        print(f"fairseq-interactive: sentence {sentence_id} has {int(length)} tokens (with eos), more {limit}; "
-              f"not translated. Shorten it, or pass --skip-invalid-size-inputs-valid-test to skip such lines "
-              f"without an error.", file=sys.stderr, flush=True)
-
     def exit_if_refused(self):
         """After the input: exit with status 1 naming every refused sentence, if any."""
-        if self.refused:
-            ids = ", ".join(map(str, sorted(self.refused)))
-            raise SystemExit(f"fairseq-interactive: {len(self.refused)} of {self.lines_seen} sentences were too "
-                             f"long and not translated (sentence ids {ids}); every other sentence was translated")
+        self.refusals.exit_if_refused(self.lines_seen)
+
+
+class OverBudgetSentences:
+    """During a fairseq-generate run: the sentences longer than ``--max-tokens``, left out of the batches."""
+
+    def __init__(self, skip: bool):
+        self.skip = skip  # --skip-invalid-size-inputs-valid-test
+        self.refusals = SentenceRefusals("fairseq-generate")
+        self.left_out = 0
+
+    def leave_out(self, indices, options: dict):
+        """``indices`` (dataset indices: sentence ids) and ``options`` (keywords of fairseq's ``batch_by_size``)
+        without the sentences longer than ``max_tokens``, each of them refused or skipped."""
+        max_tokens = options.get("max_tokens")
+        if max_tokens is None:
+            return indices, options
+        indices = numpy.asarray(indices)
+        num_tokens = options.get("num_tokens_vec")  # (len(indices),) or None: ask num_tokens_fn
+        lengths = num_tokens if num_tokens is not None else numpy.array(
+            [options["num_tokens_fn"](int(index)) for index in indices], dtype=numpy.int64)
+        over = lengths > max_tokens
+        for index, length in sorted(zip(indices[over].tolist(), lengths[over].tolist())):
+            self.refusals.refuse(int(index), length, f"than --max-tokens {max_tokens} (the longer of its source and "
+                                 "target)", self.skip)
+        self.left_out += int(over.sum())
+        if num_tokens is not None:
+            options = dict(options, num_tokens_vec=num_tokens[~over])
+        return indices[~over], options

@@ -17,7 +17,7 @@ import pytest
 
 from fairseq_fastgen import toy
 from fairseq_fastgen.data import synthetic
-from tests.processes import children, finish
+from tests.processes import children, finish, start_reading_until
 
 pytestmark = pytest.mark.xdist_group("toy_cli")
 
@@ -140,48 +140,41 @@ def test_worker_error_stops_the_run_with_that_error(toy_model):
 def start_long_run(toy_model, stderr_file):
     """fairseq-generate with 2 post-processing workers over the 4000 training sentences, one per batch: still
     running long after its first output.  Returns the process, once it has printed its first hypothesis, and
-    the lines read so far."""
+    the lines read so far and a reader of the rest."""
     command = toy.fairseq_command("generate") + [
         str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--user-dir", toy.PLUGIN_DIR,
         "--gen-subset", "train", "--beam", "1", "--batch-size", "1", "--postprocess-workers", "2",
         "--num-workers", "0",  # no data-loader process: the only children are the two workers
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr_file, text=True, env=env)
-    lines = []
-    for line in iter(process.stdout.readline, ""):
-        lines.append(line)
-        if line.startswith("H-"):
-            break
-    return process, lines
+    return start_reading_until(command, "H-", stderr_file, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-SENTENCE_LINE = re.compile(r"(?P<kind>[STHDP])-(?P<id>\d+)\t")
+SENTENCE_LINE = re.compile(r"(?P<kind>[A-Z])-(?P<id>\d+)\t")
 
 
-def assert_whole_sentences(output, written):
-    """Every sentence in the output has its S, T, H, D and P lines, each once, and the output ends with a
-    newline; ``written`` sentences in all."""
+def assert_whole_sentences(output, written, kinds="STHDP"):
+    """Every sentence in the output has its lines of ``kinds`` (fairseq-generate: S, T, H, D and P), each once,
+    and the output ends with a newline; ``written`` sentences in all."""
     assert output.endswith("\n")
-    kinds = {}
+    found = {}
     for line in output.splitlines():
         match = SENTENCE_LINE.match(line)
         if match:
-            kinds.setdefault(int(match["id"]), []).append(match["kind"])
-    assert all(sorted(found) == sorted("STHDP") for found in kinds.values()), kinds
-    assert len(kinds) == written
+            found.setdefault(int(match["id"]), []).append(match["kind"])
+    assert all(sorted(sentence) == sorted(kinds) for sentence in found.values()), found
+    assert len(found) == written
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_ends_every_worker_and_reports_what_was_written(toy_model, tmp_path, signum):
     """Issue 30 item 3: SIGTERM left both workers running as orphans, blocked on the job queue."""
     with open(tmp_path / "stderr", "w") as stderr_file:
-        process, lines = start_long_run(toy_model, stderr_file)
+        process, lines, reader = start_long_run(toy_model, stderr_file)
         workers = children(process.pid)
         try:
             process.send_signal(signum)
         finally:
-            rest, survivors = finish(process, workers)
+            rest, survivors = finish(process, workers, reader)
     stderr = (tmp_path / "stderr").read_text()
     assert len(workers) == 2 and survivors == []
     output = "".join(lines) + rest
@@ -199,12 +192,12 @@ def test_a_killed_worker_is_reported_and_fails_the_run(toy_model, tmp_path, vict
     """Issue 30 item 3: killing the worker that waited for the queue's lock behind the other one ended the run
     with status 0 and every line, the death unreported."""
     with open(tmp_path / "stderr", "w") as stderr_file:
-        process, lines = start_long_run(toy_model, stderr_file)
+        process, lines, reader = start_long_run(toy_model, stderr_file)
         workers = children(process.pid)
         try:
             os.kill(workers[victim], signal.SIGKILL)
         finally:
-            rest, survivors = finish(process, workers)
+            rest, survivors = finish(process, workers, reader)
     stderr = (tmp_path / "stderr").read_text()
     assert len(workers) == 2 and survivors == []
     output = "".join(lines) + rest
