@@ -47,7 +47,9 @@ class PluginOptions(FairseqDataclass):
     cluster_projection: Optional[str] = field(
         default=None,
         metadata={"help": "cluster file from fastgen-train-clusters: project only onto the tokens of the "
-                          "clusters nearest to the decoder states (every decoder)"},
+                          "clusters nearest to the decoder states (every decoder); or its directory for a "
+                          "multilingual model, from which the file of --source-lang-target-lang is taken, "
+                          "else that of --target-lang"},
     )
     cluster_full_normalizer: bool = field(
         default=False,
