@@ -36,9 +36,12 @@ def test_demo_table_step_shows_every_method_without_library_noise(demo_run, capf
     table_labels = [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")]
     for label in EXPECTED_ROWS:
         assert label in table_labels, f"{label} missing from the demo table:\n{text}"
-    for method in ("blockwise (k=4 student): ", "variable-width beam search: var-batch ",
-                   "cluster-projected vocabulary: ", "CTranslate2"):
-        assert any(line.startswith(f"- {method}") or method in line for line in text.splitlines()), method
+    method_lines = [line for line in text.splitlines() if line.startswith("- ")]
+    for method in ("blockwise (k=4 student", "variable-width beam search: var-batch ",
+                   "cluster-projected vocabulary: stock beam 5 with it: "):
+        assert sum(line.startswith(f"- {method}") for line in method_lines) == 1, (method, text)
+    peer_lines = [line for line in method_lines if line.startswith(("- against CTranslate2", "- CTranslate2: not"))]
+    assert len(peer_lines) == 1, text
     assert "x greedy's sentences/s at batch 1" in text and "no row" not in text
     for run in ("latency", "throughput"):
         assert (out / "bench" / run / "results.json").is_file()
