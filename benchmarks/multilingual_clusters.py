@@ -1,4 +1,4 @@
-"""Cluster projection on a multilingual model: the paper's Figure 2 and the chosen setting's speed (not part of the product).
+"""Cluster projection on a multilingual model: the paper's Figure 2 and the speed of a chosen setting (a benchmark).
 
 Usage (from the repository root; ``benchmarks/multilingual_clusters.sh`` runs it with the corpus paths):
 
@@ -102,7 +102,8 @@ def figure2(args, checkpoint, bin_dir, out):
             one_direction = direction_task(task, source_lang, target_lang)
             one_direction.load_dataset("train")
             one_direction.load_dataset("test")
-            recordings[pair] = train.Recording(source_lang, target_lang, *train.record_states(model, one_direction, cfg))
+            states, top_tokens = train.record_states(model, one_direction, cfg)
+            recordings[pair] = train.Recording(source_lang, target_lang, states, top_tokens)
             test_states[pair] = held_out_states(model, one_direction, "test").squeeze(1)  # (states, hidden)
     rows, chosen = [], {scope: [] for scope in SCOPES}
     for clusters in args.clusters:

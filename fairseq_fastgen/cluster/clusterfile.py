@@ -173,7 +173,8 @@ class ClusterFile:
         def differ(mine, run):
             return mine is not None and run is not None and mine != run
 
-        if differ(self.target_lang, target_lang) or (self.scope == "direction" and differ(self.source_lang, source_lang)):
+        other_source = self.scope == "direction" and differ(self.source_lang, source_lang)
+        if differ(self.target_lang, target_lang) or other_source:
             raise ClusterFileError(
                 f"{path} holds the clusters of {self.serves()}; this run translates {source_lang}-{target_lang}: "
                 f"give the file of that direction or of its target language, or a directory of "

@@ -71,8 +71,9 @@ def test_train_clusters_writes_a_file_per_direction_and_per_target(multilingual,
     assert index["model"] == fingerprint.__dict__
     dictionary = multilingual.task.target_dictionary
     kept = {dictionary.bos(), dictionary.eos(), dictionary.unk(), dictionary.index("__fr__")}
-    for name, states, directions in [("direction.en-fr.pt", STATES, ["en-fr"]), ("direction.de-fr.pt", STATES, ["de-fr"]),
-                                     ("target.fr.pt", 2 * STATES, ["en-fr", "de-fr"])]:
+    expected = [("direction.en-fr.pt", STATES, ["en-fr"]), ("direction.de-fr.pt", STATES, ["de-fr"]),
+                ("target.fr.pt", 2 * STATES, ["en-fr", "de-fr"])]
+    for name, states, directions in expected:
         cluster_file = ClusterFile.load(cluster_dir.path / name)
         assert cluster_file.fingerprint == fingerprint
         assert (cluster_file.num_clusters, cluster_file.top_k, cluster_file.states) == (CLUSTERS, TOP_K, states), name

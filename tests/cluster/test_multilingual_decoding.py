@@ -85,7 +85,8 @@ def test_blockwise_decoders_take_the_file_of_their_direction_from_a_directory(kh
 def test_direction_file_is_chosen_over_the_target_file(multilingual, model, tmp_path, decoder):
     write_directory(tmp_path, [direction_file(model, "en-fr")])  # as fastgen-train-clusters run once per scope
     write_directory(tmp_path, [target_file(model)])
-    for direction, scope, clusters in [("en-fr", "direction", DIRECTION_CLUSTERS), ("de-fr", "target", TARGET_CLUSTERS)]:
+    expected = [("en-fr", "direction", DIRECTION_CLUSTERS), ("de-fr", "target", TARGET_CLUSTERS)]
+    for direction, scope, clusters in expected:
         generator = build(multilingual.directions[direction], model, decoder, 2, cluster_projection=str(tmp_path))
         chosen = projection_of(generator).cluster_file
         assert (chosen.scope, chosen.num_clusters) == (scope, clusters), direction
@@ -101,7 +102,8 @@ def refusal(multilingual, model, direction, path, decoder="greedy"):
 def test_direction_without_a_file_is_refused_naming_those_it_has(multilingual, model, tmp_path, decoder):
     write_directory(tmp_path, [direction_file(model, "en-fr"), target_file(model, "de")])
     message = refusal(multilingual, model, "de-fr", tmp_path, decoder)
-    assert message == f"--cluster-projection {tmp_path} has no cluster file for de-fr; it has en-fr, *-de (scope target)"
+    assert message == (f"--cluster-projection {tmp_path} has no cluster file for de-fr; "
+                       f"it has en-fr, *-de (scope target)")
 
 
 def test_file_of_another_direction_or_target_language_is_refused(multilingual, model, tmp_path):
