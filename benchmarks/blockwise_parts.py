@@ -18,7 +18,8 @@ import time
 
 from fairseq_fastgen.bench import main as bench_main
 from fairseq_fastgen.models.transformer_khead import KHeadTransformerDecoder
-from fairseq_fastgen.sequence_generators.blockwise import BlockwisePolicy, BlockwiseState, RowStepProcessors
+from fairseq_fastgen.sequence_generators.blockwise import BlockwisePolicy
+from fairseq_fastgen.sequence_generators.blockwise_rows import BlockwiseState, RowStepProcessors
 from fairseq_fastgen.sequence_generators.greedy import GreedyPolicy
 from fairseq_fastgen.sequence_generators.runner import ModelRunner
 

@@ -17,7 +17,8 @@ from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq_fastgen import toy
-from fairseq_fastgen.sequence_generators.blockwise import OrdinalDistance, RowStepProcessors, ordinal_values
+from fairseq_fastgen.sequence_generators.blockwise_acceptance import OrdinalDistance, ordinal_values
+from fairseq_fastgen.sequence_generators.blockwise_rows import RowStepProcessors
 from fairseq_fastgen.sequence_generators.int8_proposals import Int8Linear
 from fairseq_fastgen.sequence_generators.processors import (
     BanRepeatedNgrams, ForbidPad, ForcePrefix, LengthLimits, UnkPenalty,

@@ -1,0 +1,120 @@
+"""Blockwise decoding's options and acceptance criteria: is a proposed token good enough, given p_1 there?
+
+Exact acceptance (the default) keeps greedy's output; ``--blockwise-top-k`` and
+``--blockwise-epsilon`` accept more, approximately (blockwise.py decodes).
+"""
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fairseq.dataclass import FairseqDataclass
+
+from fairseq_fastgen.option_checks import require_finite_in_range, require_int
+from fairseq_fastgen.sequence_generators.registry import option_value
+
+
+@dataclass
+class BlockwiseOptions(FairseqDataclass):
+    blockwise_block_size: Optional[int] = field(
+        default=None,
+        metadata={"help": "blockwise: tokens proposed per iteration, at most the model's number of heads "
+                          "(default: all of them)"},
+    )
+    blockwise_top_k: int = field(
+        default=0,
+        metadata={"help": "blockwise: accept a proposed token if it is among the N most probable tokens of "
+                          "head 1 (approximate; 0: exact acceptance, identical to greedy)"},
+    )
+    blockwise_epsilon: Optional[float] = field(
+        default=None,
+        metadata={"help": "blockwise: accept a proposed ordinal symbol whose value differs by at most E from "
+                          "head 1's choice (approximate; see --blockwise-ordinal-symbols)"},
+    )
+    blockwise_ordinal_symbols: str = field(
+        default=r"^-?[0-9]+$",
+        metadata={"help": "blockwise: regular expression selecting the target symbols that are numbers "
+                          "(ordinal symbols) for --blockwise-epsilon; their value is the number they spell"},
+    )
+    blockwise_min_block: int = field(
+        default=1,
+        metadata={"help": "blockwise: accept at least this many proposed tokens per iteration, verified or "
+                          "not (approximate when > 1)"},
+    )
+    blockwise_int8_proposals: bool = field(
+        default=False,
+        metadata={"help": "blockwise: compute the proposals of heads 2..k from int8 copies of the k-head layer "
+                          "and the output projection (CPU only). Head 1 still verifies in full precision, so "
+                          "exact acceptance keeps greedy's output; faster at small batches on the CPU. With "
+                          "--blockwise-top-k/-epsilon/-min-block the output may change"},
+    )
+
+
+# ---- acceptance criteria: is a proposed token good enough, given p_1 there? ------------------
+class ExactMatch:
+    """The proposal must be greedy's choice."""
+
+    def accepts(self, proposed: Tensor, lprobs: Tensor, best: Tensor) -> Tensor:
+        """proposed, best: (rows, m); lprobs: (rows, m, vocab) -> (rows, m) bool."""
+        return proposed.eq(best)
+
+
+class TopK:
+    """The proposal must be among the ``k`` most probable tokens of p_1 (and allowed)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def accepts(self, proposed, lprobs, best):
+        top = lprobs.topk(min(self.k, lprobs.size(-1)), dim=-1).indices  # (rows, m, k)
+        allowed = lprobs.gather(2, proposed.unsqueeze(2)).squeeze(2) > -math.inf
+        return top.eq(proposed.unsqueeze(2)).any(dim=2) & allowed
+
+
+class OrdinalDistance:
+    """Both tokens ordinal symbols whose values differ by at most ``epsilon`` (or equal tokens)."""
+
+    def __init__(self, values: Tensor, epsilon: float):
+        self.values = values  # (vocab,) float: the value of each ordinal symbol, nan for the others
+        self.epsilon = epsilon
+
+    def accepts(self, proposed, lprobs, best):
+        values = self.values.to(proposed.device)
+        close = (values[proposed] - values[best]).abs() <= self.epsilon  # nan: False
+        allowed = lprobs.gather(2, proposed.unsqueeze(2)).squeeze(2) > -math.inf
+        return proposed.eq(best) | (close & allowed)
+
+
+def ordinal_values(tgt_dict, pattern: str) -> Tensor:
+    """Value of every target symbol matching ``pattern`` (nan for the others)."""
+    matcher = re.compile(pattern)
+    values = torch.full((len(tgt_dict),), math.nan)
+    for index, symbol in enumerate(tgt_dict.symbols):
+        if matcher.search(symbol):
+            try:
+                values[index] = float(symbol)
+            except ValueError as error:
+                raise ValueError(
+                    f"--blockwise-ordinal-symbols {pattern!r} matches {symbol!r}, which is not a number"
+                ) from error
+    if torch.isnan(values).all():
+        raise ValueError(f"--blockwise-ordinal-symbols {pattern!r} matches no symbol of the target dictionary")
+    return values
+
+
+def build_acceptance(gen_cfg, tgt_dict):
+    top_k = option_value(gen_cfg, "blockwise_top_k")
+    epsilon = option_value(gen_cfg, "blockwise_epsilon")
+    if top_k and epsilon is not None:
+        raise ValueError("--blockwise-top-k and --blockwise-epsilon are alternative acceptance criteria; give one")
+    require_int("--blockwise-top-k", top_k, 0)
+    if top_k:
+        return TopK(top_k)
+    if epsilon is not None:
+        epsilon = require_finite_in_range("--blockwise-epsilon", epsilon, 0)  # NaN: nothing would be close
+        return OrdinalDistance(ordinal_values(tgt_dict, option_value(gen_cfg, "blockwise_ordinal_symbols")), epsilon)
+    return ExactMatch()
