@@ -34,7 +34,7 @@ def test_train_clusters_writes_a_file_for_the_model(toy, trained_cluster_run):
     dictionary = toy.task.target_dictionary
     assert cluster_file.fingerprint == ModelFingerprint.of_decoder(toy.model.decoder)
     assert (cluster_file.num_clusters, cluster_file.top_k, cluster_file.states) == (run.clusters, run.top_k, run.states)
-    assert (cluster_file.source_lang, cluster_file.target_lang) == ("en", "fr")
+    assert (cluster_file.scope, cluster_file.source_lang, cluster_file.target_lang) == ("direction", "en", "fr")
     for cluster in range(cluster_file.num_clusters):
         tokens = cluster_file.cluster_tokens(cluster).tolist()
         assert tokens == sorted(set(tokens))
