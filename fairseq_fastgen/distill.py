@@ -63,6 +63,7 @@ Refusals and reports
 
 import ast
 import filecmp
+import gc
 import json
 import logging
 import math
@@ -87,7 +88,9 @@ from fairseq import checkpoint_utils, options, tasks, utils
 from fairseq.data import data_utils, indexed_dataset
 from fairseq.dataclass import FairseqDataclass
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf, gen_parser_from_dataclass
-from fairseq_fastgen.option_checks import check_generation_options, require_int
+from fairseq_fastgen import checkpoint_safety
+from fairseq_fastgen.integration import exit_on_usage_error
+from fairseq_fastgen.option_checks import UsageError, check_generation_options, require_int
 from fairseq_fastgen.safe_files import (FileManifest, copy_atomically, remove_stale_temporaries, write_atomically,
                                         write_step)
 from fairseq_fastgen.stop_signals import StopSignals, Stopped
@@ -105,7 +108,8 @@ INTERRUPTED_EXIT_CODE = 75
 
 
 class DistillError(Exception):
-    """A refusal explained to the user (printed without a traceback)."""
+    """A refusal explained to the user (printed without a traceback, exit status 1). A misuse of the command
+    line is a :class:`UsageError` instead (one ``fastgen-distill: error:`` line, exit status 2)."""
 
 
 @dataclass
@@ -147,14 +151,16 @@ def build_parser():
 def parse(argv):
     args = options.parse_args_and_arch(build_parser(), input_args=argv)
     if not args.output_dir:
-        raise DistillError("--output-dir is required")
+        raise UsageError("--output-dir is required")
     if not args.path:
-        raise DistillError("--path TEACHER is required")
+        raise UsageError("--path TEACHER is required")
     if args.prefix_size:
-        raise DistillError("--prefix-size would force the references' first tokens into the teacher's outputs")
-    require_int("--workers", args.workers, 1, error=DistillError)
-    require_int("--num-shards", args.num_shards, 0, error=DistillError)  # 0: one per SENTENCES_PER_SHARD
-    check_generation_options(args, error=DistillError)
+        raise UsageError("--prefix-size would force the references' first tokens into the teacher's outputs")
+    require_int("--workers", args.workers, 1, error=UsageError)
+    require_int("--num-shards", args.num_shards, 0, error=UsageError)  # 0: one per SENTENCES_PER_SHARD
+    check_generation_options(args, error=UsageError)
+    for checkpoint in utils.split_paths(args.path):
+        checkpoint_safety.check_readable(checkpoint)
     if args.max_tokens is None and args.batch_size is None:
         args.max_tokens = DEFAULT_MAX_TOKENS
     return args, convert_namespace_to_omegaconf(args)
@@ -216,7 +222,7 @@ def open_job(argv) -> DistillJob:
     data_dir = Path(utils.split_paths(cfg.task.data)[0])
     output_dir = Path(args.output_dir)
     if output_dir.resolve() == data_dir.resolve():
-        raise DistillError("--output-dir must differ from DATA")
+        raise UsageError("--output-dir must differ from DATA")
     prefix = split_prefix(data_dir, split, task.cfg.source_lang, task.cfg.target_lang)
     source_data = indexed_dataset.data_file_path(str(data_dir / (prefix + task.cfg.source_lang)))
     if os.path.getsize(source_data) == 0:  # fairseq cannot even open an empty split
@@ -361,16 +367,19 @@ def worker_device(job: DistillJob, rank: int):
 
 
 # ---- a worker ------------------------------------------------------------------------------------------
-def distill_shards(job: DistillJob, rank: int, workers: int):
+def distill_shards(job: DistillJob, rank: int, workers: int, decoder: Optional["ShardDecoder"] = None):
     """Take shards no other worker holds until none is left, writing one shard file each.
 
     Worker ``rank`` starts its search at shard rank * shards / workers, so that
     workers begin in different places and a fast one goes on with the rest.
+    ``decoder``: the worker's teacher, when the caller built it already.
     """
     if job.shards_done() == len(job.shards):
         logger.info("worker %d: no shard left to distill", rank)
+        if decoder is not None:
+            decoder.close()
         return
-    decoder = ShardDecoder(job, rank)
+    decoder = decoder or ShardDecoder(job, rank)
     first = rank * len(job.shards) // workers
     stop_after = int(os.environ.get(STOP_AFTER_SHARDS_ENV, 0))
     decoded = 0
@@ -671,8 +680,9 @@ def main(argv=None) -> Optional[dict]:
         return run_torchrun_rank(job, run_started)
     if job.args.workers > 1:
         return run_spawned_workers(job, argv, run_started)
+    decoder = ShardDecoder(job, rank=0)  # first: a teacher or decoder that does not fit is refused before any file
     prepare(job)
-    distill_shards(job, rank=0, workers=1)
+    distill_shards(job, rank=0, workers=1, decoder=decoder)
     return merge_shards(job, run_started, workers=1)
 
 
@@ -698,6 +708,7 @@ def run_spawned_workers(job: DistillJob, argv, run_started: float):
     from torch.multiprocessing.spawn import ProcessException
 
     workers = job.args.workers
+    check_teacher_takes_the_decoder(job)
     prepare(job)
     context = torch.multiprocessing.start_processes(spawned_worker, args=(argv, workers), nprocs=workers,
                                                     join=False)
@@ -711,6 +722,16 @@ def run_spawned_workers(job: DistillJob, argv, run_started: float):
         end_workers(context.processes)
         raise
     return merge_shards(job, run_started, workers)
+
+
+def check_teacher_takes_the_decoder(job: DistillJob):
+    """Load the teacher and build its decoder once here, before any worker starts: a teacher or a decoder that
+    does not fit (another dictionary, --decoder blockwise for a stock model, ...) is refused in one line,
+    not once per worker after each has loaded it."""
+    models = load_teacher(job, torch.device("cpu"))
+    job.task.build_generator(models, job.cfg.generation)
+    del models
+    gc.collect()
 
 
 def end_workers(processes):
@@ -747,7 +768,7 @@ def cli_main(argv=None):
     configure_logging()
     try:
         with StopSignals():
-            main(argv)
+            exit_on_usage_error("fastgen-distill")(main)(argv)  # a misuse: one error line, exit status 2
     except DistillError as error:
         logger.error("%s", error)
         sys.exit(1)

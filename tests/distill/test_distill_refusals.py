@@ -11,6 +11,7 @@ import torch
 from fairseq.data import Dictionary, indexed_dataset
 from fairseq_fastgen import distill
 from fairseq_fastgen.distill import DistillError
+from fairseq_fastgen.option_checks import UsageError
 from tests.distill.distill_runs import REFERENCE_ARGS, SPLIT, read_tokens
 
 pytestmark = pytest.mark.xdist_group("toy_distill")  # shares the reference run of test_distill_cli.py
@@ -167,11 +168,13 @@ def test_resuming_with_other_settings_is_refused(reference_run, toy_model, tmp_p
     (["--decoder", "var-batch", "--var-beam-delta", "nan"], "--var-beam-delta must be a number >= 0 or inf, got nan"),
 ])
 def test_numbers_out_of_range_are_refused_when_parsed(tmp_path, extra, message):
-    """Issue 30: refused before anything is read (DATA and the teacher need not exist)."""
+    """Issue 30: refused before anything is read (DATA and the teacher need not exist), as a misuse (exit
+    status 2 through the command line: test_distill_misuse.py)."""
     argv = distill_args(tmp_path / "data", tmp_path / "teacher.pt", tmp_path / "out", *extra)
-    with pytest.raises(DistillError) as refusal:
+    with pytest.raises(UsageError) as refusal:
         distill.parse(argv)
     assert str(refusal.value) == message
+    (tmp_path / "teacher.pt").touch()  # the one file parse opens: --path must name a readable file
     args, _ = distill.parse(distill_args(tmp_path / "data", tmp_path / "teacher.pt", tmp_path / "out",
                                          "--workers", "2", "--num-shards", "0"))
     assert (args.workers, args.num_shards) == (2, 0)
