@@ -246,7 +246,7 @@ def report_statistics(gen_cfg, stream):
 
 
 def _prepare_run(cfg, tool):
-    _check_checkpoint_files(cfg)
+    check_checkpoint_files(cfg)
     with usage_errors():
         check_generation_options(cfg.generation)  # before the model loads, and before prepare_cli reads them
         entry = DECODERS.get(decoder_name(cfg.generation))
@@ -254,7 +254,7 @@ def _prepare_run(cfg, tool):
             entry.prepare_cli(cfg, tool)
 
 
-def _check_checkpoint_files(cfg):
+def check_checkpoint_files(cfg):
     """Every file ``--path`` names (with ``--checkpoint-suffix`` and shards, as fairseq reads them) exists and can
     be read; fairseq's own check ends in an OSError traceback."""
     if cfg.common_eval.path is None:

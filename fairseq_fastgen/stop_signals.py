@@ -15,15 +15,21 @@ when the block ends.
 import contextlib
 import signal
 import sys
+from typing import Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class Stopped(Exception):
-    """The process received SIGTERM or SIGINT."""
+class Stopped(BaseException):
+    """The process received SIGTERM or SIGINT.  ``finished``: what was finished, where the code it went through
+    on its way out knew (raised again with it: ``raise Stopped(stop.signum, finished=...)``).
 
-    def __init__(self, signum: int):
+    Like KeyboardInterrupt, not an ``Exception``: code that handles any error (``logging`` prints a failed
+    write of a log record and goes on) must not swallow it, or the stop is lost."""
+
+    def __init__(self, signum: int, finished: Optional[str] = None):
         self.signum = signum
+        self.finished = finished
         super().__init__(f"stopped by {self.name}")
 
     @property

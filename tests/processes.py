@@ -1,6 +1,7 @@
 """Child processes of a command under test: which it started, and whether they outlived it."""
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -51,15 +52,16 @@ class OutputReader(threading.Thread):
         return "".join(self.lines)
 
 
-def start_reading_until(command, prefix, stderr, env=None, stdin=None):
-    """Start ``command`` with its output piped and read it up to its first line starting with ``prefix``; returns
-    the process, the lines read (all of them when no such line came) and an :class:`OutputReader` of the rest."""
+def start_reading_until(command, pattern, stderr, env=None, stdin=None):
+    """Start ``command`` with its output piped and read it up to its first line in which the regular expression
+    ``pattern`` is found (``stderr=subprocess.STDOUT``: in its output or its log); returns the process, the lines
+    read (all of them when no such line came) and an :class:`OutputReader` of the rest."""
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, stdin=stdin, text=True, env=env)
     lines = []
     for line in iter(process.stdout.readline, ""):
         lines.append(line)
-        if line.startswith(prefix):
+        if re.search(pattern, line):
             break
     return process, lines, OutputReader(process.stdout)
 

@@ -1,9 +1,13 @@
-"""A misuse of the plugin through the real fairseq-generate / fairseq-interactive: one ``error:`` line naming the
-problem, exit status 2, no traceback; the hub interface and task.build_generator raise the plugin's UsageError."""
+"""A misuse of the plugin through the real fairseq-generate / fairseq-interactive / fastgen-bench: one ``error:``
+line naming the problem, exit status 2, no traceback; the hub interface and task.build_generator raise the plugin's
+UsageError."""
+
+import subprocess
 
 import pytest
 
 from fairseq_fastgen.option_checks import UsageError
+from tests.bench.test_bench_cli import bench_command
 from tests.test_foundation_cli import generate, interactive
 
 pytestmark = pytest.mark.xdist_group("toy_cli")
@@ -24,9 +28,11 @@ MISUSES = {
 
 
 def assert_one_error_line(result, tool, message):
+    """``tool``: generate or interactive (the program fairseq-TOOL), or a program's whole name."""
+    program = tool if "-" in tool else f"fairseq-{tool}"
     assert result.returncode == 2, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
-    errors = [line for line in result.stderr.splitlines() if line.startswith(f"fairseq-{tool}: error:")]
+    errors = [line for line in result.stderr.splitlines() if line.startswith(f"{program}: error:")]
     assert len(errors) == 1 and message in errors[0], result.stderr[-2000:]
 
 
@@ -53,3 +59,34 @@ def test_build_generator_raises_the_plugins_usage_error(toy_model):
     )
     with pytest.raises(UsageError, match="--decoder blockwise needs a k-head model"):
         task.build_generator(models, GenerationConfig(decoder="blockwise", beam=1))
+
+
+# issue 29: fastgen-bench made each of these a 'skipped' row (or a traceback) and went on benchmarking the rest
+BENCH_MISUSES = {
+    "decoder vs options": (["--decoders", "greedy", "--nbest", "2"], MISUSES["decoder vs options"][1]),
+    "decoder vs model": (["--decoders", "greedy,blockwise"], MISUSES["decoder vs model"][1]),
+    "engine": (["--decoders", "greedy", "--compiled-freezing"], MISUSES["engine"][1]),
+    "streaming option": (["--decoders", "var-stream", "--beam", "4", "--stream-eps", "2"], "--stream-eps"),
+    "cluster file": (["--decoders", "greedy", "--cluster-projection", "/nonexistent/clusters.pt"],
+                     "/nonexistent/clusters.pt"),
+    "a variant's cluster file, whole processes": (
+        ["--decoders", "beam", "--whole-process", "--variant", "bad=--cluster-projection /nonexistent/clusters.pt"],
+        "/nonexistent/clusters.pt"),
+    "checkpoint": (["--decoders", "greedy", "--path", "/nonexistent/model.pt"],
+                   "checkpoint /nonexistent/model.pt does not exist"),
+    "k-head checkpoint": (["--decoders", "blockwise", "--khead-path", "/nonexistent/khead.pt"],
+                          "checkpoint /nonexistent/khead.pt does not exist"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(BENCH_MISUSES))
+def test_fastgen_bench_refuses_a_misuse_in_one_line_before_any_pass(toy_model, tmp_path, misuse):
+    options, message = BENCH_MISUSES[misuse]
+    output_dir = tmp_path / "out"
+    command = bench_command() + [
+        str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--threads", "1", "--beam", "1",
+        "--batch-size", "8", "--repeat", "1", "--no-ctranslate2", "--no-progress-bar", "--output-dir", str(output_dir),
+    ] + options
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert_one_error_line(result, "fastgen-bench", message)
+    assert "skipped" not in result.stderr and not output_dir.exists()

@@ -7,15 +7,26 @@ runs every configuration (decoder x beam x batching) in this process: one
 warm-up pass each (outputs, decoder statistics, peak memory), then ``--repeat``
 rounds of timed passes, each round one pass of every configuration in turn.
 ``beam`` is fairseq's own SequenceGenerator; CTranslate2 joins when it is
-installed and converts the checkpoint.  A configuration whose
-decoder refuses the model or options (a ValueError from ``build_generator``
-or ``generate``) is reported as skipped with the reason.
+installed and converts the checkpoint.
+
+Before any pass, every configuration's decoder is built in this process (also
+for ``--whole-process`` runs): a misuse the plugin detects -- a decoder that
+cannot run with this model or these options, a bad cluster file, a bad engine
+option, a checkpoint that does not load -- ends the run with one
+``fastgen-bench: error: ...`` line and exit status 2, as in fairseq-generate.
+A configuration refused later, while decoding (a fairseq-generate process of a
+``--whole-process`` run that fails, CTranslate2 declining a model), is reported
+as skipped with the reason.  SIGTERM or SIGINT ends the run (and the
+fairseq-generate process of a ``--whole-process`` pass) with one line on stderr
+saying how many passes were run, and exit status 128 + the signal.
 
 Writes a Markdown table to stdout and, to ``--output-dir``, ``results.json``,
 ``results.md``, ``bleu_vs_speed.png`` and ``hypotheses/LABEL.txt`` (each
-configuration's detokenized best hypotheses, ``id<TAB>text`` by sentence id).
+configuration's detokenized best hypotheses, ``id<TAB>text`` by sentence id),
+each written to a temporary name and renamed.
 """
 
+import contextlib
 import logging
 import platform
 import sys
@@ -23,40 +34,61 @@ from pathlib import Path
 from typing import List, Optional
 
 import torch
-from tqdm import tqdm
 
 import fairseq_fastgen
+from fairseq_fastgen import checkpoint_safety
 from fairseq_fastgen.bench import options, report, scoring
 from fairseq_fastgen.bench.ctranslate2_peer import CTranslate2Peer
 from fairseq_fastgen.bench.inputs import BenchInputs
-from fairseq_fastgen.bench.measure import ConfigResult, FairseqCandidate, WarmRun, time_interleaved, warm_up
+from fairseq_fastgen.bench.measure import (ConfigResult, FairseqCandidate, PassCounter, WarmRun, time_interleaved,
+                                           warm_up)
 from fairseq_fastgen.bench.whole_process import ProcessPeer
+from fairseq_fastgen.integration import check_checkpoint_files, exit_on_usage_error, usage_errors
+from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.safe_files import write_atomically
+from fairseq_fastgen.stop_signals import StopSignals, Stopped, exit_stopped
 
 logger = logging.getLogger("fastgen_bench")
 
 
 def build_candidate(config, bench, run_cfg, inputs, peer):
-    if isinstance(peer, ProcessPeer):
-        return peer.candidate(config)
+    """The configuration's candidate.  A plugin decoder's generator is built here, in this process, for a
+    ``--whole-process`` run too, so that a misuse raises :class:`UsageError` before any pass runs."""
     if config.decoder == options.CTRANSLATE2:
         return peer.candidate(run_cfg.generation, config.beam)
+    if config.decoder == options.STOCK_PROCESS:
+        return peer.candidate(config)
     models = inputs.khead_models if options.decodes_with_khead(config, bench) else inputs.models
-    generator = inputs.task.build_generator(models, run_cfg.generation)
+    generator = inputs.task.build_generator(models, run_cfg.generation)  # refuses a misuse
+    if isinstance(peer, ProcessPeer):
+        return peer.candidate(config)
     return FairseqCandidate(inputs.task, models, generator, run_cfg.generation.prefix_size)
 
 
-def prepare_configuration(config, bench, inputs, peer, progress):
-    """Build the configuration's decoder and run its warm-up pass; a WarmRun, or a skipped ConfigResult."""
-    run_cfg = options.run_config(inputs.cfg, config, bench.cluster_projection, bench.variants,
-                                 time_projection=options.projects_on_clusters(bench))
+def prepare_candidate(config, bench, inputs, peer):
+    """(run config, candidate) of a configuration, or its skipped ConfigResult when a peer declines it; a misuse of
+    the plugin raises :class:`UsageError`."""
+    with usage_errors():  # a decoder's prepare_cli refuses its options too
+        run_cfg = options.run_config(inputs.cfg, config, bench.cluster_projection, bench.variants,
+                                     time_projection=options.projects_on_clusters(bench))
     try:
-        candidate = build_candidate(config, bench, run_cfg, inputs, peer)
+        return run_cfg, build_candidate(config, bench, run_cfg, inputs, peer)
+    except UsageError:
+        raise
+    except ValueError as error:  # CTranslate2 declines this model or these options
+        logger.info("%s skipped: %s", config.label, error)
+        return ConfigResult(config, skipped=str(error))
+
+
+def warm_up_configuration(config, run_cfg, candidate, inputs, progress):
+    """The configuration's warm-up pass: a WarmRun, or a skipped ConfigResult when decoding refuses it."""
+    progress.start(f"warm-up {config.label}")
+    try:
         batches = inputs.batches(run_cfg.dataset) if candidate.reads_batches else []
         result = warm_up(config, candidate, batches, inputs.use_cuda)
-    except ValueError as error:
+    except ValueError as error:  # e.g. the fairseq-generate process of a --whole-process pass failed
         logger.info("%s skipped: %s", config.label, error)
-        progress.update(1 + bench.repeat)
+        progress.update(1 + progress.repeat)
         return ConfigResult(config, skipped=str(error))
     progress.update()
     return WarmRun(result, candidate, batches)
@@ -86,14 +118,20 @@ def measure_all(bench, cfg):
         if note:
             notes.append(note)
     configs = options.configurations(bench, with_ctranslate2=isinstance(peer, CTranslate2Peer))
+    candidates = [prepare_candidate(config, bench, inputs, peer) for config in configs]  # every misuse refused here
     prepared = []
-    with tqdm(total=len(configs) * (1 + bench.repeat), unit="pass", file=sys.stderr,
-              disable=cfg.common.no_progress_bar) as progress:
-        for config in configs:
-            progress.set_description(f"warm-up {config.label}")
-            prepared.append(prepare_configuration(config, bench, inputs, peer, progress))
-        progress.set_description("timed passes")
-        time_interleaved([p for p in prepared if isinstance(p, WarmRun)], bench.repeat, inputs.use_cuda, progress)
+    with PassCounter(len(configs), bench.repeat, disable=cfg.common.no_progress_bar) as progress:
+        try:
+            for config, candidate in zip(configs, candidates):
+                if isinstance(candidate, ConfigResult):
+                    progress.update(1 + bench.repeat)
+                    prepared.append(candidate)
+                else:
+                    prepared.append(warm_up_configuration(config, *candidate, inputs, progress))
+            progress.start("timed passes")
+            time_interleaved([p for p in prepared if isinstance(p, WarmRun)], bench.repeat, inputs.use_cuda, progress)
+        except Stopped as stop:
+            raise Stopped(stop.signum, finished=f"{progress.report()}; no results were written") from None
     results = [p.result if isinstance(p, WarmRun) else p for p in prepared]
     scoring.score(results, inputs, bench.reference)
     if inputs.references is None:
@@ -123,16 +161,15 @@ def run_info(bench, cfg, inputs, notes, argv) -> dict:
     }
 
 
-def main(argv: List[str], log_to_stderr: bool = False) -> List[ConfigResult]:
-    bench, cfg = options.parse_command_line(argv)
-    if log_to_stderr:
-        logging.basicConfig(  # force: hydra set the root logger to DEBUG while fairseq parsed the options
-            format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO, stream=sys.stderr,
-            force=True,
-        )
-    results, notes, inputs = run_bench(bench, cfg)
+def check_checkpoints(bench, cfg):
+    """--path and --khead-path name checkpoints that exist and can be read (else one error line, exit 2)."""
+    check_checkpoint_files(cfg)
+    if bench.khead_path is not None:
+        checkpoint_safety.check_readable(bench.khead_path)
 
-    output_dir = Path(bench.output_dir)
+
+def write_results(output_dir: Path, bench, cfg, results, notes, inputs, argv) -> str:
+    """Every file of ``output_dir``, each written to a temporary name and renamed; returns the Markdown table."""
     output_dir.mkdir(parents=True, exist_ok=True)
     info = run_info(bench, cfg, inputs, notes, argv)
     hypotheses = report.write_hypotheses(output_dir, results, inputs.detokenize)
@@ -146,9 +183,35 @@ def main(argv: List[str], log_to_stderr: bool = False) -> List[ConfigResult]:
         table += "\nVocabulary projection against the reference configuration:\n\n" + projections + "\n"
     table += "".join(f"\nNote: {note}" for note in notes)
     write_atomically(output_dir / "results.md", lambda f: f.write((table + "\n").encode()))
+    return table
+
+
+@exit_on_usage_error("fastgen-bench")
+def main(argv: List[str], log_to_stderr: bool = False, signals: Optional[StopSignals] = None) -> List[ConfigResult]:
+    """The bench; ``signals``: the :class:`StopSignals` of the command line, which holds a stop while the results
+    are written, so that they are written together."""
+    bench, cfg = options.parse_command_line(argv)
+    if log_to_stderr:
+        logging.basicConfig(  # force: hydra set the root logger to DEBUG while fairseq parsed the options
+            format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO, stream=sys.stderr,
+            force=True,
+        )
+    check_checkpoints(bench, cfg)
+    results, notes, inputs = run_bench(bench, cfg)
+    output_dir = Path(bench.output_dir)
+    try:
+        with signals.held() if signals else contextlib.nullcontext():
+            table = write_results(output_dir, bench, cfg, results, notes, inputs, argv)
+    except Stopped as stop:
+        raise Stopped(stop.signum, finished=f"every pass was run, and the results were written to {output_dir}") \
+            from None
     print(table)
     return results
 
 
 def cli_main(argv: Optional[List[str]] = None):
-    main(sys.argv[1:] if argv is None else argv, log_to_stderr=True)
+    with StopSignals() as signals:
+        try:
+            main(sys.argv[1:] if argv is None else argv, log_to_stderr=True, signals=signals)
+        except Stopped as stop:
+            exit_stopped("fastgen-bench", stop, stop.finished or "no pass was run; no results were written")

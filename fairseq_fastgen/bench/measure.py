@@ -1,14 +1,19 @@
 """Measure configurations: a warm-up pass each (outputs, statistics, peak memory), then interleaved timed passes."""
 
+import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Dict, List, Optional, Union
 
 import torch
+from tqdm import tqdm
 
 from fairseq_fastgen.bench.memory import PeakMemory
 from fairseq_fastgen.bench.options import BenchConfig
+
+logger = logging.getLogger("fastgen_bench")
 
 Output = Union[List[int], str]  # a sentence's best hypothesis: token ids, or printed text
 
@@ -147,6 +152,40 @@ class WarmRun:
     result: ConfigResult
     candidate: Candidate
     batches: list
+
+
+class PassCounter:
+    """The passes of a bench run (per configuration one warm-up and ``repeat`` timed ones): shown by a progress
+    bar on stderr (``disable``: logged as they start instead, as fairseq does with --no-progress-bar), and counted
+    here (a disabled bar counts nothing) for the report of a stopped run."""
+
+    def __init__(self, configurations: int, repeat: int, disable: bool):
+        self.repeat = repeat
+        self.total = configurations * (1 + repeat)
+        self.done = 0
+        self.running = None  # what the pass under way belongs to
+        self.bar = tqdm(total=self.total, unit="pass", file=sys.stderr, disable=disable)
+
+    def start(self, what: str):
+        self.running = what
+        self.bar.set_description(what)
+        if self.bar.disable:
+            logger.info("%s", what)
+
+    def update(self, passes: int = 1):
+        self.done += passes
+        self.bar.update(passes)
+
+    def report(self) -> str:
+        under_way = f" ({self.running} under way)" if self.running else ""
+        return f"{self.done} of {self.total} passes were run{under_way}"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.bar.close()
+        return False
 
 
 def time_interleaved(runs: List[WarmRun], repeat: int, cuda: bool, progress):

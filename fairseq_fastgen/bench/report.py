@@ -64,7 +64,8 @@ def write_hypotheses(output_dir: Path, results: List[ConfigResult], detokenize) 
     for result in results:
         if result.ok:
             path = directory / (result.config.label.replace("/", "_") + ".txt")
-            path.write_text("".join(f"{i}\t{as_text(result.outputs[i], detokenize)}\n" for i in sorted(result.outputs)))
+            text = "".join(f"{i}\t{as_text(result.outputs[i], detokenize)}\n" for i in sorted(result.outputs))
+            write_atomically(path, lambda f: f.write(text.encode("utf-8")))
             paths[result.config.label] = path
     return paths
 
@@ -223,6 +224,6 @@ def plot_bleu_against_speed(path: Path, results: List[ConfigResult], title: str)
     axes.margins(x=0.15, y=0.15)
     axes.legend(loc="best")
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    write_atomically(path, lambda f: figure.savefig(f, format="png", dpi=120))
     pyplot.close(figure)
     return path

@@ -17,12 +17,15 @@ the last batch when its size is not a multiple of ``--required-batch-size-multip
 (the plugin keeps it): its row then covers fewer sentences, which the table
 says in the row, and every row's BLEU and identical share are computed over
 the sentences all rows translated (:mod:`fairseq_fastgen.bench.scoring`).
+Each process runs in its own process group; when the bench is stopped, the
+group of the pass under way is ended.
 """
 
 import json
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -34,6 +37,7 @@ from fairseq_fastgen.bench import options
 from fairseq_fastgen.bench.options import STOCK_PROCESS
 from fairseq_fastgen.bench.measure import Candidate
 
+GRACE_S = 30  # how long a stopped fairseq-generate pass may take to end before it is killed
 SUMMARY = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\)")
 
 
@@ -103,8 +107,13 @@ def run_process(command: List[str], env: dict, stats_path: Optional[str]) -> Pro
     if stats_path:
         open(stats_path, "w").close()  # the run writes its statistics here at its end
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, text=True)
-        _, status, usage = os.wait4(process.pid, 0)  # this child's own resource usage
+        # its own process group: a stop of the bench ends it and every process it started (end_process_group)
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, text=True, start_new_session=True)
+        try:
+            _, status, usage = os.wait4(process.pid, 0)  # this child's own resource usage
+        except BaseException:  # the bench is stopped (SIGTERM, SIGINT) while it waits
+            end_process_group(process)
+            raise
         exit_code = os.waitstatus_to_exitcode(status)
         stdout.seek(0)
         stderr.seek(0)
@@ -118,6 +127,19 @@ def run_process(command: List[str], env: dict, stats_path: Optional[str]) -> Pro
         with open(stats_path) as stats_file:
             stats = json.load(stats_file)
     return ProcessPass(usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, texts, tokens, stats)  # maxrss: KiB
+
+
+def end_process_group(process, grace_s: float = GRACE_S):
+    """SIGTERM to ``process`` and every process of its group (fairseq-generate ends its own workers and reports),
+    SIGKILL to the group if it has not ended after ``grace_s`` seconds; returns once ``process`` has ended."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:  # it had ended
+        process.wait()
 
 
 class ProcessPeer:

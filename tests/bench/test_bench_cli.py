@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +12,14 @@ import sacrebleu
 
 from fairseq_fastgen import bench
 from fairseq_fastgen.bench.ctranslate2_peer import import_ctranslate2
+from fairseq_fastgen.safe_files import KILL_AT_WRITE_STEP_ENV
 from fairseq_fastgen.sequence_generators.registry import DECODERS, register_builder
 
 pytestmark = pytest.mark.xdist_group("toy_cli")
 
 SENTENCES = 16  # ids 0..15 of the toy test set: enough for every batch to be full, quick to decode
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+NEVER = 10**9  # a write step no run reaches: every step is listed, none killed
 
 
 def bench_command():
@@ -46,11 +49,11 @@ def read_hypotheses(path):
 
 @pytest.fixture(scope="module")
 def cli_run(toy_model, tmp_path_factory):
-    """One real fastgen-bench run: beam and greedy (and blockwise, refused by the stock model)."""
+    """One real fastgen-bench run: beam and greedy; every write step listed on stderr (never killed)."""
     output_dir = tmp_path_factory.mktemp("bench")
-    decoders = ["beam", "greedy"] + (["blockwise"] if "blockwise" in DECODERS else [])
     completed = subprocess.run(
-        bench_command() + common_args(toy_model, output_dir, decoders, repeat=2), capture_output=True, text=True
+        bench_command() + common_args(toy_model, output_dir, ["beam", "greedy"], repeat=2), capture_output=True,
+        text=True, env=dict(os.environ, **{KILL_AT_WRITE_STEP_ENV: str(NEVER)}),
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     results = json.loads((output_dir / "results.json").read_text())
@@ -121,29 +124,35 @@ def test_plot_is_a_readable_png(cli_run):
     assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
 
 
-def test_blockwise_on_a_stock_model_is_skipped_with_its_reason(cli_run):
-    if "blockwise" not in DECODERS:
-        pytest.skip("the blockwise decoder is not registered in this checkout")
-    _, results, _ = cli_run
-    blockwise = by_label(results)["blockwise/b1/bs8"]
-    assert blockwise["status"] == "skipped"
-    assert "k-head" in blockwise["reason"]
+def test_every_file_is_written_to_a_temporary_name_and_renamed(cli_run):
+    """Issue 30: the hypotheses and the plot were written in place, so a stopped or killed bench could leave
+    them cut short."""
+    completed, _, output_dir = cli_run
+    written = [path.relative_to(output_dir) for path in output_dir.rglob("*") if path.is_file()]
+    assert len(written) >= 5  # results.json, results.md, the plot, a hypotheses file per configuration
+    for path in written:
+        assert f"{path.name} written to its temporary file" in completed.stderr, path
+        assert f"{path.name} renamed" in completed.stderr, path
+    assert not [path for path in written if path.name.endswith(".tmp")]
 
 
 @pytest.fixture
 def refusing_decoder():
-    """A decoder registered for this test only; its builder refuses every model, as blockwise refuses stock ones."""
+    """A decoder registered for this test only, which refuses every batch while decoding (a refusal when the
+    decoder is built is a misuse: tests/test_usage_errors.py)."""
     name = "bench-test-refuses"
 
-    def refuse(models, tgt_dict, gen_cfg, **extra):
-        raise ValueError("this decoder does not apply to this model")
+    class RefusingGenerator:
+        def generate(self, models, sample, **kwargs):
+            raise ValueError("this decoder does not apply to this model")
 
-    register_builder(name, refuse, guarantee="test decoder that refuses every model")
+    register_builder(name, lambda models, tgt_dict, gen_cfg, **extra: RefusingGenerator(),
+                     guarantee="test decoder that refuses every batch")
     yield name
     del DECODERS[name]
 
 
-def test_a_decoder_that_does_not_apply_is_reported_as_skipped(toy_model, tmp_path, capsys, refusing_decoder):
+def test_a_decoder_that_refuses_while_decoding_is_reported_as_skipped(toy_model, tmp_path, capsys, refusing_decoder):
     extra = ["--no-ctranslate2", "--no-progress-bar", "--variant", "short=--max-len-b 3"]
     results = bench.main(common_args(toy_model, tmp_path, ["greedy", refusing_decoder], repeat=1) + extra)
     outcome = {r.config.label: r for r in results}

@@ -146,7 +146,7 @@ def start_long_run(toy_model, stderr_file):
         "--gen-subset", "train", "--beam", "1", "--batch-size", "1", "--postprocess-workers", "2",
         "--num-workers", "0",  # no data-loader process: the only children are the two workers
     ]
-    return start_reading_until(command, "H-", stderr_file, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return start_reading_until(command, "^H-", stderr_file, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
 SENTENCE_LINE = re.compile(r"(?P<kind>[A-Z])-(?P<id>\d+)\t")

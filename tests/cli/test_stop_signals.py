@@ -26,7 +26,7 @@ def stop_after_first_answer(command, tmp_path, signum, stdin=None, has_children=
     exit status and that it printed no traceback; returns its whole output and its stderr."""
     with open(tmp_path / "stderr", "w") as stderr_file:
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        process, lines, reader = start_reading_until(command, "H-", stderr_file, env=env, stdin=stdin)
+        process, lines, reader = start_reading_until(command, "^H-", stderr_file, env=env, stdin=stdin)
         workers = wait_for_children(process.pid) if has_children else children(process.pid)
         try:
             process.send_signal(signum)
