@@ -246,12 +246,12 @@ def report_statistics(gen_cfg, stream):
 
 
 def _prepare_run(cfg, tool):
-    check_checkpoint_files(cfg)
     with usage_errors():
         check_generation_options(cfg.generation)  # before the model loads, and before prepare_cli reads them
         entry = DECODERS.get(decoder_name(cfg.generation))
         if entry is not None and entry.prepare_cli is not None:
             entry.prepare_cli(cfg, tool)
+    check_checkpoint_files(cfg)  # after the options: a bad option is named even when --path is bad too
 
 
 def check_checkpoint_files(cfg):
