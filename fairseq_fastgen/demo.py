@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from fairseq_fastgen import toy
+from fairseq_fastgen import bench, toy
 
 BASE_SPEC = toy.ToyModelSpec(layers=2, dim=128, ffn=256, heads=4, max_positions=128, max_update=600,
                              max_tokens=4096, lr=0.003, warmup=200, validate_interval=4)
@@ -104,19 +104,15 @@ def bench_runs(models: DemoModels) -> Dict[str, List[str]]:
     }
 
 
-def run_benches(models: DemoModels, out: Path, repeat: int = 1, max_sentences: Optional[int] = None) -> Dict[str, Path]:
+def run_benches(models: DemoModels, out: Path, repeat: int) -> Dict[str, Path]:
     """Run each fastgen-bench in this process (its progress bar on stderr, its own table kept in its
     output directory); returns name -> output directory."""
-    from fairseq_fastgen import bench
-
     directories = {}
     for name, arguments in bench_runs(models).items():
         directory = out / "bench" / name
         directory.mkdir(parents=True, exist_ok=True)
         argv = [str(models.data_bin), *arguments, "--repeat", str(repeat), "--threads", str(THREADS),
                 "--output-dir", str(directory)]
-        if max_sentences is not None:
-            argv += ["--max-sentences", str(max_sentences)]
         print(f"== fastgen-bench {' '.join(argv)}", flush=True)
         with open(directory / "stdout.log", "w") as table_log, contextlib.redirect_stdout(table_log):
             bench.main(argv)
@@ -236,9 +232,9 @@ def summary(records: Dict[str, dict], directories: Dict[str, Path]) -> str:
     return "\n".join(lines)
 
 
-def table_step(models: DemoModels, out: Path, repeat: int = 1, max_sentences: Optional[int] = None) -> str:
+def table_step(models: DemoModels, out: Path, repeat: int = 1) -> str:
     """Run the benches and return the demo's closing text (also written to ``out/demo.md``)."""
-    directories = run_benches(models, out, repeat, max_sentences)
+    directories = run_benches(models, out, repeat)
     text = summary(load_records(directories), directories)
     (out / "demo.md").write_text(text + "\n")
     return text
