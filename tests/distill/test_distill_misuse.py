@@ -10,6 +10,7 @@ from tests.test_usage_errors import MISUSES, assert_one_error_line
 pytestmark = pytest.mark.xdist_group("toy_distill")
 
 DISTILL_MISUSES = {
+    **{misuse: MISUSES[misuse] for misuse in ("decoder vs options", "engine", "streaming option", "cluster file")},
     "decoder vs model": (["--decoder", "blockwise"], MISUSES["decoder vs model"][1]),
     "decoder vs model, two workers": (["--decoder", "blockwise", "--workers", "2"], MISUSES["decoder vs model"][1]),
     "option value": (["--decoder", "var-batch", "--var-beam-delta", "nan"],
