@@ -82,6 +82,10 @@ class CompiledRunner(StaticRunner):
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.freezing = freezing and on_cpu
         self.frozen_signature = None  # the decoder parameters (identity, version) the compiled code holds
+        # above max_rows on the CPU: one frozen step for every row count (``many_rows_step``); None until first used
+        self.many_rows_on_cpu = on_cpu and onednn_available()
+        self._many_rows_step = None
+        self.many_rows_compiled = False  # whether its first call (the compilation) has run
         self.max_rows = FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS  # more rows run eager
         self.fused_weights = FusedWeightsCache(model.decoder)
         self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
@@ -103,6 +107,20 @@ class CompiledRunner(StaticRunner):
             options = inductor_options(self.model)
             self._compiled_step = torch.compile(step, dynamic=False, fullgraph=True, options=options)
         return self._compiled_step
+
+    @property
+    def many_rows_step(self):
+        """The step for more than ``max_rows`` rows on the CPU: ``frozen_lprobs`` compiled once with the row
+        count, the target capacity and the source width symbolic, so one compilation serves every shape.
+        With the weights frozen and the rows symbolic, inductor computes each product by oneDNN's prepacked
+        fp32 kernel (with fixed rows it picks MKL's, slow on AMD CPUs), its bias and residual added in the
+        same call, and fuses the work between products into C++ loops: no per-operation Python."""
+        if self._many_rows_step is None:
+            self.many_rows_compiled = False
+            options = inductor_options(self.model)
+            self._many_rows_step = torch.compile(own_code(self.frozen_lprobs), dynamic=None, fullgraph=True,
+                                                 options=options)
+        return self._many_rows_step
 
     def eager_products(self):
         """The context in which eager work computes its products: oneDNN's on the CPU."""
@@ -146,12 +164,13 @@ class CompiledRunner(StaticRunner):
         """The encoder-decoder keys of the rows, padded to the row and source buckets; the fused weights
         as the parameters are now (once per decode)."""
         self.fused = self.fused_weights.current()
-        if self.freezing:
+        if self.freezing or self.many_rows_on_cpu:
             signature = tuple((id(p), p._version) for p in self.model.decoder.parameters())
             if signature != self.frozen_signature:  # compiled code holding other weights as constants: drop it
-                self.frozen_signature, self._compiled_step = signature, None
+                self.frozen_signature, self._many_rows_step = signature, None
                 self.decoder_step.fused_buffers = FusedBuffers(self.fused)  # a submodule: its buffers freeze
-                self.compiled_shapes = {}
+                if self.freezing:
+                    self._compiled_step, self.compiled_shapes = None, {}
         states = encoder_out["encoder_out"][0]  # (src_len, rows, dim)
         src_len, rows = states.size(0), states.size(1)
         masks = encoder_out["encoder_padding_mask"]
@@ -171,6 +190,8 @@ class CompiledRunner(StaticRunner):
     # ---- one decoder step ---------------------------------------------------------------------------
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         rows = tokens.size(0)
+        if rows > self.max_rows and self.many_rows_on_cpu and cache.self_padding is None:
+            return self.step_many_rows(tokens, encoder_out, cache)
         if rows > self.max_rows:
             # the eager forms never read unwritten positions: keeping them zero (a memset of most of every buffer
             # at each beam reorder) would cost 10% of a beam-5 step; the next compiled step zeroes them again
@@ -209,6 +230,51 @@ class CompiledRunner(StaticRunner):
             lprobs = self.lprobs(lprobs)
         src_len = encoder_out["encoder_out"][0].size(0)
         return lprobs, attn[:rows, :src_len]
+
+    def step_many_rows(self, tokens: Tensor, encoder_out, cache: StaticCache):
+        """``step`` above ``max_rows`` rows on the CPU, through ``many_rows_step``."""
+        if not cache.started:
+            self.start_cache(cache, encoder_out)
+        length = tokens.size(1)
+        cache.ensure_room(round_up(length, POSITION_BUCKET))
+        cache.zero_unwritten()  # the padded step reads every position, the unwritten ones masked
+        last_tokens = tokens[:, -1:].contiguous()  # (rows, 1) strides that do not change with the length
+        positions = tokens.new_full((tokens.size(0),), length - 1)  # (rows,)
+        inputs = (last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys,
+                  cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask, self.fused)
+        step = self.many_rows_step
+        if self.many_rows_compiled:
+            with frozen_weights():  # should an input's layout ever make dynamo compile again, frozen as before
+                outputs = step(*inputs)
+        else:
+            outputs = self.compile_many_rows(step, inputs)
+        features_or_lprobs, attn, new_keys, new_values = outputs
+        for buffer, new in zip(cache.self_keys + cache.self_values, new_keys + new_values):
+            buffer[:, :, length - 1] = new  # (rows, heads, head_dim) at every row's position
+        cache.length = length
+        lprobs = features_or_lprobs
+        if self.projection is not None:
+            lprobs = self.lprobs(lprobs)
+        return lprobs, attn[:, : encoder_out["encoder_out"][0].size(0)]
+
+    def compile_many_rows(self, step, inputs):
+        """The first call of ``many_rows_step``: its rows, target positions and source positions marked
+        symbolic, the weights frozen; the seconds it took are logged and counted."""
+        last_tokens, positions, _, self_keys, self_values, cross_keys, cross_values, cross_mask, _ = inputs
+        for tensor in [last_tokens, positions, cross_mask] + self_keys + self_values + cross_keys + cross_values:
+            torch._dynamo.mark_dynamic(tensor, 0)
+        for tensor in self_keys + self_values + cross_keys + cross_values:
+            torch._dynamo.mark_dynamic(tensor, 2)
+        torch._dynamo.mark_dynamic(cross_mask, 1)
+        start = time.perf_counter()
+        with frozen_weights():
+            outputs = step(*inputs)
+        seconds = time.perf_counter() - start
+        self.many_rows_compiled = True
+        self.compile_seconds += seconds
+        logger.info(f"--step-engine compiled: step for any number of rows above {self.max_rows} compiled in "
+                    f"{seconds:.1f} s")
+        return outputs
 
     def compile_settings(self, shape):
         """Inductor's settings around a call that compiles a new bucket: with --compiled-freezing the weights
@@ -270,7 +336,8 @@ class CompiledRunner(StaticRunner):
     def statistics(self) -> dict:
         """For the decoder's statistics: the buckets this runner met and the seconds of their first calls
         (their compilation, or its load from inductor's on-disk cache)."""
-        return {"compiled_buckets": len(self.compiled_shapes), "compile_seconds": round(self.compile_seconds, 2)}
+        buckets = len(self.compiled_shapes) + (1 if self.many_rows_compiled else 0)
+        return {"compiled_buckets": buckets, "compile_seconds": round(self.compile_seconds, 2)}
 
 
 class FusedBuffers(nn.Module):
@@ -287,6 +354,14 @@ class FusedBuffers(nn.Module):
     def weights(self) -> FusedWeights:
         return FusedWeights([getattr(self, f"qkv_weight_{i}") for i in range(self.layers)],
                             [getattr(self, f"qkv_bias_{i}") for i in range(self.layers)], self.output_t)
+
+
+def frozen_weights():
+    """Inductor's setting under which a compilation holds the weights as constants (read before a
+    torch.compile call's own options apply)."""
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(freezing=True)
 
 
 def own_code(method):

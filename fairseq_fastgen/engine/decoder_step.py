@@ -336,14 +336,18 @@ class DecoderStep(nn.Module):
         """q (rows, heads, 1, hd) over the ``earlier`` (rows, cap) positions of keys/values (rows, heads,
         cap, hd) and the new position's key/value (rows, heads, 1, hd) -> (1, rows, dim).
 
-        One fused attention call (``scaled_dot_product_attention``): inductor lowers a product with one
-        query row into scalar loops on the CPU, several times slower than this kernel.  The scaling is
-        already in ``q``."""
+        The scores of the buffer's positions and of the new one are computed apart and share one softmax,
+        so the buffers are read in place, never copied with the new position appended; inductor fuses the
+        masking, the softmax and both weighted sums into its loops.  Measured per step on the Multi30k
+        model's shape, one thread: 48 against 62 ms at 320 rows, 2.7 against 3.6 ms at 8, 1.9 against
+        2.2 ms at one row, beside appending the new position and ``scaled_dot_product_attention``.
+        The scaling is already in ``q``."""
         rows = q.size(0)
-        keys = torch.cat([keys, new_key], dim=2)  # (rows, heads, cap + 1, hd)
-        values = torch.cat([values, new_value], dim=2)
-        attended = F.pad(earlier, (0, 1), value=True)[:, None, None, :]  # (rows, 1, 1, cap + 1)
-        x = F.scaled_dot_product_attention(q, keys, values, attn_mask=attended, scale=1.0)  # (rows, heads, 1, hd)
+        buffer_scores = torch.matmul(q, keys.transpose(2, 3))  # (rows, heads, 1, cap)
+        buffer_scores = buffer_scores.masked_fill(~earlier[:, None, None, :], float("-inf"))
+        new_scores = (q * new_key).sum(dim=-1, keepdim=True)  # (rows, heads, 1, 1)
+        weights = F.softmax(torch.cat([buffer_scores, new_scores], dim=-1), dim=-1)  # (rows, heads, 1, cap + 1)
+        x = torch.matmul(weights[..., :-1], values) + weights[..., -1:] * new_value  # (rows, heads, 1, hd)
         return x.reshape(rows, 1, self.heads * self.head_dim).transpose(0, 1)
 
     def masked_attention(self, q, keys, values, masked):

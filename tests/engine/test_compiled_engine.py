@@ -36,21 +36,58 @@ def test_compiled_engine_gives_fairseqs_tokens(toy, case):
     assert_same_tokens_close_scores(expected, actual)
 
 
-def test_compiled_engine_above_the_compiled_row_limit(toy, monkeypatch):
-    """Rows beyond COMPILED_MAX_ROWS run the exact step on the same cache, its products through oneDNN on the
-    CPU; rows falling under it compile."""
+def test_rows_above_the_row_buckets_share_one_compiled_step(toy, monkeypatch):
+    """Rows beyond COMPILED_MAX_ROWS run one compiled step whose row count, target and source widths are
+    symbolic (on the CPU with oneDNN): the same tokens, scores within 1e-4, the eager step never runs and
+    every row count above the limit is served by that one compilation; rows falling under it take the
+    fixed-shape buckets."""
     monkeypatch.setattr(compiled, "COMPILED_MAX_ROWS", 4)
-    products = []
-    product = onednn_linear_module.onednn_linear
-    monkeypatch.setattr(onednn_linear_module, "onednn_linear",
-                        lambda x, *a: products.append(x.numel() // x.size(-1)) or product(x, *a))
     _, expected = decode(toy, SENTENCES, 32, step_engine="fairseq", decoder="var-batch", beam=4)
-    assert not products
-    generator, actual = decode(toy, SENTENCES, 32, step_engine="compiled", decoder="var-batch", beam=4)
-    assert_same_tokens_close_scores(expected, actual)
-    assert {rows for rows, _, _ in generator.runner.compiled_shapes} <= {1, 2, 4}
+    generator = toy.generator(step_engine="compiled", decoder="var-batch", beam=4)
+    runner = generator.runner
+    eager_rows = []
+    fast_form = runner.fast_form
+    monkeypatch.setattr(runner, "fast_form",
+                        lambda tokens, *rest: eager_rows.append(tokens.size(0)) or fast_form(tokens, *rest))
+    torch._dynamo.reset()
+    counters.clear()
+    from tests.engine.test_static_engine import translate_batches
+
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, SENTENCES, 32))
+    assert {rows for rows, _, _ in runner.compiled_shapes} <= {1, 2, 4}
     if onednn_linear_module.onednn_available():
-        assert products and min(products) > 4  # rows of each product: only the eager step's
+        assert runner.many_rows_compiled and not eager_rows
+        assert counters["stats"]["unique_graphs"] == len(runner.compiled_shapes) + 1
+    else:
+        assert eager_rows and min(eager_rows) > 4
+
+
+def test_the_many_rows_step_follows_a_weight_change(toy):
+    """The step above the row buckets holds the weights as constants: after an in-place update of a decoder
+    weight it compiles again and gives the updated model's tokens."""
+    ids = SENTENCES[:24]
+    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled")
+    runner = generator.runner
+    if not runner.many_rows_on_cpu:
+        pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
+    from tests.engine.test_static_engine import translate_batches
+
+    _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
+    first_compiled = runner._many_rows_step
+    assert first_compiled is not None and runner.many_rows_compiled
+    weight = toy.models[0].decoder.layers[-1].fc2.weight
+    original = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(-3.0)  # another model: other tokens
+        _, changed = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
+        assert any(not torch.equal(changed[s][0]["tokens"], expected[s][0]["tokens"]) for s in ids)
+        assert_same_tokens_close_scores(changed, translate_batches(toy, generator, ids, 8))
+        assert runner._many_rows_step is not first_compiled  # compiled again, for the new weights
+    finally:
+        with torch.no_grad():
+            weight.copy_(original)
 
 
 @pytest.mark.parametrize(
@@ -62,7 +99,9 @@ def test_compilations_stay_at_the_buckets(toy, options):
     counters.clear()
     generator, _ = decode(toy, list(range(200)), 64, step_engine="compiled", **options)
     shapes = generator.runner.compiled_shapes
-    assert counters["stats"]["unique_graphs"] == len(shapes)
+    # the fixed-shape buckets, and one step for every row count above them (on the CPU with oneDNN)
+    assert counters["stats"]["unique_graphs"] == len(shapes) + generator.runner.many_rows_compiled
+    assert generator.runner.statistics()["compiled_buckets"] == counters["stats"]["unique_graphs"]
     row_buckets = {rows for rows, _, _ in shapes}
     assert row_buckets <= {1, 2, 4, 8, 16} and len({width for _, _, width in shapes}) <= 4
     assert len(shapes) < generator.counters.counts["model_calls"] / 10
