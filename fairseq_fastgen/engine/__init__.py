@@ -4,7 +4,9 @@
 * ``static``: :class:`~fairseq_fastgen.engine.runners.StaticRunner`, preallocated
   buffers, eager, bitwise fairseq's hypotheses;
 * ``compiled``: :class:`~fairseq_fastgen.engine.compiled.CompiledRunner`, fixed shapes
-  through ``torch.compile`` (the same tokens; scores within float rounding).
+  through ``torch.compile`` at a few rows and, above them on the CPU, one step for every
+  row count compiled ahead of time and kept on disk (the same tokens; scores within
+  float rounding).
 
 A model the engine cannot serve falls back to ``fairseq`` with one warning
 saying why.  Blockwise decoding verifies its blocks through the runner's

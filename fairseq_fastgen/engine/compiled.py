@@ -9,12 +9,16 @@ on-disk cache keeps the generated code for the next process); the time each
 compilation took is logged and counted (``compile_seconds``).
 
 Above ``COMPILED_MAX_ROWS`` rows (``FROZEN_MAX_ROWS`` with ``--compiled-freezing``,
-which folds the weights into the compiled code), and for several positions per
-row (blockwise verification, ``step_block``), the step runs eager, in the
-decoder step's fast form (the exact form for blockwise), its linear layers (the
-vocabulary projection included) through oneDNN's prepacked products on the CPU (``ops/onednn_linear.py``): there the
-products are the step, and on the AMD EPYC of docs/benchmarks.md MKL's run 2-3x
-slower than oneDNN's from 8 rows up (the engine section measures the crossing).
+which folds the weights into the compiled code), on the CPU, one more compiled
+unit serves every row count: the same padded step with its rows, target and
+source widths symbolic and its weights frozen, compiled ahead of time by
+AOTInductor and kept on disk between processes (``aot_step.py``); its products
+are oneDNN's prepacked ones, which on the AMD EPYC of docs/benchmarks.md run
+2-3x faster than MKL's from 8 rows up.  Where that unit cannot be built, on
+CUDA, and for several positions per row (blockwise verification,
+``step_block``) or rows holding left padding, the step runs eager, in the
+decoder step's fast form (the exact form for blockwise), its linear layers
+through oneDNN's prepacked products on the CPU (``ops/onednn_linear.py``).
 
 On the CPU inductor fuses the operations between the products into C++
 loops and calls the products themselves as MKL's (at a few rows its
@@ -82,10 +86,12 @@ class CompiledRunner(StaticRunner):
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.freezing = freezing and on_cpu
         self.frozen_signature = None  # the decoder parameters (identity, version) the compiled code holds
-        # above max_rows on the CPU: one frozen step for every row count (``many_rows_step``); None until first used
+        # above max_rows on the CPU: one step for every row count, compiled ahead of time and kept on disk
+        # (aot_step.py); None until a decode first needs it, or after it could not be built (then eager)
         self.many_rows_on_cpu = on_cpu and onednn_available()
-        self._many_rows_step = None
-        self.many_rows_compiled = False  # whether its first call (the compilation) has run
+        self.many_rows_step = None
+        self.many_rows_seconds: Optional[float] = None  # seconds its compilation or load took
+        self.many_rows_compiled_now = False  # compiled in this process (else loaded from disk)
         self.max_rows = FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS  # more rows run eager
         self.fused_weights = FusedWeightsCache(model.decoder)
         self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
@@ -107,20 +113,6 @@ class CompiledRunner(StaticRunner):
             options = inductor_options(self.model)
             self._compiled_step = torch.compile(step, dynamic=False, fullgraph=True, options=options)
         return self._compiled_step
-
-    @property
-    def many_rows_step(self):
-        """The step for more than ``max_rows`` rows on the CPU: ``frozen_lprobs`` compiled once with the row
-        count, the target capacity and the source width symbolic, so one compilation serves every shape.
-        With the weights frozen and the rows symbolic, inductor computes each product by oneDNN's prepacked
-        fp32 kernel (with fixed rows it picks MKL's, slow on AMD CPUs), its bias and residual added in the
-        same call, and fuses the work between products into C++ loops: no per-operation Python."""
-        if self._many_rows_step is None:
-            self.many_rows_compiled = False
-            options = inductor_options(self.model)
-            self._many_rows_step = torch.compile(own_code(self.frozen_lprobs), dynamic=None, fullgraph=True,
-                                                 options=options)
-        return self._many_rows_step
 
     def eager_products(self):
         """The context in which eager work computes its products: oneDNN's on the CPU."""
@@ -167,7 +159,7 @@ class CompiledRunner(StaticRunner):
         if self.freezing or self.many_rows_on_cpu:
             signature = tuple((id(p), p._version) for p in self.model.decoder.parameters())
             if signature != self.frozen_signature:  # compiled code holding other weights as constants: drop it
-                self.frozen_signature, self._many_rows_step = signature, None
+                self.frozen_signature, self.many_rows_step, self.many_rows_seconds = signature, None, None
                 self.decoder_step.fused_buffers = FusedBuffers(self.fused)  # a submodule: its buffers freeze
                 if self.freezing:
                     self._compiled_step, self.compiled_shapes = None, {}
@@ -191,7 +183,12 @@ class CompiledRunner(StaticRunner):
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         rows = tokens.size(0)
         if rows > self.max_rows and self.many_rows_on_cpu and cache.self_padding is None:
-            return self.step_many_rows(tokens, encoder_out, cache)
+            if not cache.started:
+                self.start_cache(cache, encoder_out)
+            if self.many_rows_step is None and self.many_rows_seconds is None:
+                self.load_many_rows_step(cache)
+            if self.many_rows_step is not None:
+                return self.step_many_rows(tokens, encoder_out, cache)
         if rows > self.max_rows:
             # the eager forms never read unwritten positions: keeping them zero (a memset of most of every buffer
             # at each beam reorder) would cost 10% of a beam-5 step; the next compiled step zeroes them again
@@ -233,22 +230,15 @@ class CompiledRunner(StaticRunner):
 
     def step_many_rows(self, tokens: Tensor, encoder_out, cache: StaticCache):
         """``step`` above ``max_rows`` rows on the CPU, through ``many_rows_step``."""
-        if not cache.started:
-            self.start_cache(cache, encoder_out)
         length = tokens.size(1)
         cache.ensure_room(round_up(length, POSITION_BUCKET))
         cache.zero_unwritten()  # the padded step reads every position, the unwritten ones masked
-        last_tokens = tokens[:, -1:].contiguous()  # (rows, 1) strides that do not change with the length
+        last_tokens = tokens[:, -1:].contiguous()  # (rows, 1)
         positions = tokens.new_full((tokens.size(0),), length - 1)  # (rows,)
-        inputs = (last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys,
-                  cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask, self.fused)
-        step = self.many_rows_step
-        if self.many_rows_compiled:
-            with frozen_weights():  # should an input's layout ever make dynamo compile again, frozen as before
-                outputs = step(*inputs)
-        else:
-            outputs = self.compile_many_rows(step, inputs)
-        features_or_lprobs, attn, new_keys, new_values = outputs
+        features_or_lprobs, attn, new_keys, new_values = self.many_rows_step(
+            last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys,
+            cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask,
+        )
         for buffer, new in zip(cache.self_keys + cache.self_values, new_keys + new_values):
             buffer[:, :, length - 1] = new  # (rows, heads, head_dim) at every row's position
         cache.length = length
@@ -257,24 +247,25 @@ class CompiledRunner(StaticRunner):
             lprobs = self.lprobs(lprobs)
         return lprobs, attn[:, : encoder_out["encoder_out"][0].size(0)]
 
-    def compile_many_rows(self, step, inputs):
-        """The first call of ``many_rows_step``: its rows, target positions and source positions marked
-        symbolic, the weights frozen; the seconds it took are logged and counted."""
-        last_tokens, positions, _, self_keys, self_values, cross_keys, cross_values, cross_mask, _ = inputs
-        for tensor in [last_tokens, positions, cross_mask] + self_keys + self_values + cross_keys + cross_values:
-            torch._dynamo.mark_dynamic(tensor, 0)
-        for tensor in self_keys + self_values + cross_keys + cross_values:
-            torch._dynamo.mark_dynamic(tensor, 2)
-        torch._dynamo.mark_dynamic(cross_mask, 1)
-        start = time.perf_counter()
-        with frozen_weights():
-            outputs = step(*inputs)
-        seconds = time.perf_counter() - start
-        self.many_rows_compiled = True
+    def load_many_rows_step(self, cache: StaticCache):
+        """``many_rows_step`` from its package on disk, compiled first where there is none; where it cannot
+        be built, one line says why and steps above ``max_rows`` rows run eager."""
+        from fairseq_fastgen.engine import aot_step
+
+        try:
+            table = self.decoder_step.position_table(cache.capacity)
+            self.many_rows_step, seconds, self.many_rows_compiled_now = aot_step.load_or_compile(self, table)
+        except Exception as error:  # export or inductor refusing this model: the eager step serves it
+            self.many_rows_seconds = 0.0
+            logger.warning(f"--step-engine compiled: the step above {self.max_rows} rows could not be compiled "
+                           f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                           f"those steps run eager")
+            return
+        self.many_rows_seconds = seconds
         self.compile_seconds += seconds
-        logger.info(f"--step-engine compiled: step for any number of rows above {self.max_rows} compiled in "
-                    f"{seconds:.1f} s")
-        return outputs
+        done = "compiled and stored" if self.many_rows_compiled_now else "loaded"
+        logger.info(f"--step-engine compiled: step for any number of rows above {self.max_rows} {done} in "
+                    f"{seconds:.1f} s ({aot_step.compiled_dir()})")
 
     def compile_settings(self, shape):
         """Inductor's settings around a call that compiles a new bucket: with --compiled-freezing the weights
@@ -336,7 +327,7 @@ class CompiledRunner(StaticRunner):
     def statistics(self) -> dict:
         """For the decoder's statistics: the buckets this runner met and the seconds of their first calls
         (their compilation, or its load from inductor's on-disk cache)."""
-        buckets = len(self.compiled_shapes) + (1 if self.many_rows_compiled else 0)
+        buckets = len(self.compiled_shapes) + (1 if self.many_rows_step is not None else 0)
         return {"compiled_buckets": buckets, "compile_seconds": round(self.compile_seconds, 2)}
 
 
@@ -354,14 +345,6 @@ class FusedBuffers(nn.Module):
     def weights(self) -> FusedWeights:
         return FusedWeights([getattr(self, f"qkv_weight_{i}") for i in range(self.layers)],
                             [getattr(self, f"qkv_bias_{i}") for i in range(self.layers)], self.output_t)
-
-
-def frozen_weights():
-    """Inductor's setting under which a compilation holds the weights as constants (read before a
-    torch.compile call's own options apply)."""
-    import torch._inductor.config
-
-    return torch._inductor.config.patch(freezing=True)
 
 
 def own_code(method):

@@ -37,10 +37,10 @@ def test_compiled_engine_gives_fairseqs_tokens(toy, case):
 
 
 def test_rows_above_the_row_buckets_share_one_compiled_step(toy, monkeypatch):
-    """Rows beyond COMPILED_MAX_ROWS run one compiled step whose row count, target and source widths are
-    symbolic (on the CPU with oneDNN): the same tokens, scores within 1e-4, the eager step never runs and
-    every row count above the limit is served by that one compilation; rows falling under it take the
-    fixed-shape buckets."""
+    """Rows beyond COMPILED_MAX_ROWS run one step compiled ahead of time whose row count, target and source
+    widths are symbolic (on the CPU with oneDNN): the same tokens, scores within 1e-4, the eager step never
+    runs and no row count above the limit compiles anything more; rows falling under it take the fixed-shape
+    buckets."""
     monkeypatch.setattr(compiled, "COMPILED_MAX_ROWS", 4)
     _, expected = decode(toy, SENTENCES, 32, step_engine="fairseq", decoder="var-batch", beam=4)
     generator = toy.generator(step_engine="compiled", decoder="var-batch", beam=4)
@@ -55,16 +55,59 @@ def test_rows_above_the_row_buckets_share_one_compiled_step(toy, monkeypatch):
 
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, SENTENCES, 32))
     assert {rows for rows, _, _ in runner.compiled_shapes} <= {1, 2, 4}
+    assert counters["stats"]["unique_graphs"] == len(runner.compiled_shapes)  # the step above them is not dynamo's
     if onednn_linear_module.onednn_available():
-        assert runner.many_rows_compiled and not eager_rows
-        assert counters["stats"]["unique_graphs"] == len(runner.compiled_shapes) + 1
+        assert runner.many_rows_step is not None and not eager_rows
     else:
         assert eager_rows and min(eager_rows) > 4
 
 
+def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tmp_path, monkeypatch, caplog):
+    """The step above the row buckets is written to $FASTGEN_COMPILED_DIR by the first runner that needs it;
+    a later runner of the same model (another process, a later run) loads it instead of compiling, and both
+    give fairseq's tokens.  A stale temporary file of a killed compilation changes nothing."""
+    if not onednn_linear_module.onednn_available():
+        pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
+    monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path))
+    (tmp_path / ".step-0.123.tmp.pt2").write_bytes(b"half a package")
+    from tests.engine.test_static_engine import translate_batches
+
+    ids = SENTENCES[:24]
+    _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
+    outcomes = []
+    for _ in range(2):
+        generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled")
+        with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
+            assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
+        outcomes.append(generator.runner.many_rows_compiled_now)
+    assert outcomes == [True, False]
+    assert len(list(tmp_path.glob("step-*.pt2"))) == 1
+    lines = [r.getMessage() for r in caplog.records if "rows above" in r.getMessage()]
+    assert len(lines) == 2 and "compiled and stored in" in lines[0] and " loaded in " in lines[1]
+
+
+def test_a_step_that_cannot_be_compiled_runs_eager_with_one_line(toy, tmp_path, monkeypatch, caplog):
+    if not onednn_linear_module.onednn_available():
+        pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
+    from fairseq_fastgen.engine import aot_step
+
+    monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path))
+    monkeypatch.setattr(aot_step, "compile_package", lambda *args: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    ids = SENTENCES[:24]
+    _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
+    with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
+        generator, actual = decode(toy, ids, 8, step_engine="compiled", decoder="greedy", beam=1)
+    assert_same_tokens_close_scores(expected, actual)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--step-engine compiled: the step above 2 rows could not be compiled (RuntimeError: no compiler); "
+        "those steps run eager"
+    ]
+    assert generator.runner.many_rows_step is None and not list(tmp_path.glob("step-*.pt2"))
+
+
 def test_the_many_rows_step_follows_a_weight_change(toy):
     """The step above the row buckets holds the weights as constants: after an in-place update of a decoder
-    weight it compiles again and gives the updated model's tokens."""
+    weight another package is compiled and gives the updated model's tokens."""
     ids = SENTENCES[:24]
     generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled")
     runner = generator.runner
@@ -74,8 +117,8 @@ def test_the_many_rows_step_follows_a_weight_change(toy):
 
     _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
-    first_compiled = runner._many_rows_step
-    assert first_compiled is not None and runner.many_rows_compiled
+    first_step = runner.many_rows_step
+    assert first_step is not None
     weight = toy.models[0].decoder.layers[-1].fc2.weight
     original = weight.detach().clone()
     try:
@@ -84,7 +127,7 @@ def test_the_many_rows_step_follows_a_weight_change(toy):
         _, changed = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
         assert any(not torch.equal(changed[s][0]["tokens"], expected[s][0]["tokens"]) for s in ids)
         assert_same_tokens_close_scores(changed, translate_batches(toy, generator, ids, 8))
-        assert runner._many_rows_step is not first_compiled  # compiled again, for the new weights
+        assert runner.many_rows_step is not None and runner.many_rows_step is not first_step  # the new weights'
     finally:
         with torch.no_grad():
             weight.copy_(original)
@@ -99,9 +142,12 @@ def test_compilations_stay_at_the_buckets(toy, options):
     counters.clear()
     generator, _ = decode(toy, list(range(200)), 64, step_engine="compiled", **options)
     shapes = generator.runner.compiled_shapes
-    # the fixed-shape buckets, and one step for every row count above them (on the CPU with oneDNN)
-    assert counters["stats"]["unique_graphs"] == len(shapes) + generator.runner.many_rows_compiled
-    assert generator.runner.statistics()["compiled_buckets"] == counters["stats"]["unique_graphs"]
+    # dynamo's graphs are the fixed-shape buckets; one more step, compiled ahead of time, serves every row
+    # count above them (on the CPU with oneDNN)
+    assert counters["stats"]["unique_graphs"] == len(shapes)
+    above = generator.runner.many_rows_step is not None
+    assert above == generator.runner.many_rows_on_cpu
+    assert generator.runner.statistics()["compiled_buckets"] == len(shapes) + above
     row_buckets = {rows for rows, _, _ in shapes}
     assert row_buckets <= {1, 2, 4, 8, 16} and len({width for _, _, width in shapes}) <= 4
     assert len(shapes) < generator.counters.counts["model_calls"] / 10

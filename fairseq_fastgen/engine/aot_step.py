@@ -1,0 +1,128 @@
+"""The compiled engine's step for many rows, compiled ahead of time and kept on disk (AOTInductor).
+
+On the CPU, steps of more rows than the fixed-shape buckets of ``compiled.py``
+run one compiled unit whose row count, target capacity and source width are
+symbolic: the decoder step's padded form and its log-softmax, exported with
+``torch.export`` and compiled by AOTInductor with the weights frozen.  Frozen
+weights with symbolic rows make inductor compute every product by oneDNN's
+prepacked fp32 kernel (with fixed rows it picks MKL's, 2-3x slower on AMD
+CPUs), the bias and residual added in the same call, and fuse the work between
+the products into C++ loops.
+
+torch.compile cannot keep such a unit between processes (its graph cache
+refuses the packed weights), so the unit is written as an AOTInductor package,
+named by a SHA-256 of everything it depends on (torch's version, this engine's
+source, the decoder's settings and the bytes of its weights), into
+``$FASTGEN_COMPILED_DIR`` (default: ``fairseq_fastgen`` in inductor's cache
+directory, ``$TORCHINDUCTOR_CACHE_DIR`` or ``/tmp/torchinductor_$USER``).  The
+first process compiles it (tens of seconds), later ones load it (a fraction of
+a second); a process that finds another compiling the same package waits for
+it (a file lock), and a package is written under a temporary name and renamed.
+"""
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fairseq_fastgen import safe_files
+
+COMPILED_DIR_ENV = "FASTGEN_COMPILED_DIR"
+ENGINE_SOURCES = ("decoder_step.py", "compiled.py", "fused_weights.py", "aot_step.py")
+logger = logging.getLogger("fairseq_fastgen.engine")
+
+
+class PaddedStep(nn.Module):
+    """The compiled engine's padded step with its log-softmax (``CompiledRunner.frozen_lprobs``) as a module
+    whose parameters and buffers are the weights it reads, as torch.export wants it."""
+
+    def __init__(self, runner):
+        super().__init__()
+        self.decoder_step = runner.decoder_step  # the decoder's parameters and the fused weights' buffers
+        self.lprobs_of = runner.padded_lprobs
+
+    def forward(self, last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
+                cross_mask):
+        return self.lprobs_of(last_tokens, positions, position_table, self_keys, self_values, cross_keys,
+                              cross_values, cross_mask, self.decoder_step.fused_buffers.weights())
+
+
+def compiled_dir() -> Path:
+    configured = os.environ.get(COMPILED_DIR_ENV)
+    if configured:
+        return Path(configured)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "fairseq_fastgen"
+
+
+def package_key(runner) -> str:
+    """SHA-256 of what the compiled unit depends on: torch, the engine's code, the runner's settings and the
+    decoder step's weights (the decoder's parameters and the fused copies)."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    here = Path(__file__).parent
+    for name in ENGINE_SOURCES:
+        digest.update((here / name).read_bytes())
+    decoder = runner.model.decoder
+    digest.update(repr((type(decoder).__qualname__, runner.temperature, runner.projection is None,
+                        runner.decoder_step.heads, runner.decoder_step.head_dim)).encode())
+    for name, tensor in runner.decoder_step.state_dict().items():
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def example_inputs(runner, position_table):
+    """Inputs of the step at sizes no other dimension has (so that tracing ties none of them together)."""
+    rows, capacity, width = 5, 40, 24
+    step = runner.decoder_step
+    weight = next(step.parameters())
+    buffers = lambda length: [weight.new_zeros(rows, step.heads, length, step.head_dim)  # noqa: E731
+                              for _ in range(step.num_layers)]
+    tokens = torch.full((rows, 1), runner.model.decoder.dictionary.eos(), dtype=torch.long, device=weight.device)
+    return (tokens, torch.zeros(rows, dtype=torch.long, device=weight.device), position_table,
+            buffers(capacity), buffers(capacity), buffers(width), buffers(width),
+            torch.zeros(rows, width, dtype=torch.bool, device=weight.device))
+
+
+def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor]):
+    from torch.export import Dim
+
+    rows, capacity, width = Dim("rows", min=2), Dim("capacity", min=2), Dim("source", min=2)
+    table = {0: Dim("table_positions", min=2)} if position_table is not None else None
+    keys = [{0: rows, 2: capacity}] * layers
+    sources = [{0: rows, 2: width}] * layers
+    return ({0: rows}, {0: rows}, table, keys, keys, sources, sources, {0: rows, 1: width})
+
+
+def load_or_compile(runner, position_table):
+    """The package of ``runner``'s step, loaded from disk or compiled and written there; (callable, seconds,
+    whether it was compiled now)."""
+    from filelock import FileLock
+
+    directory = compiled_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step-{package_key(runner)}.pt2"
+    start = time.perf_counter()
+    with FileLock(str(path) + ".lock"):
+        compiled_now = not path.exists()
+        if compiled_now:
+            compile_package(runner, position_table, path)
+        step = torch._inductor.aoti_load_package(str(path))
+    return step, time.perf_counter() - start, compiled_now
+
+
+def compile_package(runner, position_table, path: Path):
+    module = PaddedStep(runner).eval()
+    inputs = example_inputs(runner, position_table)
+    dynamic = symbolic_dimensions(runner.decoder_step.num_layers, position_table)
+    exported = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}{safe_files.TEMPORARY_SUFFIX}.pt2")
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(temporary),
+                                             inductor_configs={"freezing": True})
+    os.replace(temporary, path)
