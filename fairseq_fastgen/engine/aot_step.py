@@ -1,4 +1,4 @@
-"""The compiled engine's step for many rows, compiled ahead of time and kept on disk (AOTInductor).
+"""Compiled engine steps compiled ahead of time and kept on disk (AOTInductor).
 
 On the CPU, steps of more rows than the fixed-shape buckets of ``compiled.py``
 run one compiled unit whose row count, target capacity and source width are
@@ -7,7 +7,9 @@ symbolic: the decoder step's padded form and its log-softmax, exported with
 weights with symbolic rows make inductor compute every product by oneDNN's
 prepacked fp32 kernel (with fixed rows it picks MKL's, 2-3x slower on AMD
 CPUs), the bias and residual added in the same call, and fuse the work between
-the products into C++ loops.
+the products into C++ loops.  With ``--compiled-freezing`` each row bucket
+(1, 2, 4 rows) is such a unit too, its rows fixed and its products inductor's
+C++ GEMM template.
 
 torch.compile cannot keep such a unit between processes (its graph cache
 refuses the packed weights), so the unit is written as an AOTInductor package,
@@ -61,10 +63,10 @@ def compiled_dir() -> Path:
     return Path(cache_dir()) / "fairseq_fastgen"
 
 
-def package_key(runner) -> str:
-    """SHA-256 of what the compiled unit depends on: torch, the engine's code, the runner's settings and the
-    decoder step's weights (the decoder's parameters and the fused copies)."""
-    digest = hashlib.sha256(torch.__version__.encode())
+def package_key(runner, rows: Optional[int]) -> str:
+    """SHA-256 of what the compiled unit depends on: torch, the engine's code, the runner's settings, the rows
+    and the decoder step's weights (the decoder's parameters and the fused copies)."""
+    digest = hashlib.sha256(f"{torch.__version__} rows {rows}".encode())
     here = Path(__file__).parent
     for name in ENGINE_SOURCES:
         digest.update((here / name).read_bytes())
@@ -77,9 +79,9 @@ def package_key(runner) -> str:
     return digest.hexdigest()
 
 
-def example_inputs(runner, position_table):
+def example_inputs(runner, position_table, rows: Optional[int]):
     """Inputs of the step at sizes no other dimension has (so that tracing ties none of them together)."""
-    rows, capacity, width = 5, 40, 24
+    rows, capacity, width = rows or 5, 40, 24
     step = runner.decoder_step
     weight = next(step.parameters())
     buffers = lambda length: [weight.new_zeros(rows, step.heads, length, step.head_dim)  # noqa: E731
@@ -90,39 +92,49 @@ def example_inputs(runner, position_table):
             torch.zeros(rows, width, dtype=torch.bool, device=weight.device))
 
 
-def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor]):
+def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor], rows: Optional[int]):
+    """The inputs' symbolic dimensions: target capacity and source width, and the rows unless fixed."""
     from torch.export import Dim
 
-    rows, capacity, width = Dim("rows", min=2), Dim("capacity", min=2), Dim("source", min=2)
+    capacity, width = Dim("capacity", min=2), Dim("source", min=2)
+    rows = Dim("rows", min=2) if rows is None else None
     table = {0: Dim("table_positions", min=2)} if position_table is not None else None
-    keys = [{0: rows, 2: capacity}] * layers
-    sources = [{0: rows, 2: width}] * layers
-    return ({0: rows}, {0: rows}, table, keys, keys, sources, sources, {0: rows, 1: width})
+    per_row = {0: rows} if rows is not None else None
+    keys = [{0: rows, 2: capacity} if rows is not None else {2: capacity}] * layers
+    sources = [{0: rows, 2: width} if rows is not None else {2: width}] * layers
+    mask = {0: rows, 1: width} if rows is not None else {1: width}
+    return (per_row, per_row, table, keys, keys, sources, sources, mask)
 
 
-def load_or_compile(runner, position_table):
-    """The package of ``runner``'s step, loaded from disk or compiled and written there; (callable, seconds,
-    whether it was compiled now)."""
+def load_or_compile(runner, position_table, rows: Optional[int] = None):
+    """The package of ``runner``'s step for ``rows`` rows (None: any number), loaded from disk or compiled and
+    written there; (callable, seconds, whether it was compiled now)."""
     from filelock import FileLock
 
     directory = compiled_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step-{package_key(runner)}.pt2"
+    path = directory / f"step-{'any' if rows is None else rows}-rows-{package_key(runner, rows)}.pt2"
     start = time.perf_counter()
     with FileLock(str(path) + ".lock"):
         compiled_now = not path.exists()
         if compiled_now:
-            compile_package(runner, position_table, path)
+            compile_package(runner, position_table, rows, path)
         step = torch._inductor.aoti_load_package(str(path))
     return step, time.perf_counter() - start, compiled_now
 
 
-def compile_package(runner, position_table, path: Path):
+def compile_package(runner, position_table, rows: Optional[int], path: Path):
+    """Export the step and compile it into the package ``path``: for any number of rows, frozen weights
+    (oneDNN's packed products); for a fixed few rows, also inductor's C++ GEMM template for the products
+    (at 1-4 rows it beats both libraries' matrix-vector products: 0.41-0.44 against 0.65-0.69 ms per step
+    of the Multi30k model at one row, ``--compiled-freezing`` in docs/benchmarks.md)."""
     module = PaddedStep(runner).eval()
-    inputs = example_inputs(runner, position_table)
-    dynamic = symbolic_dimensions(runner.decoder_step.num_layers, position_table)
+    inputs = example_inputs(runner, position_table, rows)
+    dynamic = symbolic_dimensions(runner.decoder_step.num_layers, position_table, rows)
     exported = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
     temporary = path.with_name(f".{path.stem}.{os.getpid()}{safe_files.TEMPORARY_SUFFIX}.pt2")
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(temporary),
-                                             inductor_configs={"freezing": True})
+    settings = {"freezing": True}
+    if rows is not None:
+        settings.update(max_autotune=True, max_autotune_gemm_backends="CPP")
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(temporary), inductor_configs=settings)
     os.replace(temporary, path)

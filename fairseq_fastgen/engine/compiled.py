@@ -86,12 +86,12 @@ class CompiledRunner(StaticRunner):
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.freezing = freezing and on_cpu
         self.frozen_signature = None  # the decoder parameters (identity, version) the compiled code holds
-        # above max_rows on the CPU: one step for every row count, compiled ahead of time and kept on disk
-        # (aot_step.py); None until a decode first needs it, or after it could not be built (then eager)
+        # on the CPU, steps compiled ahead of time and kept on disk (aot_step.py): above max_rows one for every row
+        # count (key None), with --compiled-freezing one per row bucket (key: its rows); a key is absent until a
+        # decode first needs it, None where it could not be built (then eager, or torch.compile for a bucket)
         self.many_rows_on_cpu = on_cpu and onednn_available()
-        self.many_rows_step = None
-        self.many_rows_seconds: Optional[float] = None  # seconds its compilation or load took
-        self.many_rows_compiled_now = False  # compiled in this process (else loaded from disk)
+        self.packaged_steps: Dict[Optional[int], object] = {}
+        self.compiled_now: set = set()  # keys of the packages compiled in this process (the others were loaded)
         self.max_rows = FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS  # more rows run eager
         self.fused_weights = FusedWeightsCache(model.decoder)
         self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
@@ -159,7 +159,7 @@ class CompiledRunner(StaticRunner):
         if self.freezing or self.many_rows_on_cpu:
             signature = tuple((id(p), p._version) for p in self.model.decoder.parameters())
             if signature != self.frozen_signature:  # compiled code holding other weights as constants: drop it
-                self.frozen_signature, self.many_rows_step, self.many_rows_seconds = signature, None, None
+                self.frozen_signature, self.packaged_steps = signature, {}
                 self.decoder_step.fused_buffers = FusedBuffers(self.fused)  # a submodule: its buffers freeze
                 if self.freezing:
                     self._compiled_step, self.compiled_shapes = None, {}
@@ -180,45 +180,36 @@ class CompiledRunner(StaticRunner):
         cache.real_rows = rows
 
     # ---- one decoder step ---------------------------------------------------------------------------
+    @property
+    def many_rows_step(self):
+        """The step for every row count above ``max_rows`` (None until built, or where it could not be)."""
+        return self.packaged_steps.get(None)
+
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         rows = tokens.size(0)
-        if rows > self.max_rows and self.many_rows_on_cpu and cache.self_padding is None:
-            if not cache.started:
-                self.start_cache(cache, encoder_out)
-            if self.many_rows_step is None and self.many_rows_seconds is None:
-                self.load_many_rows_step(cache)
-            if self.many_rows_step is not None:
-                return self.step_many_rows(tokens, encoder_out, cache)
-        if rows > self.max_rows:
-            # the eager forms never read unwritten positions: keeping them zero (a memset of most of every buffer
-            # at each beam reorder) would cost 10% of a beam-5 step; the next compiled step zeroes them again
-            cache.zeroed = False
-            with self.eager_products():
-                form = self.decoder_step.exact if cache.self_padding is not None else self.fast_form
-                features, attn = self.next_position(tokens, encoder_out, cache, form)
-                lprobs = self.lprobs(features)
-            return lprobs, attn[:, -1, : encoder_out["encoder_out"][0].size(0)]
         if not cache.started:
             self.start_cache(cache, encoder_out)
+        packaged = None
+        if rows > self.max_rows:
+            if self.many_rows_on_cpu and cache.self_padding is None:
+                packaged = self.packaged_step(None, cache)
+            if packaged is None:
+                return self.eager_step(tokens, encoder_out, cache)
+        elif self.freezing and self.many_rows_on_cpu:
+            packaged = self.packaged_step(cache.cross_keys[0].size(0), cache)  # the rows' bucket
         length = tokens.size(1)
         cache.ensure_room(round_up(length, POSITION_BUCKET))
         cache.zero_unwritten()  # the padded step reads every position, the unwritten ones masked
         bucket = cache.cross_keys[0].size(0)
         rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)
-        last_tokens = tokens[:, -1:].index_select(0, rows_index)
+        last_tokens = tokens[:, -1:].index_select(0, rows_index)  # (bucket, 1)
         positions = tokens.new_full((bucket,), length - 1)
-        shape = (bucket, cache.capacity, cache.cross_keys[0].size(2))
-        start = time.perf_counter()
-        with self.compile_settings(shape):
-            features_or_lprobs, attn, new_keys, new_values = self.compiled_step(
-                last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys,
-                cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask, self.fused,
-            )
-        if shape not in self.compiled_shapes:
-            self.compiled_shapes[shape] = time.perf_counter() - start
-            self.compile_seconds += self.compiled_shapes[shape]
-            logger.info(f"--step-engine compiled: step for {shape[0]} rows, {shape[1]} target and {shape[2]} "
-                        f"source positions compiled in {self.compiled_shapes[shape]:.1f} s")
+        inputs = (last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys,
+                  cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask)
+        if packaged is not None:
+            features_or_lprobs, attn, new_keys, new_values = packaged(*inputs)
+        else:
+            features_or_lprobs, attn, new_keys, new_values = self.compiled_bucket_step(inputs, cache)
         for buffer, new in zip(cache.self_keys + cache.self_values, new_keys + new_values):
             buffer[:, :, length - 1] = new  # (rows, heads, head_dim) at every row's position
         cache.length = length
@@ -228,44 +219,58 @@ class CompiledRunner(StaticRunner):
         src_len = encoder_out["encoder_out"][0].size(0)
         return lprobs, attn[:rows, :src_len]
 
-    def step_many_rows(self, tokens: Tensor, encoder_out, cache: StaticCache):
-        """``step`` above ``max_rows`` rows on the CPU, through ``many_rows_step``."""
-        length = tokens.size(1)
-        cache.ensure_room(round_up(length, POSITION_BUCKET))
-        cache.zero_unwritten()  # the padded step reads every position, the unwritten ones masked
-        last_tokens = tokens[:, -1:].contiguous()  # (rows, 1)
-        positions = tokens.new_full((tokens.size(0),), length - 1)  # (rows,)
-        features_or_lprobs, attn, new_keys, new_values = self.many_rows_step(
-            last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys,
-            cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask,
-        )
-        for buffer, new in zip(cache.self_keys + cache.self_values, new_keys + new_values):
-            buffer[:, :, length - 1] = new  # (rows, heads, head_dim) at every row's position
-        cache.length = length
-        lprobs = features_or_lprobs
-        if self.projection is not None:
-            lprobs = self.lprobs(lprobs)
-        return lprobs, attn[:, : encoder_out["encoder_out"][0].size(0)]
+    def eager_step(self, tokens: Tensor, encoder_out, cache: StaticCache):
+        """A step of more than ``max_rows`` rows without a compiled unit: the fast form (the exact form over
+        rows holding left padding), products through oneDNN on the CPU."""
+        # the eager forms never read unwritten positions: keeping them zero (a memset of most of every buffer
+        # at each beam reorder) would cost 10% of a beam-5 step; the next compiled step zeroes them again
+        cache.zeroed = False
+        with self.eager_products():
+            form = self.decoder_step.exact if cache.self_padding is not None else self.fast_form
+            features, attn = self.next_position(tokens, encoder_out, cache, form)
+            lprobs = self.lprobs(features)
+        return lprobs, attn[:, -1, : encoder_out["encoder_out"][0].size(0)]
 
-    def load_many_rows_step(self, cache: StaticCache):
-        """``many_rows_step`` from its package on disk, compiled first where there is none; where it cannot
-        be built, one line says why and steps above ``max_rows`` rows run eager."""
+    def compiled_bucket_step(self, inputs, cache: StaticCache):
+        """The step of a row bucket through torch.compile (one compilation per bucket and process)."""
+        shape = (cache.cross_keys[0].size(0), cache.capacity, cache.cross_keys[0].size(2))
+        start = time.perf_counter()
+        with self.compile_settings(shape):
+            outputs = self.compiled_step(*inputs, self.fused)
+        if shape not in self.compiled_shapes:
+            self.compiled_shapes[shape] = time.perf_counter() - start
+            self.compile_seconds += self.compiled_shapes[shape]
+            logger.info(f"--step-engine compiled: step for {shape[0]} rows, {shape[1]} target and {shape[2]} "
+                        f"source positions compiled in {self.compiled_shapes[shape]:.1f} s")
+        return outputs
+
+    def packaged_step(self, rows: Optional[int], cache: StaticCache):
+        """The step compiled ahead of time for ``rows`` rows (None: every row count above ``max_rows``), loaded
+        from disk or compiled the first time a decode needs it; None where it cannot be built (one line says
+        why)."""
+        if rows in self.packaged_steps:
+            return self.packaged_steps[rows]
         from fairseq_fastgen.engine import aot_step
 
+        what = f"the step above {self.max_rows} rows" if rows is None else f"the step of {rows} rows"
         try:
             table = self.decoder_step.position_table(cache.capacity)
-            self.many_rows_step, seconds, self.many_rows_compiled_now = aot_step.load_or_compile(self, table)
-        except Exception as error:  # export or inductor refusing this model: the eager step serves it
-            self.many_rows_seconds = 0.0
-            logger.warning(f"--step-engine compiled: the step above {self.max_rows} rows could not be compiled "
-                           f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-                           f"those steps run eager")
-            return
-        self.many_rows_seconds = seconds
+            step, seconds, compiled_now = aot_step.load_or_compile(self, table, rows)
+        except Exception as error:  # export or inductor refusing this model: eager, or torch.compile, serves it
+            self.packaged_steps[rows] = None
+            reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            logger.warning(f"--step-engine compiled: {what} could not be compiled ahead of time ({reason}); "
+                           f"{'those steps run eager' if rows is None else 'torch.compile compiles it'}")
+            return None
+        self.packaged_steps[rows] = step
         self.compile_seconds += seconds
-        done = "compiled and stored" if self.many_rows_compiled_now else "loaded"
-        logger.info(f"--step-engine compiled: step for any number of rows above {self.max_rows} {done} in "
-                    f"{seconds:.1f} s ({aot_step.compiled_dir()})")
+        if rows is not None:
+            self.compiled_shapes[(rows, None, None)] = seconds
+        if compiled_now:
+            self.compiled_now.add(rows)
+        done = "compiled and stored" if compiled_now else "loaded"
+        logger.info(f"--step-engine compiled: {what} {done} in {seconds:.1f} s ({aot_step.compiled_dir()})")
+        return step
 
     def compile_settings(self, shape):
         """Inductor's settings around a call that compiles a new bucket: with --compiled-freezing the weights
