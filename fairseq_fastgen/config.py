@@ -28,17 +28,20 @@ class PluginOptions(FairseqDataclass):
         metadata={"help": "what runs each decoder step: 'static' (default: keys/values in preallocated "
                           "buffers, eager; bitwise fairseq's hypotheses), 'fairseq' (fairseq's own incremental "
                           "decoder) or 'compiled' (the same tokens, scores within 1e-4: at 1-2 rows the step "
-                          "through torch.compile, shapes padded to a few buckets compiled on first use; more rows "
-                          "eager with oneDNN's products on the CPU; --decoder beam runs fairseq's search on it); "
+                          "through torch.compile, shapes padded to a few buckets compiled on first use; on the CPU "
+                          "more rows run one step for every row count, compiled ahead of time once per model and "
+                          "kept on disk in $FASTGEN_COMPILED_DIR (default: inductor's cache directory); "
+                          "--decoder beam runs fairseq's search on it); "
                           "a model the engine cannot serve (ensembles, other architectures) "
                           "falls back to 'fairseq' with one line saying why"},
     )
     compiled_freezing: bool = field(
         default=False,
-        metadata={"help": "--step-engine compiled on the CPU: freeze the weights into the compiled step (inductor's "
-                          "freezing, its C++ products), which then serves up to 4 rows: about 2x faster a step at "
-                          "1-4 rows, at the price of about 10 s of compilation per shape bucket, again whenever the "
-                          "model's weights change; for long-running decoding at small batches"},
+        metadata={"help": "--step-engine compiled on the CPU: freeze the weights into the steps of 1, 2 and 4 rows "
+                          "too (inductor's freezing, its C++ products), compiled ahead of time once per model and "
+                          "kept on disk beside the step for more rows: about 2x faster a step at 1-4 rows, at the "
+                          "price of tens of seconds of compilation per row bucket the first time a model (or a "
+                          "change of its weights) is decoded"},
     )
     decoder_stats_json: Optional[str] = field(
         default=None,

@@ -105,34 +105,6 @@ def test_a_step_that_cannot_be_compiled_runs_eager_with_one_line(toy, tmp_path, 
     assert generator.runner.many_rows_step is None and not list(tmp_path.glob("step-*.pt2"))
 
 
-def test_the_many_rows_step_follows_a_weight_change(toy):
-    """The step above the row buckets holds the weights as constants: after an in-place update of a decoder
-    weight another package is compiled and gives the updated model's tokens."""
-    ids = SENTENCES[:24]
-    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled")
-    runner = generator.runner
-    if not runner.many_rows_on_cpu:
-        pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
-    from tests.engine.test_static_engine import translate_batches
-
-    _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
-    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
-    first_step = runner.many_rows_step
-    assert first_step is not None
-    weight = toy.models[0].decoder.layers[-1].fc2.weight
-    original = weight.detach().clone()
-    try:
-        with torch.no_grad():
-            weight.mul_(-3.0)  # another model: other tokens
-        _, changed = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
-        assert any(not torch.equal(changed[s][0]["tokens"], expected[s][0]["tokens"]) for s in ids)
-        assert_same_tokens_close_scores(changed, translate_batches(toy, generator, ids, 8))
-        assert runner.many_rows_step is not None and runner.many_rows_step is not first_step  # the new weights'
-    finally:
-        with torch.no_grad():
-            weight.copy_(original)
-
-
 @pytest.mark.parametrize(
     "options", [dict(decoder="var-batch", beam=5), dict(decoder="var-stream", beam=5, stream_capacity=16)]
 )
@@ -162,28 +134,33 @@ def test_unsupported_decoder_falls_back_with_its_reason(toy, monkeypatch, caplog
     assert lines == ["--step-engine compiled: --cross-self-attention is not supported; using --step-engine fairseq"]
 
 
-def test_frozen_weights_follow_a_weight_change(toy):
-    """--compiled-freezing folds the weights into the compiled step: it gives fairseq's tokens, and after an
-    in-place update of a decoder weight it compiles again and gives the updated model's tokens."""
-    ids = SENTENCES[:12]
-    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_freezing=True)
+@pytest.mark.parametrize("freezing,batch_size", [(False, 8), (True, 1)])
+def test_frozen_weights_follow_a_weight_change(toy, freezing, batch_size):
+    """The compiled steps that hold the weights as constants (the step above the row buckets, at batch 8; with
+    --compiled-freezing the 1-row bucket, at batch 1) give fairseq's tokens, and after an in-place update of a
+    decoder weight another step is compiled and gives the updated model's tokens."""
+    ids = SENTENCES[:24]
+    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_freezing=freezing)
     runner = generator.runner
-    assert type(runner) is CompiledRunner and runner.freezing
-    _, expected = decode(toy, ids, 1, step_engine="fairseq", decoder="greedy", beam=1)
+    assert type(runner) is CompiledRunner and runner.freezing == freezing
+    if not runner.many_rows_on_cpu:
+        pytest.skip("steps are compiled ahead of time on the CPU with oneDNN only")
     from tests.engine.test_static_engine import translate_batches
 
-    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 1))
-    first_compiled = runner._compiled_step or runner.packaged_steps.get(1)
-    assert first_compiled is not None
+    _, expected = decode(toy, ids, batch_size, step_engine="fairseq", decoder="greedy", beam=1)
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, batch_size))
+    key = 1 if freezing else None  # the package of the 1-row bucket, or of every row count above the buckets
+    first_step = runner.packaged_steps.get(key)
+    assert first_step is not None
     weight = toy.models[0].decoder.layers[-1].fc2.weight
     original = weight.detach().clone()
     try:
         with torch.no_grad():
             weight.mul_(-3.0)  # another model: other tokens
-        _, changed = decode(toy, ids, 1, step_engine="fairseq", decoder="greedy", beam=1)
+        _, changed = decode(toy, ids, batch_size, step_engine="fairseq", decoder="greedy", beam=1)
         assert any(not torch.equal(changed[s][0]["tokens"], expected[s][0]["tokens"]) for s in ids)
-        assert_same_tokens_close_scores(changed, translate_batches(toy, generator, ids, 1))
-        assert (runner._compiled_step or runner.packaged_steps.get(1)) is not first_compiled  # the new weights'
+        assert_same_tokens_close_scores(changed, translate_batches(toy, generator, ids, batch_size))
+        assert runner.packaged_steps.get(key) not in (None, first_step)  # compiled again, for the new weights
     finally:
         with torch.no_grad():
             weight.copy_(original)
