@@ -1,7 +1,7 @@
 """Cost of one incremental decoder step (vocabulary projection included) per engine and row count.
 
     python benchmarks/decoder_step_cost.py --path CKPT --data DATA_BIN \
-        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled[,compiled-frozen,compiled-exact]] \
+        [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled[,compiled-frozen,compiled-eager,compiled-exact]] \
         [--threads 1] [--rounds 5] [--onednn-linear] [--compiled-max-rows N]
 
 Feeds random source sentences of 16 tokens and decodes 20 greedy steps per row
@@ -38,15 +38,18 @@ def run_steps(runner, encoder_out, rows, steps, capacity):
 
 def make_runner(engine, model):
     """The runner of a --step-engine setting; ``compiled-frozen``: the compiled engine with
-    --compiled-freezing; ``compiled-exact``: the compiled engine with its eager rows in the static engine's
-    exact form instead of its fast form (what the fast form gains)."""
+    --compiled-freezing; ``compiled-eager``: the compiled engine without its step for many rows (eager above
+    the row buckets, its fast form with oneDNN's products: what that step gains); ``compiled-exact``: the same
+    with the static engine's exact form instead of the fast form (what the fast form gains)."""
     if engine == "compiled-frozen":
         options = SimpleNamespace(step_engine="compiled", temperature=1.0, compiled_freezing=True)
         return build_runner(model, options, None)
-    if engine != "compiled-exact":
+    if engine not in ("compiled-eager", "compiled-exact"):
         return build_runner(model, SimpleNamespace(step_engine=engine, temperature=1.0), None)
     runner = build_runner(model, SimpleNamespace(step_engine="compiled", temperature=1.0), None)
-    runner.fast_form = runner.decoder_step.exact
+    runner.many_rows_on_cpu = False
+    if engine == "compiled-exact":
+        runner.fast_form = runner.decoder_step.exact
     return runner
 
 

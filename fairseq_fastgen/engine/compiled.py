@@ -48,7 +48,10 @@ from fairseq_fastgen.ops.onednn_linear import (
     OneDNNLinears, onednn_available, onednn_linear, onednn_serves, pack_weight,
 )
 
-POSITION_BUCKET = 32  # target positions a cache starts with; it doubles as rows grow past them
+POSITION_BUCKET = 32  # target positions of a row bucket's buffers: this, doubled as rows grow past it
+# target positions the buffers of the step for many rows grow by: that step reads every position of them (the
+# unwritten ones masked), and at 320 rows buffers of 32 positions for rows at 10 read 3x the keys/values needed
+POSITION_STEP = 8
 SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple of this
 # more rows than this run the eager exact step with oneDNN's products: per step on the Multi30k model, one thread,
 # the compiled step against eager + oneDNN: 1 row 0.73 vs 1.22 ms, 2 rows 1.04 vs 1.40, 4 rows 1.72 vs 1.62,
@@ -126,7 +129,7 @@ class CompiledRunner(StaticRunner):
     @staticmethod
     def new_cache(capacity: int = 0) -> StaticCache:
         # grows (doubling) as the rows do: a bucket each; zeroed before its first compiled step (zero_unwritten)
-        return StaticCache(POSITION_BUCKET)
+        return StaticCache(POSITION_STEP)
 
     def reorder_cache(self, cache: StaticCache, index: Tensor):
         if cache.started:
@@ -198,7 +201,11 @@ class CompiledRunner(StaticRunner):
         elif self.freezing and self.many_rows_on_cpu:
             packaged = self.packaged_step(cache.cross_keys[0].size(0), cache)  # the rows' bucket
         length = tokens.size(1)
-        cache.ensure_room(round_up(length, POSITION_BUCKET))
+        if rows > self.max_rows:  # its capacity is symbolic: buffers a little longer than the rows need
+            cache.ensure_room(round_up(length, POSITION_STEP), doubling=False)
+        else:  # a bucket's capacity: POSITION_BUCKET times a power of two
+            cache.ensure_room(POSITION_BUCKET << max(0, (round_up(length, POSITION_BUCKET) // POSITION_BUCKET - 1)
+                                                     .bit_length()), doubling=False)
         cache.zero_unwritten()  # the padded step reads every position, the unwritten ones masked
         bucket = cache.cross_keys[0].size(0)
         rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)

@@ -61,12 +61,13 @@ class StaticCache:
         first = torch.cat([same.new_ones(1), ~same])  # (rows,) a run starts here
         return torch.cummax(torch.where(first, rows, 0), dim=0).values
 
-    def ensure_room(self, positions: int):
-        """Grow the buffers (doubling) so that ``positions`` positions fit."""
+    def ensure_room(self, positions: int, doubling: bool = True):
+        """Grow the buffers so that ``positions`` positions fit: to at least double their capacity, or
+        (``doubling`` off) to exactly ``positions``."""
         if positions <= self.capacity or not self.started:
             self.capacity = max(self.capacity, positions)
             return
-        capacity = max(positions, 2 * self.capacity)
+        capacity = max(positions, 2 * self.capacity) if doubling else positions
         grow = lambda buffer: F.pad(buffer, (0, 0, 0, capacity - self.capacity))  # noqa: E731
         self.self_keys = [grow(b) for b in self.self_keys]
         self.self_values = [grow(b) for b in self.self_values]
