@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Whole fairseq-generate processes (start-up, loading, compilation, decoding, printing) at beam 5, batch 64:
 # stock fairseq-generate (no plugin), the plugin on fairseq's step (the default for --decoder beam) and the
-# plugin with --step-engine compiled, once with an empty compile cache (a fresh TORCHINDUCTOR_CACHE_DIR)
-# and once with the cache the previous compiled process left. Wall seconds per process, the four
+# plugin with --step-engine compiled, once with an empty compile cache (a fresh TORCHINDUCTOR_CACHE_DIR and
+# FASTGEN_COMPILED_DIR: torch.compile's code and the steps compiled ahead of time) and once with the cache the
+# previous compiled process left. Wall seconds per process, the four
 # processes interleaved round by round; prints each round and the medians, and how many hypotheses (H- lines:
 # sentence id and text) and printed scores each process shares with stock fairseq-generate.
 #
@@ -32,8 +33,10 @@ run() {  # NAME COMMAND...: one process; appends its wall seconds to $WORK/NAME.
 for round in $(seq "$ROUNDS"); do
   run stock "${STOCK[@]}"
   run plugin "${PLUGIN[@]}"
-  TORCHINDUCTOR_CACHE_DIR="$WORK/cache-$round" run compiled-cold "${PLUGIN[@]}" --step-engine compiled
-  TORCHINDUCTOR_CACHE_DIR="$WORK/cache-$round" run compiled-warm "${PLUGIN[@]}" --step-engine compiled
+  export TORCHINDUCTOR_CACHE_DIR="$WORK/cache-$round" FASTGEN_COMPILED_DIR="$WORK/cache-$round/fairseq_fastgen"
+  run compiled-cold "${PLUGIN[@]}" --step-engine compiled
+  run compiled-warm "${PLUGIN[@]}" --step-engine compiled
+  unset TORCHINDUCTOR_CACHE_DIR FASTGEN_COMPILED_DIR
   echo "round $round: $(for n in stock plugin compiled-cold compiled-warm; do printf '%s %.1f s  ' $n "$(tail -1 "$WORK/$n.times")"; done)"
 done
 for name in stock plugin compiled-cold compiled-warm; do
