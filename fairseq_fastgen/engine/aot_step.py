@@ -23,7 +23,6 @@ it (a file lock), and a package is written under a temporary name and renamed.
 """
 
 import hashlib
-import logging
 import os
 import time
 from pathlib import Path
@@ -36,7 +35,6 @@ from fairseq_fastgen import safe_files
 
 COMPILED_DIR_ENV = "FASTGEN_COMPILED_DIR"
 ENGINE_SOURCES = ("decoder_step.py", "compiled.py", "fused_weights.py", "aot_step.py")
-logger = logging.getLogger("fairseq_fastgen.engine")
 
 
 class PaddedStep(nn.Module):
@@ -97,13 +95,11 @@ def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor], row
     from torch.export import Dim
 
     capacity, width = Dim("capacity", min=2), Dim("source", min=2)
-    rows = Dim("rows", min=2) if rows is None else None
+    row = {0: Dim("rows", min=2)} if rows is None else {}  # the first dimension of every per-row input
     table = {0: Dim("table_positions", min=2)} if position_table is not None else None
-    per_row = {0: rows} if rows is not None else None
-    keys = [{0: rows, 2: capacity} if rows is not None else {2: capacity}] * layers
-    sources = [{0: rows, 2: width} if rows is not None else {2: width}] * layers
-    mask = {0: rows, 1: width} if rows is not None else {1: width}
-    return (per_row, per_row, table, keys, keys, sources, sources, mask)
+    keys = [{**row, 2: capacity}] * layers
+    sources = [{**row, 2: width}] * layers
+    return (row or None, row or None, table, keys, keys, sources, sources, {**row, 1: width})
 
 
 def load_or_compile(runner, position_table, rows: Optional[int] = None):

@@ -2,8 +2,9 @@
 
 A decode meets few shapes: the cache of a state holds its rows padded up to a
 row bucket (1 or 2 rows; the padding rows repeat row 0 and are never
-read back), its target positions up to a multiple of ``POSITION_BUCKET`` and
-its source positions up to a multiple of ``SOURCE_BUCKET`` (masked).  Each
+read back), its target positions up to ``POSITION_BUCKET`` times a power of two
+(``bucket_capacity``) and its source positions up to a multiple of
+``SOURCE_BUCKET`` (masked).  Each
 (rows, positions, source) bucket is compiled once per process (inductor's
 on-disk cache keeps the generated code for the next process); the time each
 compilation took is logged and counted (``compile_seconds``).
@@ -53,9 +54,10 @@ POSITION_BUCKET = 32  # target positions of a row bucket's buffers: this, double
 # unwritten ones masked), and at 320 rows buffers of 32 positions for rows at 10 read 3x the keys/values needed
 POSITION_STEP = 8
 SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple of this
-# more rows than this run the eager exact step with oneDNN's products: per step on the Multi30k model, one thread,
-# the compiled step against eager + oneDNN: 1 row 0.73 vs 1.22 ms, 2 rows 1.04 vs 1.40, 4 rows 1.72 vs 1.62,
-# 16 rows 3.56 vs 2.52 (benchmarks/decoder_step_cost.py --compiled-max-rows 1000, and 0; docs/benchmarks.md)
+# more rows than this run the step for every row count (or, where it cannot be built, the eager step with oneDNN's
+# products): per step on the Multi30k model, one thread, the bucket's compiled step against eager + oneDNN: 1 row
+# 0.73 vs 1.22 ms, 2 rows 1.04 vs 1.40, 4 rows 1.72 vs 1.62, 16 rows 3.56 vs 2.52 (benchmarks/decoder_step_cost.py
+# --compiled-max-rows 1000, and 0)
 COMPILED_MAX_ROWS = 2
 # with --compiled-freezing: 4 rows 0.64 against 1.28 ms eager, 8 rows 1.58-1.68 against 1.60 (a probe of the same
 # step, frozen, against the eager fast form)
@@ -70,6 +72,12 @@ def row_bucket(rows: int, max_rows: int) -> int:
     if rows > max_rows or rows == 0:
         return rows
     return 1 << max(rows - 1, 0).bit_length()
+
+
+def bucket_capacity(length: int) -> int:
+    """Target positions of a row bucket's buffers for rows of ``length`` positions: ``POSITION_BUCKET`` times
+    the smallest power of two that holds them (32, 64, 128, ...), so that a decode meets few bucket shapes."""
+    return POSITION_BUCKET << (round_up(length, POSITION_BUCKET) // POSITION_BUCKET - 1).bit_length()
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -95,10 +103,10 @@ class CompiledRunner(StaticRunner):
         self.many_rows_on_cpu = on_cpu and onednn_available()
         self.packaged_steps: Dict[Optional[int], object] = {}
         self.compiled_now: set = set()  # keys of the packages compiled in this process (the others were loaded)
-        self.max_rows = FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS  # more rows run eager
+        self.max_rows = FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS  # the largest row bucket
         self.fused_weights = FusedWeightsCache(model.decoder)
         self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
-        # the eager step's products above COMPILED_MAX_ROWS rows (None: torch's own, on CUDA)
+        # the products of the encoder and of the eager step (None: torch's own, on CUDA)
         self.eager_linears = OneDNNLinears(model) if on_cpu and onednn_available() else None
         self.qkv_packed_from: Optional[FusedWeights] = None  # the fused weights qkv_packed holds, packed
         self.qkv_packed = []  # per layer: oneDNN's packed fused query/key/value weight (None: torch's product)
@@ -128,7 +136,8 @@ class CompiledRunner(StaticRunner):
     # ---- cache: rows padded to the bucket ---------------------------------------------------------
     @staticmethod
     def new_cache(capacity: int = 0) -> StaticCache:
-        # grows (doubling) as the rows do: a bucket each; zeroed before its first compiled step (zero_unwritten)
+        # grown by each step to the capacity its form reads (bucket_capacity, or POSITION_STEP at a time for many
+        # rows); zeroed before its first compiled step (zero_unwritten)
         return StaticCache(POSITION_STEP)
 
     def reorder_cache(self, cache: StaticCache, index: Tensor):
@@ -192,20 +201,19 @@ class CompiledRunner(StaticRunner):
         rows = tokens.size(0)
         if not cache.started:
             self.start_cache(cache, encoder_out)
+        length = tokens.size(1)
         packaged = None
         if rows > self.max_rows:
             if self.many_rows_on_cpu and cache.self_padding is None:
                 packaged = self.packaged_step(None, cache)
             if packaged is None:
                 return self.eager_step(tokens, encoder_out, cache)
-        elif self.freezing and self.many_rows_on_cpu:
-            packaged = self.packaged_step(cache.cross_keys[0].size(0), cache)  # the rows' bucket
-        length = tokens.size(1)
-        if rows > self.max_rows:  # its capacity is symbolic: buffers a little longer than the rows need
+            # its capacity is symbolic: buffers a little longer than the rows need
             cache.ensure_room(round_up(length, POSITION_STEP), doubling=False)
-        else:  # a bucket's capacity: POSITION_BUCKET times a power of two
-            cache.ensure_room(POSITION_BUCKET << max(0, (round_up(length, POSITION_BUCKET) // POSITION_BUCKET - 1)
-                                                     .bit_length()), doubling=False)
+        else:
+            if self.freezing and self.many_rows_on_cpu:
+                packaged = self.packaged_step(cache.cross_keys[0].size(0), cache)  # the rows' bucket
+            cache.ensure_room(bucket_capacity(length), doubling=False)
         cache.zero_unwritten()  # the padded step reads every position, the unwritten ones masked
         bucket = cache.cross_keys[0].size(0)
         rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)
