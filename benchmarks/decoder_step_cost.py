@@ -2,7 +2,7 @@
 
     python benchmarks/decoder_step_cost.py --path CKPT --data DATA_BIN \
         [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled[,compiled-frozen,compiled-eager,compiled-exact]] \
-        [--threads 1] [--rounds 5] [--onednn-linear] [--compiled-max-rows N]
+        [--threads 1] [--rounds 5] [--onednn-linear] [--compiled-max-rows N] [--device cuda]
 
 Feeds random source sentences of 16 tokens and decodes 20 greedy steps per row
 count and ``--step-engine`` setting, the engines interleaved round by round;
@@ -28,12 +28,20 @@ from fairseq_fastgen.ops.onednn_linear import OneDNNLinears
 
 
 def run_steps(runner, encoder_out, rows, steps, capacity):
-    cache, tokens = runner.new_cache(capacity), torch.full((rows, 1), 2)
+    device = encoder_out["encoder_out"][0].device
+    cache, tokens = runner.new_cache(capacity), torch.full((rows, 1), 2, device=device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         lprobs, _ = runner.step(tokens, encoder_out, cache)
         tokens = torch.cat([tokens, lprobs.argmax(-1, keepdim=True)], dim=1)
+    synchronize(device)
     return (time.perf_counter() - start) / steps, tokens
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def make_runner(engine, model):
@@ -69,14 +77,15 @@ def main():
                         help="rows up to which --step-engine compiled runs its compiled step (more rows: eager "
                              "with oneDNN's products); default: the engine's COMPILED_MAX_ROWS. Run with 1000 and "
                              "with 0 to time the two forms at every row count")
+    parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     parser.add_argument("--capacity", type=int, default=202,
                         help="target positions a cache holds (fairseq-generate's default --max-len-b 200, bos, eos)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.compiled_max_rows is not None:
-        compiled.COMPILED_MAX_ROWS = compiled.FROZEN_MAX_ROWS = args.compiled_max_rows
+        compiled.COMPILED_MAX_ROWS = compiled.FROZEN_MAX_ROWS = compiled.CUDA_MAX_ROWS = args.compiled_max_rows
     models, _, _ = checkpoint_utils.load_model_ensemble_and_task([args.path], arg_overrides={"data": args.data})
-    model = models[0].eval()
+    model = models[0].eval().to(args.device)
     engines = args.engines.split(",")
     runners = {e: make_runner(e, model) for e in engines}
     vocabulary = model.encoder.embed_tokens.num_embeddings
@@ -85,9 +94,10 @@ def main():
     linears = OneDNNLinears(model).attached() if args.onednn_linear else contextlib.nullcontext()
     with torch.inference_mode(), linears:
         for rows in (int(r) for r in args.rows.split(",")):
-            src = torch.randint(4, vocabulary, (rows, args.src_len))
+            src = torch.randint(4, vocabulary, (rows, args.src_len), device=args.device)
             src[:, -1] = 2  # eos
-            encoder_out = model.encoder.forward_torchscript({"src_tokens": src, "src_lengths": torch.full((rows,), args.src_len)})
+            lengths = torch.full((rows,), args.src_len, device=args.device)
+            encoder_out = model.encoder.forward_torchscript({"src_tokens": src, "src_lengths": lengths})
             outputs = {e: run_steps(r, encoder_out, rows, args.steps, args.capacity)[1] for e, r in runners.items()}  # warm-up, compiles
             times = {e: [] for e in engines}
             for _ in range(args.rounds):

@@ -11,30 +11,87 @@
 # 4. beam search at beam 4 and 5, batch 64, --no-repeat-ngram-size 3: the plugin's optimizations on, each off, all
 #    off (identical outputs, speed, peak CUDA memory).
 # 5. the same as whole fairseq-generate processes at beam 4, stock fairseq-generate beside the plugin (about 25 s a
-#    process on an H100 machine, 12 processes; session 15 ran out of GPU time here, so this step has no figures yet).
+#    process on an H100 machine, 12 processes).
+# 6. the decoder-step engines on CUDA (--step-engine fairseq / static / compiled, CUDA graphs): the cost of one step
+#    per row count, then greedy at batch 1 (200 sentences) and 64, stock beam 5 at batch 64, blockwise beside
+#    greedy at batch 1 on the static and compiled engines;
+# 7. streaming at capacity 64: greedy and blockwise beside their streamed forms, var-batch beside var-stream
+#    (min-length, fifo, a budget of rows) at beam 20, 300 sentences, on the static and fairseq engines.
+# STEPS="6 7" runs only those steps (default: all); KHEAD may be "-" where no k-head student travelled (the
+# blockwise rows are left out).
 set -u -o pipefail
 DATA=$1 KHEAD=$2 STOCK=$3 OUT=$4
 PYTHON=${PYTHON:-python3}
+STEPS=" ${STEPS:-1 2 3 4 5 6 7} "
 mkdir -p "$OUT"
+step() { [[ "$STEPS" == *" $1 "* ]]; }
+# one fastgen-bench run: its table rows and, if it failed, the end of its log
+bench() {
+  local name=$1; shift
+  $PYTHON -m fairseq_fastgen.bench "$DATA" --post-process sentencepiece --output-dir "$OUT/$name" "$@" \
+    > "$OUT/$name.log" 2>&1 || tail -5 "$OUT/$name.log"
+  grep "^|" "$OUT/$name.log"
+}
+if step 1; then
 echo "== 1. kernel tests on the GPU"
 $PYTHON -m pytest tests/ops -q -rs -p no:cacheprovider 2>&1 | tail -3
+fi
+if step 2; then
 echo "== 2. compute-sanitizer over the GPU kernel tests"
 for tool in memcheck racecheck; do
   compute-sanitizer --tool $tool $PYTHON -m pytest tests/ops -q -k gpu -p no:cacheprovider 2>&1 | grep "passed\|SUMMARY"
 done
+fi
+if step 3; then
 echo "== 3. blockwise vs greedy at batch 1"
 $PYTHON -m fairseq_fastgen.bench "$DATA" --path "$KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 \
   --repeat 5 --max-sentences 300 --no-ctranslate2 --post-process sentencepiece --output-dir "$OUT/blockwise" \
   > "$OUT/blockwise.log" 2>&1
 grep "^|" "$OUT/blockwise.log"
+fi
+if step 4; then
 echo "== 4. beam search, each optimization off"
 $PYTHON -m fairseq_fastgen.bench "$DATA" --path "$STOCK" --decoders beam --beam 4,5 --batch-size 64 --repeat 3 \
   --no-repeat-ngram-size 3 --post-process sentencepiece --no-ctranslate2 --variant 'copies=--no-shared-encoder-cache' \
   --variant 'stockloop=--no-lean-beam-loop' --variant 'alloff=--no-shared-encoder-cache --no-lean-beam-loop --no-inference-mode' \
   --output-dir "$OUT/beam" > "$OUT/beam.log" 2>&1
 grep "^|" "$OUT/beam.log"
+fi
+if step 5; then
 echo "== 5. whole processes: stock fairseq-generate and the plugin, beam 4"
 $PYTHON -m fairseq_fastgen.bench "$DATA" --path "$STOCK" --whole-process --decoders beam --beam 4 --batch-size 64 \
   --repeat 2 --no-repeat-ngram-size 3 --post-process sentencepiece --variant 'copies=--no-shared-encoder-cache' \
   --variant 'stockloop=--no-lean-beam-loop' --output-dir "$OUT/whole-process" > "$OUT/whole-process.log" 2>&1
 grep "^|" "$OUT/whole-process.log"
+fi
+ENGINES=(--step-engine fairseq --variant "static=--step-engine static" --variant "compiled=--step-engine compiled")
+if step 6; then
+echo "== 6. the decoder-step engines on CUDA"
+$PYTHON benchmarks/decoder_step_cost.py --path "$STOCK" --data "$DATA" --device cuda --rows 1,8,64,320 --rounds 5 \
+  --engines fairseq,static,compiled 2>&1 | grep -v "^INFO\|^DEBUG\|Warning"
+bench engine-greedy-bs1 --path "$STOCK" --decoders greedy --beam 1 --batch-size 1 --max-sentences 200 --repeat 3 \
+  --reference greedy "${ENGINES[@]}"
+bench engine-greedy-bs64 --path "$STOCK" --decoders greedy --beam 1 --batch-size 64 --repeat 3 --reference greedy \
+  "${ENGINES[@]}"
+bench engine-beam5-bs64 --path "$STOCK" --decoders beam --beam 5 --batch-size 64 --repeat 3 --step-engine fairseq \
+  --variant "compiled=--step-engine compiled"
+if [ "$KHEAD" != "-" ]; then
+  bench engine-blockwise-bs1 --path "$STOCK" --khead-path "$KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 \
+    --max-sentences 200 --repeat 3 --reference greedy --no-ctranslate2 --step-engine static \
+    --variant "compiled=--step-engine compiled"
+fi
+fi
+if step 7; then
+echo "== 7. streaming at capacity 64"
+for ENGINE in static fairseq; do
+  bench "stream-beam20-$ENGINE" --path "$STOCK" --decoders var-batch,var-stream --beam 20 --batch-size 64 \
+    --max-sentences 300 --repeat 3 --reference var-batch --step-engine $ENGINE --no-ctranslate2 \
+    --variant "fifo=--stream-selection fifo" --variant "budget=--stream-capacity-rows 1280"
+  bench "stream-greedy-$ENGINE" --path "$STOCK" --decoders greedy,greedy-stream --beam 1 --batch-size 64 --repeat 3 \
+    --reference greedy --step-engine $ENGINE --no-ctranslate2
+  if [ "$KHEAD" != "-" ]; then
+    bench "stream-blockwise-$ENGINE" --path "$STOCK" --khead-path "$KHEAD" --decoders blockwise,blockwise-stream \
+      --beam 1 --batch-size 64 --repeat 3 --reference blockwise --step-engine $ENGINE --no-ctranslate2
+  fi
+done
+fi

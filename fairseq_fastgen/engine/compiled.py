@@ -15,11 +15,16 @@ unit serves every row count: the same padded step with its rows, target and
 source widths symbolic and its weights frozen, compiled ahead of time by
 AOTInductor and kept on disk between processes (``aot_step.py``); its products
 are oneDNN's prepacked ones, which on the AMD EPYC of docs/benchmarks.md run
-2-3x faster than MKL's from 8 rows up.  Where that unit cannot be built, on
-CUDA, and for several positions per row (blockwise verification,
-``step_block``) or rows holding left padding, the step runs eager, in the
-decoder step's fast form (the exact form for blockwise), its linear layers
-through oneDNN's prepacked products on the CPU (``ops/onednn_linear.py``).
+2-3x faster than MKL's from 8 rows up.  Where that unit cannot be built, and
+for several positions per row (blockwise verification, ``step_block``) or rows
+holding left padding, the step runs eager, in the decoder step's fast form (the
+exact form for blockwise), its linear layers through oneDNN's prepacked
+products on the CPU (``ops/onednn_linear.py``).
+
+On CUDA the row buckets go up to ``CUDA_MAX_ROWS`` rows (powers of two), all
+served by one compilation whose shapes are symbolic, each bucket replayed as a
+CUDA graph (``triton.cudagraphs``): a step of a small model there costs its
+kernel launches, not its padding rows.
 
 On the CPU inductor fuses the operations between the products into C++
 loops and calls the products themselves as MKL's (at a few rows its
@@ -62,6 +67,10 @@ COMPILED_MAX_ROWS = 2
 # with --compiled-freezing: 4 rows 0.64 against 1.28 ms eager, 8 rows 1.58-1.68 against 1.60 (a probe of the same
 # step, frozen, against the eager fast form)
 FROZEN_MAX_ROWS = 4
+# on CUDA every row count up to this is padded to a power of two and compiled, its row dimension symbolic (one
+# compilation), each bucket replayed as a CUDA graph: a step of a small model there is bound by its kernel launches,
+# not by the padding rows
+CUDA_MAX_ROWS = 512
 MAX_BUCKETS = 64  # compiled shapes kept per process
 logger = logging.getLogger("fairseq_fastgen.engine")
 
@@ -95,6 +104,7 @@ class CompiledRunner(StaticRunner):
         # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
         # products for a few rows); it is compiled again when any decoder parameter changes
         on_cpu = next(model.parameters()).device.type == "cpu"
+        self.on_cuda = next(model.parameters()).device.type == "cuda"
         self.freezing = freezing and on_cpu
         self.frozen_signature = None  # the decoder parameters (identity, version) the compiled code holds
         # on the CPU, steps compiled ahead of time and kept on disk (aot_step.py): above max_rows one for every row
@@ -103,7 +113,10 @@ class CompiledRunner(StaticRunner):
         self.many_rows_on_cpu = on_cpu and onednn_available()
         self.packaged_steps: Dict[Optional[int], object] = {}
         self.compiled_now: set = set()  # keys of the packages compiled in this process (the others were loaded)
-        self.max_rows = FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS  # the largest row bucket
+        # the largest row bucket
+        self.max_rows = CUDA_MAX_ROWS if self.on_cuda else FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS
+        # on CUDA one compilation with symbolic shapes serves every bucket (a CUDA graph is recorded per bucket)
+        self.symbolic_buckets = self.on_cuda
         self.fused_weights = FusedWeightsCache(model.decoder)
         self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
         # the products of the encoder and of the eager step (None: torch's own, on CUDA)
@@ -121,8 +134,8 @@ class CompiledRunner(StaticRunner):
             # frozen weights: a copy of the method with its own code object, since torch.compile keeps compiled
             # code per code object and code compiled for older weights (as constants) must not be reused
             step = own_code(self.frozen_lprobs) if self.freezing else self.padded_lprobs
-            options = inductor_options(self.model)
-            self._compiled_step = torch.compile(step, dynamic=False, fullgraph=True, options=options)
+            options = inductor_options(self.model, self.symbolic_buckets)
+            self._compiled_step = torch.compile(step, dynamic=self.symbolic_buckets, fullgraph=True, options=options)
         return self._compiled_step
 
     def eager_products(self):
@@ -229,10 +242,13 @@ class CompiledRunner(StaticRunner):
             buffer[:, :, length - 1] = new  # (rows, heads, head_dim) at every row's position
         cache.length = length
         lprobs = features_or_lprobs[:rows]
+        src_len = encoder_out["encoder_out"][0].size(0)
+        attn = attn[:rows, :src_len]
+        if self.on_cuda:  # the outputs of a CUDA graph live in its memory pool, rewritten by its next replay
+            lprobs, attn = lprobs.clone(), attn.clone()
         if self.projection is not None:
             lprobs = self.lprobs(lprobs)
-        src_len = encoder_out["encoder_out"][0].size(0)
-        return lprobs, attn[:rows, :src_len]
+        return lprobs, attn
 
     def eager_step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         """A step of more than ``max_rows`` rows without a compiled unit: the fast form (the exact form over
@@ -251,6 +267,8 @@ class CompiledRunner(StaticRunner):
         shape = (cache.cross_keys[0].size(0), cache.capacity, cache.cross_keys[0].size(2))
         start = time.perf_counter()
         with self.compile_settings(shape):
+            if self.on_cuda:  # a new replay may overwrite the outputs of the last one: step() has copied them
+                torch.compiler.cudagraph_mark_step_begin()
             outputs = self.compiled_step(*inputs, self.fused)
         if shape not in self.compiled_shapes:
             self.compiled_shapes[shape] = time.perf_counter() - start
@@ -291,9 +309,16 @@ class CompiledRunner(StaticRunner):
         """Inductor's settings around a call that compiles a new bucket: with --compiled-freezing the weights
         become constants of the compiled code (inductor reads ``freezing`` before a torch.compile call's own
         options apply) and their products take its C++ GEMM template; measured on the Multi30k model, one row:
-        0.41-0.44 against 0.65-0.69 ms per step, about 10 s of compilation per bucket."""
-        if not self.freezing or shape in self.compiled_shapes:
+        0.41-0.44 against 0.65-0.69 ms per step, about 10 s of compilation per bucket.  With symbolic shapes
+        every input dimension gets a symbol of its own: dynamo would otherwise give one symbol to dimensions
+        that happen to be equal at the first call (64 rows and a head of 64 values) and compile again once
+        they differ."""
+        if shape in self.compiled_shapes or not (self.freezing or self.symbolic_buckets):
             return contextlib.nullcontext()
+        if self.symbolic_buckets:
+            import torch.fx.experimental._config
+
+            return torch.fx.experimental._config.patch(use_duck_shape=False)
         import torch._inductor.config
 
         return torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
@@ -383,11 +408,13 @@ def padded_index(index: Tensor, max_rows: int) -> Tensor:
     return torch.cat([index, index[:1].expand(bucket - index.numel())])
 
 
-def inductor_options(model) -> dict:
+def inductor_options(model, symbolic: bool) -> dict:
     on_cpu = next(model.parameters()).device.type == "cpu"
     options = {"cpp_wrapper": True} if on_cpu else {"triton.cudagraphs": True}
     # only the inputs' shapes, dtypes and strides choose a compiled bucket: the model, the temperature and the
     # projection of a runner never change, and checking their guards took 70 us of a 1.3 ms step at one row
     # (each torch.compile call keeps its own compiled code, so another runner's model is never mistaken for it)
-    options["guard_filter_fn"] = torch.compiler.keep_tensor_guards_unsafe
+    # (with symbolic shapes the guards relating them to each other stay)
+    if not symbolic:
+        options["guard_filter_fn"] = torch.compiler.keep_tensor_guards_unsafe
     return options

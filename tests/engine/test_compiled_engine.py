@@ -125,6 +125,27 @@ def test_compilations_stay_at_the_buckets(toy, options):
     assert len(shapes) < generator.counters.counts["model_calls"] / 10
 
 
+@pytest.mark.parametrize("options", [dict(decoder="var-batch", beam=4), dict(decoder="var-stream", beam=5,
+                                                                            stream_capacity=16)])
+def test_symbolic_buckets_serve_every_row_count_with_one_compilation(toy, options):
+    """CUDA's form of the compiled engine, run here on the CPU (without its CUDA graphs): rows padded to powers
+    of two up to CUDA_MAX_ROWS, every bucket served by one compilation whose shapes are symbolic (dynamo may
+    compile the one-row bucket apart, its size-1 row dimension specialised); fairseq's tokens."""
+    _, expected = decode(toy, SENTENCES, 32, step_engine="fairseq", **options)
+    generator = toy.generator(step_engine="compiled", **options)
+    runner = generator.runner
+    runner.symbolic_buckets, runner.max_rows, runner.many_rows_on_cpu = True, compiled.CUDA_MAX_ROWS, False
+    torch._dynamo.reset()
+    counters.clear()
+    from tests.engine.test_static_engine import translate_batches
+
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, SENTENCES, 32))
+    row_buckets = {rows for rows, _, _ in runner.compiled_shapes}
+    assert len(row_buckets) >= 3 and max(row_buckets) > compiled.COMPILED_MAX_ROWS
+    assert all(rows & (rows - 1) == 0 for rows in row_buckets)  # powers of two
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
+
+
 def test_unsupported_decoder_falls_back_with_its_reason(toy, monkeypatch, caplog):
     monkeypatch.setattr(toy.models[0].decoder, "cross_self_attention", True)
     with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
