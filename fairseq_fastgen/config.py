@@ -30,7 +30,8 @@ class PluginOptions(FairseqDataclass):
                           "decoder) or 'compiled' (the same tokens, scores within 1e-4: at 1-2 rows the step "
                           "through torch.compile, shapes padded to a few buckets compiled on first use; on the CPU "
                           "more rows run one step for every row count, compiled ahead of time once per model and "
-                          "kept on disk in $FASTGEN_COMPILED_DIR (default: inductor's cache directory); "
+                          "kept on disk in $FASTGEN_COMPILED_DIR (default: inductor's cache directory); on "
+                          "CUDA up to 512 rows in power-of-two buckets replayed as CUDA graphs; "
                           "--decoder beam runs fairseq's search on it); "
                           "a model the engine cannot serve (ensembles, other architectures) "
                           "falls back to 'fairseq' with one line saying why"},

@@ -273,8 +273,11 @@ class CompiledRunner(StaticRunner):
         if shape not in self.compiled_shapes:
             self.compiled_shapes[shape] = time.perf_counter() - start
             self.compile_seconds += self.compiled_shapes[shape]
-            logger.info(f"--step-engine compiled: step for {shape[0]} rows, {shape[1]} target and {shape[2]} "
-                        f"source positions compiled in {self.compiled_shapes[shape]:.1f} s")
+            # a bucket served by code compiled for another (symbolic shapes) or found in inductor's cache: no news
+            seconds = self.compiled_shapes[shape]
+            logger.log(logging.INFO if seconds >= 1.0 else logging.DEBUG,
+                       f"--step-engine compiled: step for {shape[0]} rows, {shape[1]} target and {shape[2]} "
+                       f"source positions compiled in {seconds:.1f} s")
         return outputs
 
     def packaged_step(self, rows: Optional[int], cache: StaticCache):
