@@ -64,7 +64,8 @@ class BlockwisePolicy:
         positions = state.tokens.new_zeros((state.rows, 1))
         features, attn = self.run_block(blockwise, state.tokens, positions, ctx)  # (rows, 1, dim)
         base = features[:, 0]  # (rows, dim)
-        heads = None if self.decoder.heads.identity_first else self.heads(base)  # (rows, block, dim)
+        # (rows, block, dim)
+        heads = None if self.decoder.heads.identity_first else ctx.runner.heads(base, self.block_size)
         first_lprobs = self.log_probs(base if heads is None else heads[:, 0], ctx)  # (rows, vocab)
         rows = torch.arange(blockwise.rows, device=positions.device)
         blockwise.rules(first_lprobs, blockwise.length, blockwise.tokens, rows, blockwise.sentence, blockwise.max_len)
@@ -190,7 +191,7 @@ class BlockwisePolicy:
         only where proposals are read) and head 1's lprobs (rows, n, vocab), not yet processed."""
         features, attn = self.run_block(state, block, positions, ctx)
         ctx.counters.add("row_iterations", state.rows)
-        all_heads = None if self.decoder.heads.identity_first else self.heads(features)
+        all_heads = None if self.decoder.heads.identity_first else ctx.runner.heads(features, self.block_size)
         lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)
         return features, attn, all_heads, lprobs
 
@@ -224,11 +225,12 @@ class BlockwisePolicy:
         if self.block_size == 1:
             return None
         if self.proposer is None:
-            heads = self.heads(base) if heads is None else heads
+            heads = ctx.runner.heads(base, self.block_size) if heads is None else heads
             return self.log_probs(heads[:, 1:], ctx, normalize=False)
         if not self.proposer.is_current(self.decoder):  # the model's weights changed since the int8 copy
             self.proposer = Int8Proposer(self.decoder)
-        later = self.proposer.later_heads(base) if heads is None else heads[:, 1:]  # (rows, k - 1, dim)
+        # (rows, k - 1, dim)
+        later = ctx.runner.int8_later_heads(base, self.proposer) if heads is None else heads[:, 1:]
         return self.log_probs(later[:, : self.block_size - 1], ctx, project=self.proposer.logits, normalize=False)
 
     def propose(self, state: BlockwiseState, ctx, first_lprobs, first_attn, later_scores):
@@ -266,11 +268,7 @@ class BlockwisePolicy:
         columns = 1 + state.length.unsqueeze(1) + torch.arange(self.block_size, device=rows.device)
         return history[rows.unsqueeze(1), columns]  # (rows, block)
 
-    # ---- the model ---------------------------------------------------------------------------
-    def heads(self, features):
-        """The first ``block_size`` heads (..., block, dim) of decoder outputs (..., dim)."""
-        return self.decoder.heads(features)[..., : self.block_size, :]
-
+    # ---- the model, through the runner ----------------------------------------------------------
     def run_block(self, state, tokens, positions, ctx):
         features, attn = state.runner.step_block(tokens, positions, state.encoder_out, state.cache)
         ctx.counters.add("model_calls")

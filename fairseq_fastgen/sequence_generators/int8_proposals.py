@@ -48,11 +48,9 @@ class Int8Linear:
 
 
 class Int8Proposer:
-    """int8 copies of what makes the proposals of heads 2..k of a ``KHeadTransformerDecoder``.
-
-    ``later_heads(x)``: head features 2..k (rows, k - 1, dim) of decoder outputs
-    x (rows, dim), as ``KHeadLayer`` computes them; ``logits(h)``: the
-    vocabulary projection (..., vocab) of head features h (..., dim).
+    """int8 copies of what makes the proposals of heads 2..k of a ``KHeadTransformerDecoder``: ``fc1`` and
+    ``fc2`` of its identity-first ``KHeadLayer`` (the runner's ``int8_later_heads`` computes heads 2..k with
+    them) and ``logits(h)``, the vocabulary projection (..., vocab) of head features h (..., dim).
     """
 
     def __init__(self, decoder):
@@ -89,10 +87,6 @@ class Int8Proposer:
         weights = self.copied_weights(decoder)
         return (decoder is self.decoder and len(weights) == len(self.sources) and weights[0].device.type == "cpu"
                 and all(w is s and w._version == v for w, s, v in zip(weights, self.sources, self.versions)))
-
-    def later_heads(self, x: Tensor) -> Tensor:
-        """(rows, dim) -> (rows, k - 1, dim): heads 2..k of an identity-first ``KHeadLayer``."""
-        return self.decoder.heads.learned(x, self.fc1, self.fc2)
 
     def logits(self, features: Tensor) -> Tensor:
         return self.output(features)

@@ -136,6 +136,15 @@ class ModelRunner:
         ``drop_last_positions`` drops some."""
         return self.model.decoder.forward_block(tokens, positions, encoder_out, cache)
 
+    def heads(self, features: Tensor, block_size: int) -> Tensor:
+        """The first ``block_size`` heads (..., block, dim) of a k-head decoder's outputs (..., dim)."""
+        return self.model.decoder.heads(features)[..., :block_size, :]
+
+    def int8_later_heads(self, features: Tensor, proposer) -> Tensor:
+        """Heads 2..k (rows, k - 1, dim) of decoder outputs (rows, dim) through the int8 copies of an
+        ``Int8Proposer`` (an identity-first k-head layer)."""
+        return self.model.decoder.heads.learned(features, proposer.fc1, proposer.fc2)
+
     # whether rows can join a cache before their first step (``start_cache``): fairseq's cache fills at a step
     joins_rows_before_their_first_step = False
 
