@@ -73,8 +73,10 @@ def build_runner(model, gen_cfg, projection):
                        option_value(gen_cfg, "compiled_freezing"))
 
 
-def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False):
-    """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job)."""
+def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1):
+    """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job);
+    ``beams``: the rows of a sentence in fairseq's beam search (the compiled engine shares their
+    encoder-decoder keys)."""
     if engine == "static":
         from fairseq_fastgen.engine.runners import StaticRunner
 
@@ -82,5 +84,5 @@ def make_runner(engine: str, model, temperature: float, projection, freezing: bo
     if engine == "compiled":
         from fairseq_fastgen.engine.compiled import CompiledRunner
 
-        return CompiledRunner(model, temperature, projection, freezing)
+        return CompiledRunner(model, temperature, projection, freezing, beams)
     return ModelRunner(model, temperature, projection)

@@ -41,15 +41,16 @@ class PaddedStep(nn.Module):
     """The compiled engine's padded step with its log-softmax (``CompiledRunner.frozen_lprobs``) as a module
     whose parameters and buffers are the weights it reads, as torch.export wants it."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, beams: int = 1):
         super().__init__()
         self.decoder_step = runner.decoder_step  # the decoder's parameters and the fused weights' buffers
         self.lprobs_of = runner.padded_lprobs
+        self.beams = beams  # > 1: encoder-decoder keys/values once per sentence, shared by its beams
 
     def forward(self, last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
                 cross_mask):
         return self.lprobs_of(last_tokens, positions, position_table, self_keys, self_values, cross_keys,
-                              cross_values, cross_mask, self.decoder_step.fused_buffers.weights())
+                              cross_values, cross_mask, self.decoder_step.fused_buffers.weights(), self.beams)
 
 
 def compiled_dir() -> Path:
@@ -61,10 +62,11 @@ def compiled_dir() -> Path:
     return Path(cache_dir()) / "fairseq_fastgen"
 
 
-def package_key(runner, rows: Optional[int]) -> str:
-    """SHA-256 of what the compiled unit depends on: torch, the engine's code, the runner's settings, the rows
-    and the decoder step's weights (the decoder's parameters and the fused copies)."""
-    digest = hashlib.sha256(f"{torch.__version__} rows {rows}".encode())
+def package_key(runner, rows: Optional[int], beams: int = 1) -> str:
+    """SHA-256 of what the compiled unit depends on: torch, the engine's code, the runner's settings, the rows,
+    the beams sharing encoder-decoder keys and the decoder step's weights (the decoder's parameters and the
+    fused copies)."""
+    digest = hashlib.sha256(f"{torch.__version__} rows {rows} beams {beams}".encode())
     here = Path(__file__).parent
     for name in ENGINE_SOURCES:
         digest.update((here / name).read_bytes())
@@ -77,56 +79,66 @@ def package_key(runner, rows: Optional[int]) -> str:
     return digest.hexdigest()
 
 
-def example_inputs(runner, position_table, rows: Optional[int]):
-    """Inputs of the step at sizes no other dimension has (so that tracing ties none of them together)."""
-    rows, capacity, width = rows or 5, 40, 24
+def example_inputs(runner, position_table, rows: Optional[int], beams: int = 1):
+    """Inputs of the step at sizes no other dimension has (so that tracing ties none of them together); with
+    ``beams`` > 1, 7 sentences of ``beams`` rows, the encoder-decoder inputs per sentence."""
+    sentences = 7 if beams > 1 else None
+    rows, capacity, width = rows or (sentences * beams if sentences else 5), 40, 24
+    sources = sentences or rows
     step = runner.decoder_step
     weight = next(step.parameters())
-    buffers = lambda length: [weight.new_zeros(rows, step.heads, length, step.head_dim)  # noqa: E731
-                              for _ in range(step.num_layers)]
+    buffers = lambda count, length: [weight.new_zeros(count, step.heads, length, step.head_dim)  # noqa: E731
+                                     for _ in range(step.num_layers)]
     tokens = torch.full((rows, 1), runner.model.decoder.dictionary.eos(), dtype=torch.long, device=weight.device)
     return (tokens, torch.zeros(rows, dtype=torch.long, device=weight.device), position_table,
-            buffers(capacity), buffers(capacity), buffers(width), buffers(width),
-            torch.zeros(rows, width, dtype=torch.bool, device=weight.device))
+            buffers(rows, capacity), buffers(rows, capacity), buffers(sources, width), buffers(sources, width),
+            torch.zeros(sources, width, dtype=torch.bool, device=weight.device))
 
 
-def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor], rows: Optional[int]):
-    """The inputs' symbolic dimensions: target capacity and source width, and the rows unless fixed."""
+def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor], rows: Optional[int], beams: int = 1):
+    """The inputs' symbolic dimensions: target capacity and source width, and the rows unless fixed (with
+    ``beams`` > 1: the sentences, rows being ``beams`` times as many)."""
     from torch.export import Dim
 
     capacity, width = Dim("capacity", min=2), Dim("source", min=2)
     row = {0: Dim("rows", min=2)} if rows is None else {}  # the first dimension of every per-row input
+    source = row  # the first dimension of the encoder-decoder inputs
+    if beams > 1:
+        sentences = Dim("sentences", min=1)
+        row, source = {0: beams * sentences}, {0: sentences}
     table = {0: Dim("table_positions", min=2)} if position_table is not None else None
     keys = [{**row, 2: capacity}] * layers
-    sources = [{**row, 2: width}] * layers
-    return (row or None, row or None, table, keys, keys, sources, sources, {**row, 1: width})
+    sources = [{**source, 2: width}] * layers
+    return (row or None, row or None, table, keys, keys, sources, sources, {**source, 1: width})
 
 
-def load_or_compile(runner, position_table, rows: Optional[int] = None):
-    """The package of ``runner``'s step for ``rows`` rows (None: any number), loaded from disk or compiled and
-    written there; (callable, seconds, whether it was compiled now)."""
+def load_or_compile(runner, position_table, rows: Optional[int] = None, beams: int = 1):
+    """The package of ``runner``'s step for ``rows`` rows (None: any number; with ``beams`` > 1, any number of
+    sentences of that many beams sharing their encoder-decoder keys), loaded from disk or compiled and written
+    there; (callable, seconds, whether it was compiled now)."""
     from filelock import FileLock
 
     directory = compiled_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step-{'any' if rows is None else rows}-rows-{package_key(runner, rows)}.pt2"
+    what = f"beams{beams}" if beams > 1 else f"{'any' if rows is None else rows}-rows"
+    path = directory / f"step-{what}-{package_key(runner, rows, beams)}.pt2"
     start = time.perf_counter()
     with FileLock(str(path) + ".lock"):
         compiled_now = not path.exists()
         if compiled_now:
-            compile_package(runner, position_table, rows, path)
+            compile_package(runner, position_table, rows, path, beams)
         step = torch._inductor.aoti_load_package(str(path))
     return step, time.perf_counter() - start, compiled_now
 
 
-def compile_package(runner, position_table, rows: Optional[int], path: Path):
+def compile_package(runner, position_table, rows: Optional[int], path: Path, beams: int = 1):
     """Export the step and compile it into the package ``path``: for any number of rows, frozen weights
     (oneDNN's packed products); for a fixed few rows, also inductor's C++ GEMM template for the products
     (at 1-4 rows it beats both libraries' matrix-vector products: 0.41-0.44 against 0.65-0.69 ms per step
     of the Multi30k model at one row, ``--compiled-freezing`` in docs/benchmarks.md)."""
-    module = PaddedStep(runner).eval()
-    inputs = example_inputs(runner, position_table, rows)
-    dynamic = symbolic_dimensions(runner.decoder_step.num_layers, position_table, rows)
+    module = PaddedStep(runner, beams).eval()
+    inputs = example_inputs(runner, position_table, rows, beams)
+    dynamic = symbolic_dimensions(runner.decoder_step.num_layers, position_table, rows, beams)
     exported = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
     temporary = path.with_name(f".{path.stem}.{os.getpid()}{safe_files.TEMPORARY_SUFFIX}.pt2")
     settings = {"freezing": True}

@@ -96,8 +96,11 @@ def round_up(value: int, multiple: int) -> int:
 class CompiledRunner(StaticRunner):
     engine = "compiled"
 
-    def __init__(self, model, temperature: float = 1.0, projection=None, freezing: bool = False):
+    def __init__(self, model, temperature: float = 1.0, projection=None, freezing: bool = False, beams: int = 1):
         super().__init__(model, temperature, projection)
+        # fairseq's beam search keeps each sentence's ``beams`` rows together: above max_rows, on the CPU, the step
+        # for many rows then reads encoder-decoder keys/values held once per sentence (StaticCache.beams)
+        self.beams = beams
         self._compiled_step = None  # made on first use: torch.compile loads dynamo and inductor (about 100 MiB)
         self.compiled_shapes: Dict[Tuple[int, int, int], float] = {}  # bucket -> seconds of its first call
         self.compile_seconds = 0.0  # every first call of a bucket, recompilations after a weight change included
@@ -108,10 +111,11 @@ class CompiledRunner(StaticRunner):
         self.freezing = freezing and on_cpu
         self.frozen_signature = None  # the decoder parameters (identity, version) the compiled code holds
         # on the CPU, steps compiled ahead of time and kept on disk (aot_step.py): above max_rows one for every row
-        # count (key None), with --compiled-freezing one per row bucket (key: its rows); a key is absent until a
-        # decode first needs it, None where it could not be built (then eager, or torch.compile for a bucket)
+        # count (key None; ("beams", n) for sentences of n beams sharing their encoder-decoder keys), with
+        # --compiled-freezing one per row bucket (key: its rows); a key is absent until a decode first needs it,
+        # None where it could not be built (then eager, or torch.compile for a bucket)
         self.many_rows_on_cpu = on_cpu and onednn_available()
-        self.packaged_steps: Dict[Optional[int], object] = {}
+        self.packaged_steps: Dict[object, object] = {}
         self.compiled_now: set = set()  # keys of the packages compiled in this process (the others were loaded)
         # the largest row bucket
         self.max_rows = CUDA_MAX_ROWS if self.on_cuda else FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS
@@ -161,8 +165,10 @@ class CompiledRunner(StaticRunner):
     def concat_caches(self, caches):
         if not any(c.started for c in caches):
             return StaticCache(max(c.capacity for c in caches))
+        if any(c.beams > 1 for c in caches):  # only fairseq's beam search shares keys, and it never merges caches
+            raise ValueError("caches holding encoder-decoder keys per sentence cannot be merged (a bug)")
         for cache in caches:  # drop each part's padding rows before they end up between real rows
-            if cache.cross_keys[0].size(0) != cache.real_rows:
+            if cache.self_keys[0].size(0) != cache.real_rows:
                 cache.select(torch.arange(cache.real_rows, device=cache.cross_keys[0].device))
         merged = StaticRunner.concat_caches(caches)
         rows = sum(c.real_rows for c in caches)
@@ -196,19 +202,32 @@ class CompiledRunner(StaticRunner):
         states = F.pad(states, (0, 0, 0, 0, 0, width - src_len))
         mask = F.pad(mask, (0, width - src_len), value=True)
         index = padded_index(torch.arange(rows, device=states.device), self.max_rows)
+        origin = StaticCache.row_origins(states, mask).index_select(0, index)
+        beams = self.beams if self.shares_encoder_keys(origin, cache) else 1
+        if beams > 1:
+            index = index[::beams]  # each sentence's first beam: its keys serve all its beams
         with self.eager_products():
             keys, values = self.decoder_step.encoder_keys_values(states.index_select(1, index))
         keys, values = [k.contiguous() for k in keys], [v.contiguous() for v in values]  # the strides after a select
-        origin = StaticCache.row_origins(states, mask).index_select(0, index)
         cache.start(keys, values, mask.index_select(0, index), self.decoder_step.heads, self.decoder_step.head_dim,
-                    origin)
+                    origin, beams)
         cache.real_rows = rows
+
+    def shares_encoder_keys(self, origin: Tensor, cache: StaticCache) -> bool:
+        """Whether a cache whose rows' encoder states have ``origin`` (rows,) holds its encoder-decoder keys once
+        per sentence: the rows are sentences of ``beams`` equal rows each (fairseq's beam search), more than
+        the row buckets take, and the step that reads them is compiled (on the CPU)."""
+        beams, rows = self.beams, origin.numel()
+        if beams <= self.max_rows or not self.many_rows_on_cpu or rows % beams:
+            return False
+        first_beams = torch.arange(0, rows, beams, device=origin.device).repeat_interleave(beams)
+        return torch.equal(origin, first_beams) and self.packaged_step(None, cache, beams) is not None
 
     # ---- one decoder step ---------------------------------------------------------------------------
     @property
     def many_rows_step(self):
         """The step for every row count above ``max_rows`` (None until built, or where it could not be)."""
-        return self.packaged_steps.get(None)
+        return self.packaged_steps.get(None) or self.packaged_steps.get(("beams", self.beams))
 
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         rows = tokens.size(0)
@@ -218,17 +237,17 @@ class CompiledRunner(StaticRunner):
         packaged = None
         if rows > self.max_rows:
             if self.many_rows_on_cpu and cache.self_padding is None:
-                packaged = self.packaged_step(None, cache)
+                packaged = self.packaged_step(None, cache, cache.beams)
             if packaged is None:
                 return self.eager_step(tokens, encoder_out, cache)
             # its capacity is symbolic: buffers a little longer than the rows need
             cache.ensure_room(round_up(length, POSITION_STEP), doubling=False)
         else:
             if self.freezing and self.many_rows_on_cpu:
-                packaged = self.packaged_step(cache.cross_keys[0].size(0), cache)  # the rows' bucket
+                packaged = self.packaged_step(cache.self_keys[0].size(0), cache)  # the rows' bucket
             cache.ensure_room(bucket_capacity(length), doubling=False)
         cache.zero_unwritten()  # the padded step reads every position, the unwritten ones masked
-        bucket = cache.cross_keys[0].size(0)
+        bucket = cache.self_keys[0].size(0)  # the rows, padded
         rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)
         last_tokens = tokens[:, -1:].index_select(0, rows_index)  # (bucket, 1)
         positions = tokens.new_full((bucket,), length - 1)
@@ -264,7 +283,7 @@ class CompiledRunner(StaticRunner):
 
     def compiled_bucket_step(self, inputs, cache: StaticCache):
         """The step of a row bucket through torch.compile (one compilation per bucket and process)."""
-        shape = (cache.cross_keys[0].size(0), cache.capacity, cache.cross_keys[0].size(2))
+        shape = (cache.self_keys[0].size(0), cache.capacity, cache.cross_keys[0].size(2))
         start = time.perf_counter()
         with self.compile_settings(shape):
             if self.on_cuda:  # a new replay may overwrite the outputs of the last one: step() has copied them
@@ -280,30 +299,33 @@ class CompiledRunner(StaticRunner):
                        f"source positions compiled in {seconds:.1f} s")
         return outputs
 
-    def packaged_step(self, rows: Optional[int], cache: StaticCache):
-        """The step compiled ahead of time for ``rows`` rows (None: every row count above ``max_rows``), loaded
-        from disk or compiled the first time a decode needs it; None where it cannot be built (one line says
-        why)."""
-        if rows in self.packaged_steps:
-            return self.packaged_steps[rows]
+    def packaged_step(self, rows: Optional[int], cache: StaticCache, beams: int = 1):
+        """The step compiled ahead of time for ``rows`` rows (None: every row count above ``max_rows``; with
+        ``beams`` > 1, sentences of that many beams sharing their encoder-decoder keys), loaded from disk or
+        compiled the first time a decode needs it; None where it cannot be built (one line says why)."""
+        key = rows if beams == 1 else ("beams", beams)
+        if key in self.packaged_steps:
+            return self.packaged_steps[key]
         from fairseq_fastgen.engine import aot_step
 
         what = f"the step above {self.max_rows} rows" if rows is None else f"the step of {rows} rows"
+        if beams > 1:
+            what += f" ({beams} beams a sentence, sharing its encoder-decoder keys)"
         try:
             table = self.decoder_step.position_table(cache.capacity)
-            step, seconds, compiled_now = aot_step.load_or_compile(self, table, rows)
+            step, seconds, compiled_now = aot_step.load_or_compile(self, table, rows, beams)
         except Exception as error:  # export or inductor refusing this model: eager, or torch.compile, serves it
-            self.packaged_steps[rows] = None
+            self.packaged_steps[key] = None
             reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
             logger.warning(f"--step-engine compiled: {what} could not be compiled ahead of time ({reason}); "
                            f"{'those steps run eager' if rows is None else 'torch.compile compiles it'}")
             return None
-        self.packaged_steps[rows] = step
+        self.packaged_steps[key] = step
         self.compile_seconds += seconds
         if rows is not None:
             self.compiled_shapes[(rows, None, None)] = seconds
         if compiled_now:
-            self.compiled_now.add(rows)
+            self.compiled_now.add(key)
         done = "compiled and stored" if compiled_now else "loaded"
         logger.info(f"--step-engine compiled: {what} {done} in {seconds:.1f} s ({aot_step.compiled_dir()})")
         return step
@@ -350,11 +372,11 @@ class CompiledRunner(StaticRunner):
         return features, attn[:, :, : encoder_out["encoder_out"][0].size(0)]
 
     def padded_lprobs(self, last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
-                      cross_mask, fused: FusedWeights):
+                      cross_mask, fused: FusedWeights, beams: int = 1):
         """The compiled unit: the padded step and, with the full projection, log-softmax of its logits."""
         features, attn, new_keys, new_values = self.decoder_step.padded(
             last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values, cross_mask,
-            fused.qkv_weights, fused.qkv_biases,
+            fused.qkv_weights, fused.qkv_biases, beams,
         )
         if self.projection is not None:  # a cluster projection runs eager, after the step
             return features, attn, new_keys, new_values

@@ -271,7 +271,8 @@ class DecoderStep(nn.Module):
 
     # ---- the padded form (fixed shapes, a position per row) ----------------------------------------
     def padded(self, last_tokens: Tensor, positions: Tensor, position_table: Optional[Tensor],
-               self_keys, self_values, cross_keys, cross_values, cross_mask: Tensor, qkv_weights, qkv_biases):
+               self_keys, self_values, cross_keys, cross_values, cross_mask: Tensor, qkv_weights, qkv_biases,
+               beams: int = 1):
         """Features (rows, 1, dim), last-layer encoder attention (rows, src_width) and the new self-attention
         keys and values of every layer (rows, heads, head_dim) of one step.
 
@@ -280,7 +281,9 @@ class DecoderStep(nn.Module):
         writes the new ones there afterwards: a pure function compiles into tighter loops than one that
         updates its inputs); cross_keys/values per layer (rows, heads, src_width, hd); cross_mask
         (rows, src_width) True at padding; qkv_weights/biases per layer, each self-attention's query, key
-        and value projections as one (``fused_weights.py``).
+        and value projections as one (``fused_weights.py``).  With ``beams`` > 1 the rows are sentences x
+        beams (each sentence's beams together) and the encoder-decoder keys/values and mask hold one entry
+        per sentence (sentences, ...), shared by its beams.
         """
         rows = last_tokens.size(0)
         position_rows = None
@@ -304,8 +307,12 @@ class DecoderStep(nn.Module):
                 x = layer.self_attn_layer_norm(x)
 
             last = index == self.num_layers - 1  # its attention weights go into the hypotheses
-            x, weights = self.encoder_attention(layer, x, cross_keys[index], cross_values[index], cross_mask,
-                                                need_weights=last)
+            if beams > 1:
+                x, weights = self.beam_shared_encoder_attention(layer, x, cross_keys[index], cross_values[index],
+                                                                cross_mask, beams)
+            else:
+                x, weights = self.encoder_attention(layer, x, cross_keys[index], cross_values[index], cross_mask,
+                                                    need_weights=last)
             attn = weights[:, 0] if last else attn  # (rows, src_width)
             x = self.feed_forward(layer, x)
         return self.finish(x), attn, new_keys, new_values
@@ -331,6 +338,25 @@ class DecoderStep(nn.Module):
         if not layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
         return x, weights
+
+    def beam_shared_encoder_attention(self, layer, x, keys, values, mask, beams: int):
+        """The encoder-decoder attention block over keys/values held once per sentence: x (1, rows, dim),
+        rows = sentences x ``beams``; keys/values (sentences, heads, src_len, hd), ``mask`` (sentences,
+        src_len) True at padding -> x (1, rows, dim) and the weights averaged over the heads (rows, 1,
+        src_len).  A sentence's beams are the queries of one product over its keys."""
+        rows = x.size(1)
+        residual = x
+        if layer.normalize_before:
+            x = layer.encoder_attn_layer_norm(x)
+        attention = layer.encoder_attn
+        q = (attention.q_proj(x) * attention.scaling).view(-1, beams, self.heads, self.head_dim).transpose(1, 2)
+        scores = torch.matmul(q, keys.transpose(2, 3)).masked_fill(mask[:, None, None, :], float("-inf"))
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32)  # (sentences, heads, beams, src_len)
+        x = torch.matmul(weights, values).transpose(1, 2).reshape(1, rows, self.heads * self.head_dim)
+        x = layer.residual_connection(attention.out_proj(x), residual)
+        if not layer.normalize_before:
+            x = layer.encoder_attn_layer_norm(x)
+        return x, weights.mean(dim=1).reshape(rows, 1, -1)
 
     def attention_with_new_position(self, q, keys, values, earlier, new_key, new_value):
         """q (rows, heads, 1, hd) over the ``earlier`` (rows, cap) positions of keys/values (rows, heads,

@@ -31,17 +31,22 @@ class StaticCache:
         # that gives every row the same origin again (beams changing places within their sentences) leaves
         # them where they are instead of copying the largest buffers of the cache
         self.cross_origin: Optional[Tensor] = None
+        # beams > 1: the rows are sentences x beams (each sentence's beams together, as fairseq's beam search
+        # keeps them) and the encoder-decoder keys/values and mask hold one entry per sentence
+        self.beams = 1
 
     @property
     def started(self) -> bool:
         return bool(self.cross_keys)
 
-    def start(self, cross_keys, cross_values, cross_mask, heads: int, head_dim: int, origin: Optional[Tensor] = None):
-        """Take the encoder-decoder keys/values of every row and allocate the self-attention buffers;
-        ``origin`` (rows,): equal for rows whose keys/values are equal (``row_origins``), else every row its own."""
-        rows, first = cross_keys[0].size(0), cross_keys[0]
+    def start(self, cross_keys, cross_values, cross_mask, heads: int, head_dim: int, origin: Optional[Tensor] = None,
+              beams: int = 1):
+        """Take the encoder-decoder keys/values of every row (with ``beams`` > 1: of every sentence, each
+        shared by its ``beams`` rows) and allocate the self-attention buffers; ``origin`` (rows,): equal for
+        rows whose keys/values are equal (``row_origins``), else every row its own."""
+        rows, first = cross_keys[0].size(0) * beams, cross_keys[0]
         self.cross_keys, self.cross_values, self.cross_mask = list(cross_keys), list(cross_values), cross_mask
-        self.real_rows = rows
+        self.beams, self.real_rows = beams, rows
         self.cross_origin = torch.arange(rows, device=first.device) if origin is None else origin
         shape = (rows, heads, self.capacity, head_dim)
         allocate = first.new_zeros if self.zeroed else first.new_empty
@@ -130,6 +135,14 @@ class StaticCache:
         if self.self_padding is not None:
             self.self_padding = self.self_padding.index_select(0, index)
         self.real_rows = index.numel()
+        if self.beams > 1:  # rows stay with their sentence's beams: the sentences kept, in order
+            sentences = index.view(-1, self.beams)[:, 0] // self.beams
+            if sentences.numel() != self.cross_keys[0].size(0) or not torch.equal(
+                    sentences, torch.arange(sentences.numel(), device=sentences.device)):
+                self.cross_keys = [b.index_select(0, sentences) for b in self.cross_keys]
+                self.cross_values = [b.index_select(0, sentences) for b in self.cross_values]
+                self.cross_mask = self.cross_mask.index_select(0, sentences)
+            return
         origin = self.cross_origin.index_select(0, index)
         if torch.equal(origin, self.cross_origin):  # the same shape and origins: the same values in place
             return

@@ -80,6 +80,7 @@ def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = 
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         return False
-    runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None), freezing)
+    runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None), freezing,
+                         generator.beam_size)
     generator.model = EngineEnsemble(models, runner, generator.max_len + 2)
     return True

@@ -68,6 +68,34 @@ def test_stock_search_on_the_compiled_engine_gives_stock_tokens(toy, case):
     assert_same_tokens_close_scores(expected, actual)
 
 
+@pytest.mark.parametrize("beam,prefix_size", [(5, 0), (8, 0), (4, 1)])
+def test_the_beams_of_a_sentence_share_its_encoder_keys_on_the_compiled_engine(toy, beam, prefix_size):
+    """On the CPU with oneDNN, stock beam search on the compiled engine holds the encoder-decoder keys/values
+    once per sentence (beams above the row buckets): every step's cache has one row of them per sentence,
+    also after sentences finish and leave, and the step for many rows reads them shared; stock's tokens."""
+    from fairseq_fastgen.ops.onednn_linear import onednn_available
+
+    if not onednn_available():
+        pytest.skip("the step for many rows is compiled on the CPU with oneDNN only")
+    ids = SENTENCES[:40]
+    _, expected = decode(toy, ids, 8, prefix_size, decoder="beam", beam=beam, step_engine="fairseq")
+    generator = toy.generator(decoder="beam", beam=beam, step_engine="compiled")
+    runner = generator.model.runner
+    shapes = []  # per step: rows, rows of encoder-decoder keys, beams of the cache
+    step = runner.step
+
+    def recording_step(tokens, encoder_out, cache):
+        outputs = step(tokens, encoder_out, cache)
+        shapes.append((tokens.size(0), cache.cross_keys[0].size(0), cache.beams))
+        return outputs
+
+    runner.step = recording_step
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8, prefix_size))
+    assert shapes and all(sources * beam == rows and beams == beam for rows, sources, beams in shapes)
+    assert len({rows for rows, _, _ in shapes}) > 2  # sentences finished and left
+    assert runner.packaged_steps[("beams", beam)] is runner.many_rows_step is not None
+
+
 def test_the_static_setting_keeps_fairseqs_step_for_stock_search(toy, caplog):
     with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
         generator = toy.generator(decoder="beam", beam=4, step_engine="static")
