@@ -56,6 +56,15 @@ def test_an_omegaconf_node_is_read_with_its_choices_as_strings():
     assert options.of(StreamOptions).stream_eps == 0.25
 
 
+def test_a_stored_omegaconf_node_without_the_plugins_fields_gets_the_defaults():
+    """A checkpoint's config from before the plugin: a struct node refuses unknown keys."""
+    node = OmegaConf.create({"beam": 4, "var_beam_delta": 2.0})
+    OmegaConf.set_struct(node, True)
+    options = parse_options(node)
+    assert options.common == PluginOptions()
+    assert options.of(VarBeamOptions) == VarBeamOptions(var_beam_delta=2.0)
+
+
 def test_by_name_lists_every_plugin_option_once():
     options = parse_options(Namespace(stream_pool=7))
     by_name = options.by_name()
