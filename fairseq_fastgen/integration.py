@@ -73,7 +73,7 @@ from fairseq_fastgen.cluster.projection import attach_to_stock_generator
 from fairseq_fastgen.config import build_generation_config
 from fairseq_fastgen.engine import serve_stock_search
 from fairseq_fastgen.fastseq import optimize_stock_generator
-from fairseq_fastgen.ops.heap import reuse_large_allocations
+from fairseq_fastgen.ops import heap
 from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
 from fairseq_fastgen.ops.onednn_linear import use_onednn_linears
 from fairseq_fastgen.option_checks import UsageError, check_generation_options
@@ -180,7 +180,7 @@ def _install_build_generator():
         if common.onednn_linear:
             use_onednn_linears(generator, models)  # every decoder
         if common.reuse_large_allocations:
-            reuse_large_allocations()  # the process's malloc settings
+            heap.reuse_large_allocations()  # the process's malloc settings
         if not common.no_inference_mode:
             generate_in_inference_mode(generator)  # every decoder
         generator.fastgen_decoder = entry.name

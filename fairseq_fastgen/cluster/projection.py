@@ -46,10 +46,10 @@ from torch import Tensor
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, output_projection_of
 from fairseq_fastgen.cluster.directory import Direction, load_for_direction
+from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
 from fairseq_fastgen.ops.generate_context import generate_within
 from fairseq_fastgen.ops.onednn_linear import attached_to, linear_like
-from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 
 logger = logging.getLogger(__name__)
