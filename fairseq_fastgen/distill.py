@@ -91,6 +91,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf, gen_parser_f
 from fairseq_fastgen import checkpoint_safety
 from fairseq_fastgen.integration import exit_on_usage_error
 from fairseq_fastgen.option_checks import UsageError, check_generation_options, require_int
+from fairseq_fastgen.options import parse_options
 from fairseq_fastgen.safe_files import (FileManifest, copy_atomically, remove_stale_temporaries, write_atomically,
                                         write_step)
 from fairseq_fastgen.stop_signals import StopSignals, Stopped
@@ -158,7 +159,7 @@ def parse(argv):
         raise UsageError("--prefix-size would force the references' first tokens into the teacher's outputs")
     require_int("--workers", args.workers, 1, error=UsageError)
     require_int("--num-shards", args.num_shards, 0, error=UsageError)  # 0: one per SENTENCES_PER_SHARD
-    check_generation_options(args, error=UsageError)
+    check_generation_options(parse_options(args), error=UsageError)
     for checkpoint in utils.split_paths(args.path):
         checkpoint_safety.check_readable(checkpoint)
     if args.max_tokens is None and args.batch_size is None:

@@ -68,9 +68,17 @@ from fairseq.dataclass import configs as fairseq_configs
 from fairseq.tasks.fairseq_task import FairseqTask
 
 from fairseq_fastgen import checkpoint_safety
+from fairseq_fastgen.cluster.directory import run_direction
+from fairseq_fastgen.cluster.projection import attach_to_stock_generator
 from fairseq_fastgen.config import build_generation_config
+from fairseq_fastgen.engine import serve_stock_search
+from fairseq_fastgen.fastseq import optimize_stock_generator
+from fairseq_fastgen.ops import heap
+from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
+from fairseq_fastgen.ops.onednn_linear import use_onednn_linears
 from fairseq_fastgen.option_checks import UsageError, check_generation_options
-from fairseq_fastgen.sequence_generators.registry import DECODERS, option_value
+from fairseq_fastgen.options import FastgenOptions, parse_options
+from fairseq_fastgen.sequence_generators.registry import DECODERS
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +141,13 @@ def _install_generation_config():
 
 
 # ---- 3. --decoder ---------------------------------------------------------------------------
-def decoder_name(gen_cfg):
-    name = option_value(gen_cfg, "decoder")
-    return str(getattr(name, "value", name))
+def selected_decoder(options: FastgenOptions):
+    """The registry's entry of ``--decoder``; an unknown name is refused."""
+    name = str(options.common.decoder)
+    entry = DECODERS.get(name)
+    if entry is None:
+        raise ValueError(f"unknown --decoder {name!r}; choose one of: {', '.join(DECODERS)}")
+    return entry
 
 
 def _install_build_generator():
@@ -147,41 +159,31 @@ def _install_build_generator():
             return build_checked(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
 
     def build_checked(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn):
-        name = decoder_name(args)
-        entry = DECODERS.get(name)
-        if entry is None:
-            raise ValueError(f"unknown --decoder {name!r}; choose one of: {', '.join(DECODERS)}")
-        check_generation_options(args)  # every numeric plugin option finite and in range (hub interface too)
-        from fairseq_fastgen.cluster.directory import run_direction
-
+        options = parse_options(args)  # the plugin's options, read once: every step below takes them typed
+        entry = selected_decoder(options)
+        check_generation_options(options)  # every numeric plugin option finite and in range (hub interface too)
+        common = options.common
         direction = run_direction(self)  # the run's (source, target) languages: the file --cluster-projection DIR gives
         if entry.builder is None:
             generator = original(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn)
-            from fairseq_fastgen.cluster.projection import attach_to_stock_generator
-
-            attach_to_stock_generator(generator, models, args, name, direction)  # stock search calls decoder.forward
-            from fairseq_fastgen.engine import serve_stock_search
-
-            on_engine = serve_stock_search(generator, models, args)  # fairseq's search over the engine's step
-            from fairseq_fastgen.fastseq import optimize_stock_generator
-
+            # stock search calls decoder.forward; --temperature read as fairseq's generator reads it
+            attach_to_stock_generator(generator, models, common, getattr(args, "temperature", 1.0), entry.name,
+                                      direction)
+            on_engine = serve_stock_search(generator, models, common)  # fairseq's search over the engine's step
             # shared encoder cache (unless the engine's cache serves), working n-gram banning, lean loop
-            optimize_stock_generator(generator, args, share_cache=not on_engine)
+            optimize_stock_generator(generator, common, share_cache=not on_engine)
         else:
             extra = dict(extra_gen_cls_kwargs or {})
             extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn
             extra["direction"] = direction
-            generator = entry.builder(models, self.target_dictionary, args, **extra)
-        from fairseq_fastgen.ops.onednn_linear import use_onednn_linears
-
-        use_onednn_linears(generator, models, args)  # --onednn-linear, every decoder
-        from fairseq_fastgen.ops.heap import use_heap_for_large_buffers
-
-        use_heap_for_large_buffers(args)  # --reuse-large-allocations (the process's malloc settings)
-        from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
-
-        generate_in_inference_mode(generator, args)  # unless --no-inference-mode, every decoder
-        generator.fastgen_decoder = name
+            generator = entry.builder(models, self.target_dictionary, args, options=options, **extra)
+        if common.onednn_linear:
+            use_onednn_linears(generator, models)  # every decoder
+        if common.reuse_large_allocations:
+            heap.reuse_large_allocations()  # the process's malloc settings
+        if not common.no_inference_mode:
+            generate_in_inference_mode(generator)  # every decoder
+        generator.fastgen_decoder = entry.name
         generators_built.append(generator)
         if _generate_run is not None:
             _generate_run.watch(generator)  # each batch starts by writing the previous one, printed whole
@@ -236,22 +238,27 @@ def _check_every_index_batched(dataset, iterator, kwargs, left_out=0):
 
 
 # ---- 5. end-of-run statistics ------------------------------------------------------------------
-def report_statistics(gen_cfg, stream):
+def report_statistics(stats_json, stream):
+    """Print the statistics of every plugin generator built in this run; ``stats_json``
+    (``--decoder-stats-json``): also write the last one's there."""
     plugin_generators = [g for g in generators_built if hasattr(g, "counters")]
     for generator in plugin_generators:
         print(generator.counters.summary(), file=stream)
-    path = option_value(gen_cfg, "decoder_stats_json")
-    if path and plugin_generators:
-        plugin_generators[-1].counters.write_json(path)
+    if stats_json and plugin_generators:
+        plugin_generators[-1].counters.write_json(stats_json)
 
 
-def _prepare_run(cfg, tool):
+def _prepare_run(cfg, tool) -> FastgenOptions:
+    """Check the run's options and let the decoder adjust ``cfg``; returns the options as given (the
+    generator reads them again, as ``prepare_cli`` left them, when it is built)."""
     with usage_errors():
-        check_generation_options(cfg.generation)  # before the model loads, and before prepare_cli reads them
-        entry = DECODERS.get(decoder_name(cfg.generation))
+        options = parse_options(cfg.generation)
+        check_generation_options(options)  # before the model loads, and before prepare_cli reads them
+        entry = DECODERS.get(str(options.common.decoder))
         if entry is not None and entry.prepare_cli is not None:
             entry.prepare_cli(cfg, tool)
     check_checkpoint_files(cfg)  # after the options: a bad option is named even when --path is bad too
+    return options
 
 
 def check_checkpoint_files(cfg):
@@ -350,16 +357,17 @@ def _wrap_generate_main(original_generate):
     @exit_on_usage_error("fairseq-generate")
     def generate_main(cfg, output_file):
         generators_built.clear()
-        _prepare_run(cfg, "generate")
+        options = _prepare_run(cfg, "generate")
+        workers = options.common.postprocess_workers
         with _watching(GenerateRun(cfg)) as run:
-            if option_value(cfg.generation, "postprocess_workers") > 0:
+            if workers > 0:
                 from fairseq_fastgen.cli.async_generate import async_generate_main
 
-                scorer = async_generate_main(cfg, output_file)  # its own signal handling, between batches too
+                scorer = async_generate_main(cfg, output_file, workers)  # its own signal handling, between batches too
             else:
                 with stopped_between_batches("fairseq-generate", output_file, run.tally) as run.output:
                     scorer = original_generate(cfg, run.output)
-        report_statistics(cfg.generation, output_file)
+        report_statistics(options.common.decoder_stats_json, output_file)
         run.exit_if_refused()
         return scorer
 
@@ -374,7 +382,7 @@ def _wrap_interactive_main(original_interactive):
     @exit_on_usage_error("fairseq-interactive")
     def interactive_main(cfg):
         generators_built.clear()
-        _prepare_run(cfg, "interactive")
+        options = _prepare_run(cfg, "interactive")
         interactive_cli = sys.modules[original_interactive.__module__]
         oversized = OversizedLines(interactive_cli.make_batches)
         with stopped_between_batches("fairseq-interactive", sys.stdout, AnsweredTally()) as output:
@@ -382,7 +390,7 @@ def _wrap_interactive_main(original_interactive):
             with _swapped(interactive_cli, make_batches=oversized.make_batches, buffered_read=read), \
                     contextlib.redirect_stdout(output):
                 result = original_interactive(cfg)
-        report_statistics(cfg.generation, sys.stdout)
+        report_statistics(options.common.decoder_stats_json, sys.stdout)
         oversized.exit_if_refused()
         return result
 

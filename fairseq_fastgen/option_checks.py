@@ -10,15 +10,14 @@ The checks raise ``error`` (``ValueError`` unless the caller passes its own
 refusal type: ``DistillError``, ``ClusterFileError``).  The plugin's generation
 options, whichever decoder is selected, are listed in
 :data:`GENERATION_OPTIONS` and checked together by
-:func:`check_generation_options`; limits that need the model (the number of
+:func:`check_generation_options`, on the options read from ``cfg.generation``
+(:func:`fairseq_fastgen.options.parse_options`); limits that need the model (the number of
 heads of ``--blockwise-block-size``) are checked when the decoder is built.
 """
 
 import math
 import numbers
 from typing import NamedTuple, Optional
-
-from fairseq_fastgen.sequence_generators.registry import option_value
 
 
 class UsageError(ValueError):
@@ -117,8 +116,9 @@ def check_option(name: str, value, check: Check, error=ValueError):
     return require_finite_in_range(flag(name), value, check.low, check.high, allow_inf=check.allow_inf, error=error)
 
 
-def check_generation_options(gen_cfg, error=ValueError):
-    """Refuse the first out-of-range numeric plugin option of ``cfg.generation`` (an omegaconf
-    node, a Namespace or the merged dataclass; missing fields take their defaults)."""
+def check_generation_options(options, error=ValueError):
+    """Refuse the first out-of-range numeric plugin option of ``options`` (the
+    :class:`~fairseq_fastgen.options.FastgenOptions` read from ``cfg.generation``)."""
+    values = options.by_name()
     for name, check in GENERATION_OPTIONS.items():
-        check_option(name, option_value(gen_cfg, name), check, error)
+        check_option(name, values[name], check, error)

@@ -16,6 +16,7 @@ from fairseq_fastgen.option_checks import (
     require_finite_in_range,
     require_int,
 )
+from fairseq_fastgen.options import parse_options
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 from tests.test_foundation_cli import generate
 
@@ -104,7 +105,7 @@ BAD_GENERATION_OPTIONS = [
 @pytest.mark.parametrize("name, value, message", BAD_GENERATION_OPTIONS)
 def test_bad_generation_options_are_refused_by_name(name, value, message):
     with pytest.raises(ValueError) as refusal:
-        check_generation_options(SimpleNamespace(**{name: value}))
+        check_generation_options(parse_options(SimpleNamespace(**{name: value})))
     assert str(refusal.value) == message
 
 
@@ -114,11 +115,11 @@ def test_bad_generation_options_are_refused_by_name(name, value, message):
     ("blockwise_epsilon", 0.0), ("blockwise_top_k", 0), ("stream_capacity", None), ("postprocess_workers", 0),
 ])
 def test_valid_generation_options_pass(name, value):
-    check_generation_options(SimpleNamespace(**{name: value}))
+    check_generation_options(parse_options(SimpleNamespace(**{name: value})))
 
 
 def test_the_defaults_pass():
-    check_generation_options(SimpleNamespace())  # every option at its declared default
+    check_generation_options(parse_options(SimpleNamespace()))  # every option at its declared default
 
 
 def test_build_generator_refuses_them_for_every_decoder(toy_model):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from fairseq_fastgen.option_checks import check_generation_options
+from fairseq_fastgen.options import parse_options
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 
 CTRANSLATE2 = "ctranslate2"  # the peer, measured beside the registered decoders
@@ -159,7 +160,7 @@ def parse_command_line(argv: Optional[List[str]] = None):
     cfg = fairseq_config(fairseq_argv, bench.subset)
     for label, generation in [("", cfg.generation)] + [(f"--variant {n}: ", g) for n, g in bench.variants.items()]:
         try:  # refused here, not as a configuration skipped for a ValueError
-            check_generation_options(generation)
+            check_generation_options(parse_options(generation))
         except ValueError as error:
             parser.error(f"{label}{error}")
     return bench, cfg

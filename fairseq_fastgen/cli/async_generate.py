@@ -52,7 +52,6 @@ from fairseq.logging import progress_bar
 from fairseq.logging.meters import StopwatchMeter, TimeMeter
 from fairseq_cli.generate import get_symbols_to_strip_from_output
 
-from fairseq_fastgen.sequence_generators.registry import option_value
 from fairseq_fastgen.cli.batched_output import WrittenTally
 from fairseq_fastgen.stop_signals import StopSignals, Stopped, exit_stopped, ignore_in_worker
 
@@ -63,8 +62,9 @@ HYPOTHESIS_FIELDS = ("tokens", "score", "positional_scores", "alignment", "steps
 LIVENESS_CHECK_S = 1.0  # how often a waiting main process checks that its workers are alive
 
 
-def async_generate_main(cfg, output_file):
-    """fairseq-generate's ``_main(cfg, output_file)`` with post-processing in workers; returns the scorer."""
+def async_generate_main(cfg, output_file, workers: int):
+    """fairseq-generate's ``_main(cfg, output_file)`` with post-processing in ``workers`` workers
+    (``--postprocess-workers``); returns the scorer."""
     logging.basicConfig(
         format="%(asctime)s | %(levelname)s | %(name)s | %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S",
@@ -83,8 +83,7 @@ def async_generate_main(cfg, output_file):
     formatter = BatchFormatter.for_task(cfg, task)
     tally = WrittenTally()
     try:
-        with StopSignals() as signals, WorkerPool(option_value(cfg.generation, "postprocess_workers"),
-                                                  formatter) as pool:  # forks now
+        with StopSignals() as signals, WorkerPool(workers, formatter) as pool:  # forks now
             scorer, gen_timer, num_sentences, has_target = _generate(cfg, task, pool, output_file, signals, tally)
     except (Stopped, WorkerDied) as stop:
         output_file.flush()

@@ -46,11 +46,11 @@ from torch import Tensor
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, output_projection_of
 from fairseq_fastgen.cluster.directory import Direction, load_for_direction
+from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
 from fairseq_fastgen.ops.generate_context import generate_within
 from fairseq_fastgen.ops.onednn_linear import attached_to, linear_like
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
-from fairseq_fastgen.sequence_generators.registry import option_value
 
 logger = logging.getLogger(__name__)
 
@@ -226,23 +226,24 @@ def padded_width(active: int, vocab_size: int) -> int:
     return min(vocab_size, -(-active // step) * step)
 
 
-def projection_requested(gen_cfg) -> bool:
+def projection_requested(options: PluginOptions) -> bool:
     """Whether the generation options replace the decoder's projection (``--cluster-projection``,
     ``--time-projection``; ``--cluster-full-normalizer`` too, so that without a file it is refused)."""
-    return any(option_value(gen_cfg, name) for name in
-               ("cluster_projection", "time_projection", "cluster_full_normalizer"))
+    return any((options.cluster_projection, options.time_projection, options.cluster_full_normalizer))
 
 
-def projection_from_options(gen_cfg, model, direction: Optional[Direction] = None) -> Optional[TimedFullProjection]:
+def projection_from_options(options: PluginOptions, temperature: Optional[float], model,
+                            direction: Optional[Direction] = None) -> Optional[TimedFullProjection]:
     """The projection the generation options ask for: ``--cluster-projection FILE`` or ``DIR`` (checked
     against ``model`` and the run's ``direction``, its (source, target) languages or None), else
-    ``--time-projection``'s timed full projection, else None (the decoder's own)."""
-    if not projection_requested(gen_cfg):
+    ``--time-projection``'s timed full projection, else None (the decoder's own).  ``temperature``:
+    fairseq's ``--temperature``, which ``--cluster-full-normalizer`` divides by too."""
+    if not projection_requested(options):
         return None
-    path = option_value(gen_cfg, "cluster_projection")
-    full_normalizer = option_value(gen_cfg, "cluster_full_normalizer")
+    path = options.cluster_projection
+    full_normalizer = options.cluster_full_normalizer
     if path:
-        temperature = option_value(gen_cfg, "temperature") or 1.0
+        temperature = temperature or 1.0
         return load_projection(path, model, FullNormalizer(model.decoder.dictionary.pad(), temperature)
                                if full_normalizer else None, direction)
     if full_normalizer:
@@ -328,8 +329,9 @@ class ProjectionCounters(GenerationCounters):
         return self.statistics.as_dict()
 
 
-def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam",
-                              direction: Optional[Direction] = None) -> Optional[TimedFullProjection]:
+def attach_to_stock_generator(generator, models, options: PluginOptions, temperature: Optional[float],
+                              decoder_name="beam", direction: Optional[Direction] = None
+                              ) -> Optional[TimedFullProjection]:
     """Make ``--cluster-projection`` (or ``--time-projection``) apply to fairseq's SequenceGenerator.
 
     With the option: loads the file and gives ``generator`` a ``projection`` and a
@@ -338,11 +340,11 @@ def attach_to_stock_generator(generator, models, gen_cfg, decoder_name="beam",
     the same model (a bench's other configurations, a hub interface's other settings)
     keep their own projection, or none. Without the option: nothing changes.
     """
-    if not projection_requested(gen_cfg):
+    if not projection_requested(options):
         return None
     if len(models) != 1:
         raise ValueError(f"--cluster-projection holds the clusters of one model; got an ensemble of {len(models)}")
-    projection = projection_from_options(gen_cfg, models[0], direction)
+    projection = projection_from_options(options, temperature, models[0], direction)
     decoder = models[0].decoder
     generate_within(generator, lambda: attached(decoder, projection))
     generator.projection = projection

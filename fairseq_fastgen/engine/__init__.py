@@ -17,7 +17,7 @@ keeps fairseq's step over the shared encoder cache.
 
 import logging
 
-from fairseq_fastgen.sequence_generators.registry import option_value
+from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.sequence_generators.runner import ModelRunner
 
 ENGINES = ("fairseq", "static", "compiled")
@@ -30,17 +30,17 @@ def cache_capacity(max_len) -> int:
     return int(max_len.max()) + 2 if max_len.numel() else 1
 
 
-def engine_setting(gen_cfg) -> str:
+def engine_setting(options: PluginOptions) -> str:
     """``--step-engine``, checked with the options that depend on it."""
-    engine = option_value(gen_cfg, "step_engine")
+    engine = options.step_engine
     if engine not in ENGINES:
         raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
-    if option_value(gen_cfg, "compiled_freezing") and engine != "compiled":
+    if options.compiled_freezing and engine != "compiled":
         raise ValueError(f"--compiled-freezing applies to --step-engine compiled; got --step-engine {engine}")
     return engine
 
 
-def serve_stock_search(generator, models, gen_cfg) -> bool:
+def serve_stock_search(generator, models, options: PluginOptions) -> bool:
     """fairseq's own SequenceGenerator (``--decoder beam``) on the engine: with ``--step-engine compiled``,
     fairseq's search loop over the compiled step (``stock_search.py``); returns whether the engine serves it.
 
@@ -48,7 +48,7 @@ def serve_stock_search(generator, models, gen_cfg) -> bool:
     keeps each beam's own copy of the encoder-decoder keys/values, which made stock beam search slower
     than the shared cache (docs/benchmarks.md, the engine section); its hypotheses would be bitwise the
     same (``tests/engine/test_stock_search.py``)."""
-    engine = engine_setting(gen_cfg)
+    engine = engine_setting(options)
     if engine == "fairseq":
         return False
     if engine == "static":
@@ -57,20 +57,20 @@ def serve_stock_search(generator, models, gen_cfg) -> bool:
         return False
     from fairseq_fastgen.engine.stock_search import run_stock_search_on_engine
 
-    return run_stock_search_on_engine(generator, models, engine, option_value(gen_cfg, "compiled_freezing"))
+    return run_stock_search_on_engine(generator, models, engine, options.compiled_freezing)
 
 
-def build_runner(model, gen_cfg, projection):
-    """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not."""
+def build_runner(model, options: PluginOptions, temperature: float, projection):
+    """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not
+    (``temperature``: fairseq's ``--temperature``)."""
     from fairseq_fastgen.engine.decoder_step import unsupported_reason
 
-    engine = engine_setting(gen_cfg)
+    engine = engine_setting(options)
     refusal = unsupported_reason(model.decoder) if engine != "fairseq" else None
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         engine = "fairseq"
-    return make_runner(engine, model, option_value(gen_cfg, "temperature"), projection,
-                       option_value(gen_cfg, "compiled_freezing"))
+    return make_runner(engine, model, temperature, projection, options.compiled_freezing)
 
 
 def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1):

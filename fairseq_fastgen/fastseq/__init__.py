@@ -15,6 +15,7 @@
   :mod:`fairseq_fastgen.cli.async_generate` (``--postprocess-workers N``).
 """
 
+from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.fastseq.beam_loop import LeanBeamLoop, use_lean_beam_loop
 from fairseq_fastgen.fastseq.ngram import RepeatedNgramBlocker, use_fastgen_ngram_blocking
 from fairseq_fastgen.fastseq.shared_cache import (
@@ -31,7 +32,6 @@ from fairseq_fastgen.fastseq.shared_prompt import (
     shares_prompt_cache,
     supports_shared_prompt,
 )
-from fairseq_fastgen.sequence_generators.registry import option_value
 
 __all__ = [
     "LeanBeamLoop",
@@ -52,16 +52,16 @@ __all__ = [
 ]
 
 
-def optimize_stock_generator(generator, gen_cfg, share_cache: bool = True):
+def optimize_stock_generator(generator, options: PluginOptions, share_cache: bool = True):
     """Apply the optimizations to a generator built by fairseq itself (``--decoder beam``);
     returns it.  Generators without a beam search or a supported model are left as they are.
     ``--no-shared-encoder-cache`` (or ``share_cache=False``: the step engine keeps its own
     cache) switches off both shared caches: the encoder's (encoder-decoder models) and the
     prompt's (decoder-only language models); ``--no-lean-beam-loop`` keeps fairseq's own search loop."""
-    if share_cache and not option_value(gen_cfg, "no_shared_encoder_cache"):
+    if share_cache and not options.no_shared_encoder_cache:
         share_encoder_cache(generator)
         share_prompt_cache(generator)
     use_fastgen_ngram_blocking(generator)
-    if not option_value(gen_cfg, "no_lean_beam_loop"):
+    if not options.no_lean_beam_loop:
         use_lean_beam_loop(generator)
     return generator

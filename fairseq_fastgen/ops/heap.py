@@ -60,11 +60,3 @@ def reuse_large_allocations() -> bool:
     else:
         logger.warning("--reuse-large-allocations: this C library has no glibc mallopt; nothing changed")
     return taken
-
-
-def use_heap_for_large_buffers(gen_cfg):
-    """``--reuse-large-allocations``: apply :func:`reuse_large_allocations` when a generator is built."""
-    from fairseq_fastgen.sequence_generators.registry import option_value  # noqa: registry imports the ops' users
-
-    if option_value(gen_cfg, "reuse_large_allocations"):
-        reuse_large_allocations()

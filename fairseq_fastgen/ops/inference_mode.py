@@ -21,13 +21,10 @@ from torch import Tensor
 from fairseq_fastgen.ops.generate_context import generate_within
 
 
-def generate_in_inference_mode(generator, gen_cfg):
-    """Unless ``--no-inference-mode``: ``generator.generate`` runs under ``torch.inference_mode``
-    (every decoder, stock beam search included)."""
-    from fairseq_fastgen.sequence_generators.registry import option_value  # noqa: registry imports the ops' users
-
-    if not option_value(gen_cfg, "no_inference_mode"):
-        generate_within(generator, torch.inference_mode, after=ordinary_tensors)
+def generate_in_inference_mode(generator):
+    """``generator.generate`` runs under ``torch.inference_mode`` (every decoder, stock beam search
+    included; integration.py calls it unless ``--no-inference-mode``)."""
+    generate_within(generator, torch.inference_mode, after=ordinary_tensors)
 
 
 def ordinary_tensors(value):

@@ -165,13 +165,9 @@ class OneDNNLinears:
                 del linear.__dict__["forward"]
 
 
-def use_onednn_linears(generator, models, gen_cfg):
+def use_onednn_linears(generator, models):
     """``--onednn-linear``: ``generator.generate`` computes the linear layers of ``models``
-    through oneDNN (every decoder, stock beam search included). Without the option: nothing."""
-    from fairseq_fastgen.sequence_generators.registry import option_value  # noqa: registry imports the ops' users
-
-    if not option_value(gen_cfg, "onednn_linear"):
-        return
+    through oneDNN (every decoder, stock beam search included)."""
     linears = [OneDNNLinears(model) for model in models]
 
     @contextlib.contextmanager

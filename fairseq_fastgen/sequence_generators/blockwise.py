@@ -31,9 +31,9 @@ from fairseq_fastgen.sequence_generators.blockwise_rows import BlockwiseState, R
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
 from fairseq_fastgen.sequence_generators.int8_proposals import Int8Proposer
-from fairseq_fastgen.sequence_generators.registry import option_value, register_decoder
+from fairseq_fastgen.sequence_generators.registry import register_decoder
 from fairseq_fastgen.sequence_generators.state import DecodingState
-from fairseq_fastgen.sequence_generators.streaming import StreamingScheduler, prepare_streaming_cli
+from fairseq_fastgen.sequence_generators.streaming import StreamingScheduler, StreamOptions, prepare_streaming_cli
 
 
 # ---- the search policy -----------------------------------------------------------------------
@@ -308,15 +308,16 @@ class BlockwiseGenerator(FastgenGenerator):
         return BlockwiseCounters(self.name)
 
     @classmethod
-    def build(cls, model, tgt_dict, gen_cfg, projection=None):
+    def build(cls, model, tgt_dict, gen_cfg, options, projection=None):
         one_hypothesis_per_sentence(cls.name, gen_cfg)
+        blockwise = options.of(BlockwiseOptions)
         decoder = model.decoder
         if not hasattr(decoder, "forward_block"):
             raise ValueError(
                 f"--decoder {cls.name} needs a k-head model (--arch transformer_khead); this checkpoint's decoder is "
                 f"{type(decoder).__name__}"
             )
-        block_size = option_value(gen_cfg, "blockwise_block_size")
+        block_size = blockwise.blockwise_block_size
         if block_size is None:  # default: every head (0 is refused, not read as this default)
             block_size = decoder.block_size
         if require_int("--blockwise-block-size", block_size, 1) > decoder.block_size:
@@ -324,14 +325,15 @@ class BlockwiseGenerator(FastgenGenerator):
                 f"--blockwise-block-size {block_size}: the model has {decoder.block_size} heads (--block-size of "
                 f"transformer_khead); give 1 .. {decoder.block_size}"
             )
-        min_block = option_value(gen_cfg, "blockwise_min_block")
+        min_block = blockwise.blockwise_min_block
         require_int("--blockwise-min-block", min_block, 1)
-        policy = BlockwisePolicy(decoder, block_size, build_acceptance(gen_cfg, tgt_dict), min_block, tgt_dict.pad(),
-                                 int8_proposals=option_value(gen_cfg, "blockwise_int8_proposals"))
-        return cls(model, tgt_dict, gen_cfg, policy, cls.scheduler_for(gen_cfg), projection=projection)
+        policy = BlockwisePolicy(decoder, block_size, build_acceptance(blockwise, tgt_dict), min_block, tgt_dict.pad(),
+                                 int8_proposals=blockwise.blockwise_int8_proposals)
+        return cls(model, tgt_dict, gen_cfg, options.common, policy, cls.scheduler_for(options),
+                   projection=projection)
 
     @staticmethod
-    def scheduler_for(gen_cfg):
+    def scheduler_for(options):
         return None  # static batches
 
 
@@ -346,8 +348,8 @@ class BlockwiseStreamGenerator(BlockwiseGenerator):
     name = "blockwise-stream"
 
     @staticmethod
-    def scheduler_for(gen_cfg):
-        scheduler = StreamingScheduler.from_config(gen_cfg)
+    def scheduler_for(options):
+        scheduler = StreamingScheduler.from_options(options.of(StreamOptions))
         if scheduler.selection != "min-length":
             raise UsageError(f"--stream-selection {scheduler.selection}: --decoder blockwise-stream expands every "
                              f"active row at every iteration; the selection applies to the cohorts of greedy-stream, "

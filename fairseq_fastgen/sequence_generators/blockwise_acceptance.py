@@ -15,7 +15,6 @@ from torch import Tensor
 from fairseq.dataclass import FairseqDataclass
 
 from fairseq_fastgen.option_checks import require_finite_in_range, require_int
-from fairseq_fastgen.sequence_generators.registry import option_value
 
 
 @dataclass
@@ -106,9 +105,9 @@ def ordinal_values(tgt_dict, pattern: str) -> Tensor:
     return values
 
 
-def build_acceptance(gen_cfg, tgt_dict):
-    top_k = option_value(gen_cfg, "blockwise_top_k")
-    epsilon = option_value(gen_cfg, "blockwise_epsilon")
+def build_acceptance(options: BlockwiseOptions, tgt_dict):
+    top_k = options.blockwise_top_k
+    epsilon = options.blockwise_epsilon
     if top_k and epsilon is not None:
         raise ValueError("--blockwise-top-k and --blockwise-epsilon are alternative acceptance criteria; give one")
     require_int("--blockwise-top-k", top_k, 0)
@@ -116,5 +115,5 @@ def build_acceptance(gen_cfg, tgt_dict):
         return TopK(top_k)
     if epsilon is not None:
         epsilon = require_finite_in_range("--blockwise-epsilon", epsilon, 0)  # NaN: nothing would be close
-        return OrdinalDistance(ordinal_values(tgt_dict, option_value(gen_cfg, "blockwise_ordinal_symbols")), epsilon)
+        return OrdinalDistance(ordinal_values(tgt_dict, options.blockwise_ordinal_symbols), epsilon)
     return ExactMatch()

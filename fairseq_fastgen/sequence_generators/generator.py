@@ -20,7 +20,9 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
+from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.option_checks import UsageError
+from fairseq_fastgen.options import FastgenOptions, parse_options
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.processors import apply_processors, build_processors, row_max_len
 from fairseq_fastgen.engine import build_runner, cache_capacity
@@ -129,11 +131,14 @@ class StaticScheduler:
 
 
 class FastgenGenerator(nn.Module):
-    """Base of the plugin's decoders; subclasses set ``name`` and build a policy."""
+    """Base of the plugin's decoders; subclasses set ``name`` and build a policy.
+
+    ``gen_cfg``: fairseq's generation options (``--lenpen``, ``--max-len-b``, ...); ``common``: the plugin's
+    options every decoder shares (``--step-engine``: the runner)."""
 
     name = "?"
 
-    def __init__(self, model, tgt_dict, gen_cfg, policy, scheduler=None, projection=None):
+    def __init__(self, model, tgt_dict, gen_cfg, common: PluginOptions, policy, scheduler=None, projection=None):
         super().__init__()
         self.model = model
         self.tgt_dict = tgt_dict
@@ -143,7 +148,7 @@ class FastgenGenerator(nn.Module):
         self.eos = tgt_dict.eos()
         self.pad = tgt_dict.pad()
         self.symbols_to_strip_from_output = {self.eos}
-        self.runner = build_runner(model, gen_cfg, projection)
+        self.runner = build_runner(model, common, gen_cfg.temperature, projection)
         self.counters = self.new_counters()
         if hasattr(projection, "statistics"):
             self.counters.stats_sources.append(projection.statistics.as_dict)
@@ -155,19 +160,22 @@ class FastgenGenerator(nn.Module):
         return GenerationCounters(self.name)
 
     @classmethod
-    def from_config(cls, models, tgt_dict, gen_cfg, **extra):
-        """``extra``: the task's generator arguments; ``direction``, the run's (source, target) languages,
+    def from_config(cls, models, tgt_dict, gen_cfg, options: Optional[FastgenOptions] = None, **extra):
+        """``options``: the plugin's options read from ``gen_cfg`` (read here when not given).
+        ``extra``: the task's generator arguments; ``direction``, the run's (source, target) languages,
         picks the file of ``--cluster-projection DIR``; ``symbols_to_strip_from_output`` (a multilingual
         task's target language token) is left out of the printed output, as by fairseq's generator."""
+        if options is None:
+            options = parse_options(gen_cfg)
         model = single_model(cls.name, models)
         reject_unsupported(cls.name, gen_cfg, extra)
-        projection = build_projection(gen_cfg, model, extra.get("direction"))
-        generator = cls.build(model, tgt_dict, gen_cfg, projection=projection)
+        projection = build_projection(options.common, gen_cfg.temperature, model, extra.get("direction"))
+        generator = cls.build(model, tgt_dict, gen_cfg, options, projection=projection)
         generator.symbols_to_strip_from_output |= set(extra.get("symbols_to_strip_from_output") or ())
         return generator
 
     @classmethod
-    def build(cls, model, tgt_dict, gen_cfg, projection=None):
+    def build(cls, model, tgt_dict, gen_cfg, options: FastgenOptions, projection=None):
         raise NotImplementedError
 
     @torch.no_grad()
@@ -215,10 +223,10 @@ def reject_unsupported(name, gen_cfg, extra):
             raise ValueError(f"--decoder {name} does not support --{option.replace('_', '-')}; use --decoder beam")
 
 
-def build_projection(gen_cfg, model, direction=None):
+def build_projection(options: PluginOptions, temperature, model, direction=None):
     from fairseq_fastgen.cluster.projection import projection_from_options  # noqa: the cluster package imports this one
 
-    return projection_from_options(gen_cfg, model, direction)
+    return projection_from_options(options, temperature, model, direction)
 
 
 def one_hypothesis_per_sentence(name, gen_cfg):

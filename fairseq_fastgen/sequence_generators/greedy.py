@@ -7,6 +7,7 @@ from fairseq_fastgen.sequence_generators.registry import register_decoder
 from fairseq_fastgen.sequence_generators.streaming import (
     PADDING_SENTENCE,
     StreamingScheduler,
+    StreamOptions,
     prepare_streaming_cli,
     select_padded,
 )
@@ -50,9 +51,9 @@ class GreedyGenerator(FastgenGenerator):
     name = "greedy"
 
     @classmethod
-    def build(cls, model, tgt_dict, gen_cfg, projection=None):
+    def build(cls, model, tgt_dict, gen_cfg, options, projection=None):
         one_hypothesis_per_sentence(cls.name, gen_cfg)
-        return cls(model, tgt_dict, gen_cfg, GreedyPolicy(), projection=projection)
+        return cls(model, tgt_dict, gen_cfg, options.common, GreedyPolicy(), projection=projection)
 
 
 @register_decoder("greedy-stream", prepare_cli=prepare_streaming_cli,
@@ -64,7 +65,8 @@ class GreedyStreamGenerator(FastgenGenerator):
     name = "greedy-stream"
 
     @classmethod
-    def build(cls, model, tgt_dict, gen_cfg, projection=None):
+    def build(cls, model, tgt_dict, gen_cfg, options, projection=None):
         one_hypothesis_per_sentence(cls.name, gen_cfg)
-        scheduler = StreamingScheduler.from_config(gen_cfg)
-        return cls(model, tgt_dict, gen_cfg, GreedyPolicy(padded=True), scheduler, projection=projection)
+        scheduler = StreamingScheduler.from_options(options.of(StreamOptions))
+        return cls(model, tgt_dict, gen_cfg, options.common, GreedyPolicy(padded=True), scheduler,
+                   projection=projection)

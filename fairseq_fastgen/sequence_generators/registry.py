@@ -5,14 +5,16 @@ The integration module merges every registered options dataclass into fairseq's
 ``GenerationConfig`` so that the options show up in ``--help`` of
 fairseq-generate / fairseq-interactive and arrive in ``cfg.generation``.
 
-The builder is called as ``builder(models, tgt_dict, gen_cfg, **extra)`` where
-``gen_cfg`` is ``cfg.generation`` (an omegaconf node, a Namespace from the hub
-interface, or the merged dataclass) and returns an object with fairseq's
-generator interface: ``generate(models, sample, prefix_tokens=None, **kw)``.
+The builder is called as ``builder(models, tgt_dict, gen_cfg, options=options, **extra)``
+where ``gen_cfg`` is ``cfg.generation`` (an omegaconf node, a Namespace from the
+hub interface, or the merged dataclass) and ``options`` the plugin's options read
+from it (``fairseq_fastgen/options.py``; a builder called without them reads them
+itself), and returns an object with fairseq's generator interface:
+``generate(models, sample, prefix_tokens=None, **kw)``.
 A builder of ``None`` means "use fairseq's own ``build_generator``".
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Type
 
 
@@ -33,7 +35,7 @@ DECODERS: Dict[str, DecoderEntry] = {}
 def register_decoder(name: str, options: Optional[Type] = None, guarantee: str = "", prepare_cli=None):
     """Class decorator: ``@register_decoder("greedy", options=GreedyOptions)``.
 
-    The decorated class must provide ``from_config(models, tgt_dict, gen_cfg, **extra)``.
+    The decorated class must provide ``from_config(models, tgt_dict, gen_cfg, options=None, **extra)``.
     """
 
     def wrap(cls):
@@ -53,28 +55,3 @@ def register_builder(name, builder, options=None, guarantee="", prepare_cli=None
 def decoder_names():
     return list(DECODERS)
 
-
-def option_value(gen_cfg, name: str):
-    """Read a plugin option from ``gen_cfg``, falling back to its declared default.
-
-    Generation configs stored in checkpoints (hub interface) or built by other
-    code may lack the plugin's fields; their defaults then apply.
-    """
-    value = getattr(gen_cfg, name, _MISSING)
-    if value is not _MISSING:
-        return value
-    for entry in DECODERS.values():
-        if entry.options is None:
-            continue
-        for f in fields(entry.options):
-            if f.name == name:
-                return f.default
-    from fairseq_fastgen.config import PluginOptions
-
-    for f in fields(PluginOptions):
-        if f.name == name:
-            return f.default
-    raise AttributeError(f"unknown generation option {name!r}")
-
-
-_MISSING = object()

@@ -78,7 +78,6 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from fairseq_fastgen.engine import cache_capacity
 from fairseq_fastgen.option_checks import UsageError, require_finite_in_range, require_int
-from fairseq_fastgen.sequence_generators.registry import option_value
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
 ROW_MULTIPLE = 4  # row counts that give every row its batch-independent MKL result
@@ -169,14 +168,9 @@ class StreamingScheduler:
         self.selection = selection
 
     @classmethod
-    def from_config(cls, gen_cfg):
-        return cls(
-            option_value(gen_cfg, "stream_capacity"),
-            option_value(gen_cfg, "stream_capacity_tokens"),
-            option_value(gen_cfg, "stream_eps"),
-            option_value(gen_cfg, "stream_capacity_rows"),
-            str(option_value(gen_cfg, "stream_selection")),
-        )
+    def from_options(cls, options: StreamOptions):
+        return cls(options.stream_capacity, options.stream_capacity_tokens, options.stream_eps,
+                   options.stream_capacity_rows, str(options.stream_selection))
 
     @property
     def streams(self) -> bool:

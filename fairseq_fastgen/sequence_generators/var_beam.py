@@ -43,7 +43,7 @@ from fairseq.dataclass import FairseqDataclass
 
 from fairseq_fastgen.option_checks import require_finite_in_range, require_int
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator
-from fairseq_fastgen.sequence_generators.registry import option_value, register_decoder
+from fairseq_fastgen.sequence_generators.registry import register_decoder
 from fairseq_fastgen.sequence_generators.streaming import (
     StreamingScheduler,
     StreamOptions,
@@ -257,24 +257,24 @@ class BeamGenerator(FastgenGenerator):
     """A beam policy on a (streaming or static) scheduler; subclasses choose both."""
 
     @classmethod
-    def build(cls, model, tgt_dict, gen_cfg, projection=None):
-        generator = cls(model, tgt_dict, gen_cfg, cls.policy_for(gen_cfg), cls.scheduler_for(gen_cfg), projection)
+    def build(cls, model, tgt_dict, gen_cfg, options, projection=None):
+        generator = cls(model, tgt_dict, gen_cfg, options.common, cls.policy_for(gen_cfg, options),
+                        cls.scheduler_for(options), projection)
         generator.nbest = gen_cfg.nbest
         return generator
 
     @staticmethod
-    def policy_for(gen_cfg):
+    def policy_for(gen_cfg, options):
         return BeamSearchPolicy(gen_cfg.beam, gen_cfg.nbest)
 
     @staticmethod
-    def scheduler_for(gen_cfg):
-        return StreamingScheduler.from_config(gen_cfg)
+    def scheduler_for(options):
+        return StreamingScheduler.from_options(options.of(StreamOptions))
 
 
-def variable_beam_policy(gen_cfg):
-    return BeamSearchPolicy(
-        gen_cfg.beam, gen_cfg.nbest, option_value(gen_cfg, "var_beam_delta"), option_value(gen_cfg, "var_beam_max_cands")
-    )
+def variable_beam_policy(gen_cfg, options):
+    var_beam = options.of(VarBeamOptions)
+    return BeamSearchPolicy(gen_cfg.beam, gen_cfg.nbest, var_beam.var_beam_delta, var_beam.var_beam_max_cands)
 
 
 @register_decoder("var-batch", options=VarBeamOptions,
@@ -286,7 +286,7 @@ class VarBatchGenerator(BeamGenerator):
     policy_for = staticmethod(variable_beam_policy)
 
     @staticmethod
-    def scheduler_for(gen_cfg):
+    def scheduler_for(options):
         return StreamingScheduler()
 
 

@@ -15,6 +15,7 @@ from fairseq.sequence_generator import SequenceGenerator, SequenceGeneratorWithA
 
 from fairseq_fastgen.fastseq import LeanBeamLoop, optimize_stock_generator, use_lean_beam_loop
 from fairseq_fastgen.fastseq.beam_loop import CHUNK, mask_nan_, top_candidates
+from fairseq_fastgen.options import parse_options
 from tests.fastseq.test_shared_cache import BATCH_1_IDS, assert_bitwise_equal, random_transformer
 
 
@@ -139,6 +140,6 @@ def test_nan_entries_become_minus_infinity_and_nothing_else_changes():
 def test_the_switch_is_an_option_of_the_generation_config(loaded_toy):
     config = GenerationConfig(beam=4, no_lean_beam_loop=True)
     built = SequenceGenerator(loaded_toy.models, loaded_toy.task.target_dictionary, beam_size=4)
-    assert type(optimize_stock_generator(built, config)) is SequenceGenerator
+    assert type(optimize_stock_generator(built, parse_options(config).common)) is SequenceGenerator
     config.no_lean_beam_loop = False
-    assert type(optimize_stock_generator(built, config)) is LeanBeamLoop
+    assert type(optimize_stock_generator(built, parse_options(config).common)) is LeanBeamLoop

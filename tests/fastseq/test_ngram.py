@@ -10,6 +10,7 @@ from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from fairseq_fastgen import toy
 from fairseq_fastgen.fastseq import RepeatedNgramBlocker, optimize_stock_generator
+from fairseq_fastgen.options import parse_options
 
 pytestmark = pytest.mark.xdist_group("toy_cli")
 
@@ -45,11 +46,12 @@ def test_blocker_has_fairseqs_call_and_bans_repeats(n):
 def test_generator_gets_the_plugins_blocker(loaded_toy):
     config = GenerationConfig(beam=4, no_repeat_ngram_size=3)
     generator = loaded_toy.task.build_generator(loaded_toy.models, config)
-    optimize_stock_generator(generator, config)
+    optimize_stock_generator(generator, parse_options(config).common)
     assert isinstance(generator.repeat_ngram_blocker, RepeatedNgramBlocker)
     assert generator.repeat_ngram_blocker.no_repeat_ngram_size == 3
     without = GenerationConfig(beam=4)
-    assert optimize_stock_generator(loaded_toy.task.build_generator(loaded_toy.models, without), without) \
+    assert optimize_stock_generator(loaded_toy.task.build_generator(loaded_toy.models, without),
+                                    parse_options(without).common) \
         .repeat_ngram_blocker is None
 
 

@@ -19,6 +19,7 @@ from fairseq_fastgen.fastseq import (
     share_encoder_cache,
     shares_encoder_cache,
 )
+from fairseq_fastgen.options import parse_options
 
 BATCH_1_IDS = set(range(0, 200, 4))  # batch size 1: every 4th test sentence keeps the test short
 
@@ -162,6 +163,7 @@ def test_build_generator_shares_unless_switched_off(loaded_toy):
 
 
 def test_optimize_stock_generator_follows_the_switch(loaded_toy):
-    on = optimize_stock_generator(stock_generator(loaded_toy, 4), GenerationConfig(beam=4))
-    off = optimize_stock_generator(stock_generator(loaded_toy, 4), GenerationConfig(beam=4, no_shared_encoder_cache=True))
+    on = optimize_stock_generator(stock_generator(loaded_toy, 4), parse_options(GenerationConfig(beam=4)).common)
+    off = optimize_stock_generator(stock_generator(loaded_toy, 4),
+                                   parse_options(GenerationConfig(beam=4, no_shared_encoder_cache=True)).common)
     assert shares_encoder_cache(on) and not shares_encoder_cache(off)

@@ -31,6 +31,7 @@ from fairseq_fastgen.fastseq import (
     share_prompt_cache,
     shares_prompt_cache,
 )
+from fairseq_fastgen.options import parse_options
 
 EMBED_DIM, HEADS, LAYERS = 32, 4, 2
 MAX_LEN = 16  # generated tokens after the prompt at most (the untrained model rarely ends a sentence)
@@ -316,8 +317,9 @@ def test_other_generators_on_the_same_models_stay_stock(lm):
 
 def test_optimize_stock_generator_follows_the_switch(lm):
     config = configs.GenerationConfig
-    on = optimize_stock_generator(plain_generator(lm, [lm.model], 4), config(beam=4))
-    off = optimize_stock_generator(plain_generator(lm, [lm.model], 4), config(beam=4, no_shared_encoder_cache=True))
+    on = optimize_stock_generator(plain_generator(lm, [lm.model], 4), parse_options(config(beam=4)).common)
+    off = optimize_stock_generator(plain_generator(lm, [lm.model], 4),
+                                   parse_options(config(beam=4, no_shared_encoder_cache=True)).common)
     assert shares_prompt_cache(on) and not shares_prompt_cache(off)
 
 

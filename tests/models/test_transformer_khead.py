@@ -15,6 +15,7 @@ from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq_fastgen import toy
 from fairseq_fastgen.models.transformer_khead import KHeadTransformerModel
+from fairseq_fastgen.options import parse_options
 from fairseq_fastgen.sequence_generators.greedy import GreedyGenerator
 from tests.models.khead_toy import build_in_process, randomized_heads
 
@@ -134,7 +135,7 @@ def load(checkpoint, data_bin):
 
 
 def greedy_outputs(model, task, gen_cfg):
-    return outputs_of(GreedyGenerator.build(model, task.target_dictionary, gen_cfg), model, task)
+    return outputs_of(GreedyGenerator.build(model, task.target_dictionary, gen_cfg, parse_options(gen_cfg)), model, task)
 
 
 def outputs_of(generator, model, task):
