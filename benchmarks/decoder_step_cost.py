@@ -17,12 +17,12 @@ import argparse
 import contextlib
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 from fairseq import checkpoint_utils
 
 import fairseq_fastgen  # noqa: F401  (checkpoint loading with torch >= 2.6)
+from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.engine import build_runner, compiled
 from fairseq_fastgen.ops.onednn_linear import OneDNNLinears
 
@@ -50,11 +50,10 @@ def make_runner(engine, model):
     the row buckets, its fast form with oneDNN's products: what that step gains); ``compiled-exact``: the same
     with the static engine's exact form instead of the fast form (what the fast form gains)."""
     if engine == "compiled-frozen":
-        options = SimpleNamespace(step_engine="compiled", temperature=1.0, compiled_freezing=True)
-        return build_runner(model, options, None)
+        return build_runner(model, PluginOptions(step_engine="compiled", compiled_freezing=True), 1.0, None)
     if engine not in ("compiled-eager", "compiled-exact"):
-        return build_runner(model, SimpleNamespace(step_engine=engine, temperature=1.0), None)
-    runner = build_runner(model, SimpleNamespace(step_engine="compiled", temperature=1.0), None)
+        return build_runner(model, PluginOptions(step_engine=engine), 1.0, None)
+    runner = build_runner(model, PluginOptions(step_engine="compiled"), 1.0, None)
     runner.many_rows_on_cpu = False
     if engine == "compiled-exact":
         runner.fast_form = runner.decoder_step.exact
