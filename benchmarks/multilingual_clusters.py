@@ -84,7 +84,7 @@ def prepare_text(args, raw):
 def figure2(args, checkpoint, bin_dir, out):
     """Record each direction's states once, cluster them per scope for every count; keep the chosen files."""
     from fairseq_fastgen.cluster import train
-    from fairseq_fastgen.cluster.benchmark import held_out_states
+    from fairseq_fastgen.bench.cluster_projection import held_out_states
     from fairseq_fastgen.cluster.clusterfile import ModelFingerprint
     from fairseq_fastgen.cluster.directory import write_directory
     from fairseq_fastgen.cluster.multilingual import direction_task, target_language_tokens

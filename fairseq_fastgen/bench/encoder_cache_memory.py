@@ -1,6 +1,6 @@
 """Peak memory of the encoder-decoder attention cache: stock (one copy per beam) against shared (one per sentence).
 
-    python -m fairseq_fastgen.fastseq.benchmark DATA_BIN CHECKPOINT [--subset test] [--beam 4] [--batch-size 64]
+    python -m fairseq_fastgen.bench.encoder_cache_memory DATA_BIN CHECKPOINT [--subset test] [--beam 4] [--batch-size 64]
 
 Decodes ``--subset`` with stock beam search in this process, once with the
 cache copied per beam and once shared by the beams of a sentence, and prints

@@ -1,6 +1,6 @@
 """Benchmark of ``--cluster-projection`` on one model (a command, not a test).
 
-    python -m fairseq_fastgen.cluster.benchmark DATA --path CKPT \\
+    python -m fairseq_fastgen.bench.cluster_projection DATA --path CKPT \\
         --clusters 32,128,512 --top-k 1,3,5 [--max-states N] [--json OUT]
 
 Records the training split's decoder states once, builds a cluster file for
@@ -32,7 +32,7 @@ DECODE_SETTINGS = ((1, 1), (5, 64))  # (beam, batch size)
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m fairseq_fastgen.cluster.benchmark", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fairseq_fastgen.bench.cluster_projection", description=__doc__)
     parser.add_argument("data", help="fairseq data-bin directory")
     parser.add_argument("--path", required=True, help="model checkpoint")
     parser.add_argument("--train-split", default="train", help="split whose states are clustered")
