@@ -82,5 +82,15 @@ def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = 
         return False
     runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None), freezing,
                          generator.beam_size)
-    generator.model = EngineEnsemble(models, runner, generator.max_len + 2)
+    engine_ensemble = EngineEnsemble(models, runner, generator.max_len + 2)
+    engine_ensemble.stock_ensemble = generator.model  # what leave_engine gives back
+    generator.model = engine_ensemble
+    return True
+
+
+def leave_engine(generator) -> bool:
+    """Undo :func:`run_stock_search_on_engine`: fairseq's own ensemble again; returns whether it was replaced."""
+    if not isinstance(getattr(generator, "model", None), EngineEnsemble):
+        return False
+    generator.model = generator.model.stock_ensemble
     return True

@@ -16,14 +16,15 @@
 """
 
 from fairseq_fastgen.config import PluginOptions
-from fairseq_fastgen.fastseq.beam_loop import LeanBeamLoop, use_lean_beam_loop
-from fairseq_fastgen.fastseq.ngram import RepeatedNgramBlocker, use_fastgen_ngram_blocking
+from fairseq_fastgen.fastseq.beam_loop import LeanBeamLoop, leave_lean_beam_loop, use_lean_beam_loop
+from fairseq_fastgen.fastseq.ngram import RepeatedNgramBlocker, restore_ngram_blocking, use_fastgen_ngram_blocking
 from fairseq_fastgen.fastseq.shared_cache import (
     SharedEncoderAttention,
     encoder_attention_cache_bytes,
     share_encoder_cache,
     shares_encoder_cache,
     supports_shared_cache,
+    unshare_encoder_cache,
 )
 from fairseq_fastgen.fastseq.shared_prompt import (
     SharedPromptAttention,
@@ -31,6 +32,7 @@ from fairseq_fastgen.fastseq.shared_prompt import (
     share_prompt_cache,
     shares_prompt_cache,
     supports_shared_prompt,
+    unshare_prompt_cache,
 )
 
 __all__ = [
@@ -40,6 +42,7 @@ __all__ = [
     "SharedPromptAttention",
     "encoder_attention_cache_bytes",
     "optimize_stock_generator",
+    "restore_stock_generator",
     "prompt_cache_bytes",
     "share_encoder_cache",
     "share_prompt_cache",
@@ -64,4 +67,14 @@ def optimize_stock_generator(generator, options: PluginOptions, share_cache: boo
     use_fastgen_ngram_blocking(generator)
     if not options.no_lean_beam_loop:
         use_lean_beam_loop(generator)
+    return generator
+
+
+def restore_stock_generator(generator):
+    """Undo :func:`optimize_stock_generator`: the generator, its ensemble and its models' attention modules as
+    fairseq built them (the shared caches' attention classes outlive the generator otherwise); returns it."""
+    unshare_encoder_cache(generator)
+    unshare_prompt_cache(generator)
+    restore_ngram_blocking(generator)
+    leave_lean_beam_loop(generator)
     return generator

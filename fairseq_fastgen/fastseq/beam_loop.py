@@ -240,3 +240,11 @@ def use_lean_beam_loop(generator) -> bool:
         return isinstance(generator, LeanBeamLoop)
     generator.__class__ = LeanBeamLoop
     return True
+
+
+def leave_lean_beam_loop(generator) -> bool:
+    """Undo :func:`use_lean_beam_loop`: fairseq's SequenceGenerator again; returns whether it was switched."""
+    if type(generator) is not LeanBeamLoop:
+        return False
+    generator.__class__ = SequenceGenerator
+    return True

@@ -29,9 +29,10 @@ class RepeatedNgramBlocker(nn.Module):
     lprobs: (bsz * beam_size, vocab), edited in place.
     """
 
-    def __init__(self, no_repeat_ngram_size: int):
+    def __init__(self, no_repeat_ngram_size: int, stock_blocker=None):
         super().__init__()
         self.no_repeat_ngram_size = no_repeat_ngram_size
+        self.stock_blocker = [stock_blocker]  # the generator's own (in a list: not a submodule of this one)
 
     def forward(self, tokens: torch.Tensor, lprobs: torch.Tensor, bsz: int, beam_size: int, step: int) -> torch.Tensor:
         return ban_repeated_ngrams(tokens, lprobs, step, self.no_repeat_ngram_size)
@@ -42,5 +43,15 @@ def use_fastgen_ngram_blocking(generator) -> bool:
     stock_blocker = getattr(generator, "repeat_ngram_blocker", None)
     if stock_blocker is None:
         return False
-    generator.repeat_ngram_blocker = RepeatedNgramBlocker(stock_blocker.no_repeat_ngram_size)
+    if not isinstance(stock_blocker, RepeatedNgramBlocker):
+        generator.repeat_ngram_blocker = RepeatedNgramBlocker(stock_blocker.no_repeat_ngram_size, stock_blocker)
+    return True
+
+
+def restore_ngram_blocking(generator) -> bool:
+    """Undo :func:`use_fastgen_ngram_blocking`: the generator's own blocker again; returns whether it had ours."""
+    blocker = getattr(generator, "repeat_ngram_blocker", None)
+    if not isinstance(blocker, RepeatedNgramBlocker):
+        return False
+    generator.repeat_ngram_blocker = blocker.stock_blocker[0]
     return True

@@ -249,6 +249,7 @@ class _BeamSharing:
     def __init__(self, ensemble: EnsembleModel, beams: int, attention_modules: List[MultiheadAttention]):
         self.beams = beams
         self.attention_modules = attention_modules
+        self.original_classes = [type(module) for module in attention_modules]  # what unshare_encoder_cache restores
         self.reorder_all_encoder_outs = ensemble.reorder_encoder_out
         self.reorder_all_incremental_states = ensemble.reorder_incremental_state
         self.forward_all_decoders = ensemble.forward_decoder
@@ -298,12 +299,26 @@ def share_encoder_cache(generator) -> bool:
     if not ensemble.has_incremental_states() or not all(supports_shared_cache(m) for m in ensemble.models):
         return False
     attention_modules = [module for model in ensemble.models for module in encoder_attention_modules(model)]
+    sharing = _BeamSharing(ensemble, beams, attention_modules)
     for module in attention_modules:
         module.__class__ = SharedEncoderAttention
-    sharing = _BeamSharing(ensemble, beams, attention_modules)
     ensemble.reorder_encoder_out = sharing.reorder_encoder_out
     ensemble.reorder_incremental_state = sharing.reorder_incremental_state
     ensemble.forward_decoder = sharing.forward_decoder
+    return True
+
+
+def unshare_encoder_cache(generator) -> bool:
+    """Undo :func:`share_encoder_cache`: the ensemble's methods and the models' attention modules as they were;
+    returns whether there was anything to undo."""
+    if not shares_encoder_cache(generator):
+        return False
+    ensemble = generator.model
+    sharing = ensemble.reorder_encoder_out.__self__
+    for module, original in zip(sharing.attention_modules, sharing.original_classes):
+        module.__class__ = original
+    for name in ("reorder_encoder_out", "reorder_incremental_state", "forward_decoder"):
+        delattr(ensemble, name)  # the instance attributes that shadowed the class's methods
     return True
 
 

@@ -223,6 +223,8 @@ class _PromptSharing:
         self.beams = beams
         self.pad, self.eos = generator.pad, generator.eos
         self.attention_modules = attention_modules  # per model of the ensemble
+        # what unshare_prompt_cache restores
+        self.original_classes = [[type(module) for module in modules] for modules in attention_modules]
         self.generate_all = generator._generate
         self.forward_all_decoders = ensemble.forward_decoder
         self.reorder_all_incremental_states = ensemble.reorder_incremental_state
@@ -302,13 +304,27 @@ def share_prompt_cache(generator) -> bool:
     if not ensemble.has_incremental_states() or not all(supports_shared_prompt(m) for m in ensemble.models):
         return False
     attention_modules = [self_attention_modules(model) for model in ensemble.models]
+    sharing = _PromptSharing(generator, ensemble, beams, attention_modules)
     for modules in attention_modules:
         for module in modules:
             module.__class__ = SharedPromptAttention
-    sharing = _PromptSharing(generator, ensemble, beams, attention_modules)
     generator._generate = sharing.generate
     ensemble.forward_decoder = sharing.forward_decoder
     ensemble.reorder_incremental_state = sharing.reorder_incremental_state
+    return True
+
+
+def unshare_prompt_cache(generator) -> bool:
+    """Undo :func:`share_prompt_cache`: the generator's and the ensemble's methods and the models' attention
+    modules as they were; returns whether there was anything to undo."""
+    if not shares_prompt_cache(generator):
+        return False
+    sharing = generator.model.reorder_incremental_state.__self__
+    for modules, classes in zip(sharing.attention_modules, sharing.original_classes):
+        for module, original in zip(modules, classes):
+            module.__class__ = original
+    del generator._generate  # the instance attributes that shadowed the classes' methods
+    del generator.model.forward_decoder, generator.model.reorder_incremental_state
     return True
 
 
