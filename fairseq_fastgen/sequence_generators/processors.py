@@ -131,5 +131,6 @@ def apply_processors(processors, lprobs, state):
 def row_max_len(src_lengths, gen_cfg, max_positions):
     """Per-sentence length limit (stock fairseq uses the longest source of the batch;
     per sentence keeps results independent of batching)."""
-    limit = (gen_cfg.max_len_a * src_lengths.float() + gen_cfg.max_len_b).long()
+    # in double precision, as fairseq's Python arithmetic: in float32 int(0.7 * 90) would be 63, not 62
+    limit = (gen_cfg.max_len_a * src_lengths.double() + gen_cfg.max_len_b).long()
     return limit.clamp(max=max_positions - 1)
