@@ -210,6 +210,14 @@ def restore_stock_generator(generator):
 def _install_batch_iterator():
     from fairseq.data import data_utils
 
+    # fairseq imports its Cython batching module at the first batch_by_size call; a SIGTERM or SIGINT arriving while
+    # that import registers its types with collections.abc is lost (Cython's module init clears the error), and a
+    # run or a bench stopped at its first batch went on to its end: imported now, before any run starts
+    try:
+        import fairseq.data.data_utils_fast  # noqa: F401
+    except ImportError:  # not built: fairseq's own call says how to build it
+        pass
+
     original_batch_by_size = data_utils.batch_by_size
 
     @functools.wraps(original_batch_by_size)
