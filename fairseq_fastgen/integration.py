@@ -72,6 +72,7 @@ from fairseq_fastgen.cluster.directory import run_direction
 from fairseq_fastgen.cluster.projection import attach_to_stock_generator
 from fairseq_fastgen.config import build_generation_config
 from fairseq_fastgen.engine import serve_stock_search
+from fairseq_fastgen.engine.stock_search import leave_engine
 from fairseq_fastgen.fastseq import optimize_stock_generator
 from fairseq_fastgen.fastseq import restore_stock_generator as restore_fastseq
 from fairseq_fastgen.ops import heap
@@ -198,8 +199,6 @@ def restore_stock_generator(generator):
     ensemble (the step engine's, the shared caches'), its models' attention modules, its n-gram blocker, its
     loop and the wrappers of its ``generate`` (inference mode, oneDNN's products, the cluster projection, the
     run's batch output).  The models are then as fairseq loaded them; returns the generator."""
-    from fairseq_fastgen.engine.stock_search import leave_engine
-
     leave_engine(generator)
     restore_fastseq(generator)
     vars(generator).pop("generate", None)  # the wrappers shadow the class's method as one instance attribute

@@ -307,30 +307,28 @@ class DecoderStep(nn.Module):
                 x = layer.self_attn_layer_norm(x)
 
             last = index == self.num_layers - 1  # its attention weights go into the hypotheses
-            if beams > 1:
-                x, weights = self.beam_shared_encoder_attention(layer, x, cross_keys[index], cross_values[index],
-                                                                cross_mask, beams)
-            else:
-                x, weights = self.encoder_attention(layer, x, cross_keys[index], cross_values[index], cross_mask,
-                                                    need_weights=last)
+            x, weights = self.encoder_attention(layer, x, cross_keys[index], cross_values[index], cross_mask,
+                                                need_weights=last, beams=beams)
             attn = weights[:, 0] if last else attn  # (rows, src_width)
             x = self.feed_forward(layer, x)
         return self.finish(x), attn, new_keys, new_values
 
-    def encoder_attention(self, layer, x, keys, values, mask, need_weights: bool):
+    def encoder_attention(self, layer, x, keys, values, mask, need_weights: bool, beams: int = 1):
         """The encoder-decoder attention block of the fast and padded forms: x (1, rows, dim) over keys/values
         (rows, heads, src_len, hd), ``mask`` (rows, src_len) True at padding -> x (1, rows, dim) and, with
-        ``need_weights``, the attention weights averaged over the heads (rows, 1, src_len), else None."""
+        ``need_weights``, the attention weights averaged over the heads (rows, 1, src_len), else None.  With
+        ``beams`` > 1 the rows are sentences x beams and keys/values/mask hold one entry per sentence: a
+        sentence's beams are the queries of one product over its keys."""
         rows = x.size(1)
         residual = x
         if layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
         attention = layer.encoder_attn
-        q = (attention.q_proj(x) * attention.scaling).view(rows, self.heads, 1, self.head_dim)
+        q = (attention.q_proj(x) * attention.scaling).view(-1, beams, self.heads, self.head_dim).transpose(1, 2)
         weights = None
-        if need_weights:
+        if need_weights or beams > 1:
             x, weights = self.masked_attention(q, keys, values, mask)
-            weights = weights.mean(dim=1)  # (rows, 1, src_len)
+            weights = weights.mean(dim=1).reshape(rows, 1, -1)  # (rows, 1, src_len)
         else:
             x = F.scaled_dot_product_attention(q, keys, values, attn_mask=~mask[:, None, None, :], scale=1.0)
             x = x.view(1, rows, self.heads * self.head_dim)
@@ -338,25 +336,6 @@ class DecoderStep(nn.Module):
         if not layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
         return x, weights
-
-    def beam_shared_encoder_attention(self, layer, x, keys, values, mask, beams: int):
-        """The encoder-decoder attention block over keys/values held once per sentence: x (1, rows, dim),
-        rows = sentences x ``beams``; keys/values (sentences, heads, src_len, hd), ``mask`` (sentences,
-        src_len) True at padding -> x (1, rows, dim) and the weights averaged over the heads (rows, 1,
-        src_len).  A sentence's beams are the queries of one product over its keys."""
-        rows = x.size(1)
-        residual = x
-        if layer.normalize_before:
-            x = layer.encoder_attn_layer_norm(x)
-        attention = layer.encoder_attn
-        q = (attention.q_proj(x) * attention.scaling).view(-1, beams, self.heads, self.head_dim).transpose(1, 2)
-        scores = torch.matmul(q, keys.transpose(2, 3)).masked_fill(mask[:, None, None, :], float("-inf"))
-        weights = F.softmax(scores, dim=-1, dtype=torch.float32)  # (sentences, heads, beams, src_len)
-        x = torch.matmul(weights, values).transpose(1, 2).reshape(1, rows, self.heads * self.head_dim)
-        x = layer.residual_connection(attention.out_proj(x), residual)
-        if not layer.normalize_before:
-            x = layer.encoder_attn_layer_norm(x)
-        return x, weights.mean(dim=1).reshape(rows, 1, -1)
 
     def attention_with_new_position(self, q, keys, values, earlier, new_key, new_value):
         """q (rows, heads, 1, hd) over the ``earlier`` (rows, cap) positions of keys/values (rows, heads,
@@ -377,10 +356,9 @@ class DecoderStep(nn.Module):
         return x.reshape(rows, 1, self.heads * self.head_dim).transpose(0, 1)
 
     def masked_attention(self, q, keys, values, masked):
-        """q (rows, heads, 1, hd) over keys/values (rows, heads, width, hd), ``masked`` (rows, width) True
-        where a key is not attended -> (1, rows, dim) and the weights (rows, heads, 1, width)."""
-        rows = q.size(0)
+        """q (n, heads, queries, hd) over keys/values (n, heads, width, hd), ``masked`` (n, width) True where a
+        key is not attended -> (1, n x queries, dim) and the weights (n, heads, queries, width)."""
         scores = torch.matmul(q, keys.transpose(2, 3)).masked_fill(masked[:, None, None, :], float("-inf"))
         weights = F.softmax(scores, dim=-1, dtype=torch.float32)
-        x = torch.matmul(weights, values)  # (rows, heads, 1, hd)
-        return x.view(rows, 1, self.heads * self.head_dim).transpose(0, 1), weights
+        x = torch.matmul(weights, values)  # (n, heads, queries, hd)
+        return x.transpose(1, 2).reshape(1, -1, self.heads * self.head_dim), weights
