@@ -80,7 +80,10 @@ from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
 from fairseq_fastgen.ops.onednn_linear import use_onednn_linears
 from fairseq_fastgen.option_checks import UsageError, check_generation_options
 from fairseq_fastgen.options import FastgenOptions, parse_options
+from fairseq_fastgen.cli.live_lines import LiveLines
+from fairseq_fastgen.sequence_generators.live_stream import LiveStream
 from fairseq_fastgen.sequence_generators.registry import DECODERS
+from fairseq_fastgen.sequence_generators.streaming import prepare_streaming_cli
 
 logger = logging.getLogger(__name__)
 
@@ -406,9 +409,14 @@ def _wrap_interactive_main(original_interactive):
         options = _prepare_run(cfg, "interactive")
         interactive_cli = sys.modules[original_interactive.__module__]
         oversized = OversizedLines(interactive_cli.make_batches)
+        live = _live_lines(options, cfg, oversized)
         with stopped_between_batches("fairseq-interactive", sys.stdout, AnsweredTally()) as output:
-            read = answered_buffers(interactive_cli.buffered_read, output)
-            with _swapped(interactive_cli, make_batches=oversized.make_batches, buffered_read=read), \
+            if live is None:
+                read, make_batches = answered_buffers(interactive_cli.buffered_read, output), oversized.make_batches
+            else:
+                read = answered_buffers(live.buffered_read, output, lambda: live.lines_read)
+                make_batches = live.make_batches
+            with _swapped(interactive_cli, make_batches=make_batches, buffered_read=read), \
                     contextlib.redirect_stdout(output):
                 result = original_interactive(cfg)
         report_statistics(options.common.decoder_stats_json, sys.stdout)
@@ -416,6 +424,20 @@ def _wrap_interactive_main(original_interactive):
         return result
 
     return interactive_main
+
+
+def _live_lines(options, cfg, oversized):
+    """For a streaming decoder (without lexical constraints): the input lines entering its stream as they arrive
+    (``fairseq_fastgen/cli/live_lines.py``); None otherwise."""
+    entry = DECODERS.get(str(options.common.decoder))
+    if entry is None or entry.prepare_cli is not prepare_streaming_cli or cfg.generation.constraints:
+        return None
+
+    def go_live(arrivals, admitted, run_cfg):
+        generator = generators_built[-1]
+        generator.live = LiveStream(generator, arrivals, admitted, getattr(run_cfg.task, "left_pad_source", True))
+
+    return LiveLines(oversized.make_batches, cfg.interactive.buffer_size, go_live)
 
 
 # ---- 6. numpy 2 -------------------------------------------------------------------------------

@@ -13,6 +13,9 @@ when the block ends.
 """
 
 import contextlib
+import logging
+import multiprocessing
+import os
 import signal
 import sys
 from typing import Optional
@@ -79,10 +82,31 @@ class StopSignals:
 
 def exit_stopped(program: str, stop, finished: str):
     """End the process after ``stop`` (a :class:`Stopped`, or any exception with an ``exit_status``): one line on
-    stderr, ``PROGRAM: what stopped it; what was finished``, and the stop's exit status."""
+    stderr, ``PROGRAM: what stopped it; what was finished``, and the stop's exit status.
+
+    The process ends here, without Python's interpreter shutdown: that shutdown ends daemon threads wherever
+    they are, and fairseq's background batch reader (a daemon thread feeding ``--data-buffer-size`` batches)
+    may be in the middle of unpickling a batch from its data-loader worker, freeing torch tensors; a thread
+    ended there aborts the whole process ("terminate called without an active exception", status -6, once in
+    about twenty stops).  So the child processes are ended and joined, the output streams and log handlers
+    flushed, and the process exits at once.  Callers flush their own output files first."""
     sys.stdout.flush()
     print(f"{program}: {stop}; {finished}", file=sys.stderr, flush=True)
-    raise SystemExit(stop.exit_status) from None
+    end_child_processes()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(stop.exit_status)
+
+
+def end_child_processes(timeout_s: float = 10.0):
+    """Terminate the process's multiprocessing children (data-loader and post-processing workers) and wait
+    for them, as ``multiprocessing`` does at a normal exit."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout_s)
 
 
 def ignore_in_worker():

@@ -104,14 +104,15 @@ def stopped_between_batches(program: str, output_file, tally: WrittenTally):
             output.close_batches()
 
 
-def answered_buffers(buffered_read, output: BatchedOutput):
+def answered_buffers(buffered_read, output: BatchedOutput, lines_read=None):
     """fairseq-interactive's ``buffered_read(input, buffer_size)`` for a run that prints to ``output``: each buffer
     of input lines is a batch, printed whole when the run asks for the next buffer (or the input ends); its
-    tally (an :class:`AnsweredTally`) counts the lines read."""
+    tally (an :class:`AnsweredTally`) counts the lines read (``lines_read()`` where lines are read ahead of
+    the buffers handed out)."""
 
     def read(input, buffer_size):
         for buffer in buffered_read(input, buffer_size):
-            output.tally.total += len(buffer)
+            output.tally.total = lines_read() if lines_read else output.tally.total + len(buffer)
             output.start_batch(len(buffer))
             yield buffer
             output.end_batch()  # the answers to this buffer are printed: fairseq asks for more input

@@ -155,6 +155,7 @@ class FastgenGenerator(nn.Module):
         if hasattr(self.runner, "statistics"):  # the compiled engine: its buckets and compile time
             self.counters.stats_sources.append(self.runner.statistics)
         self.nbest = 1
+        self.live = None  # fairseq-interactive with a streaming decoder: one LiveStream across calls
 
     def new_counters(self):
         return GenerationCounters(self.name)
@@ -186,6 +187,10 @@ class FastgenGenerator(nn.Module):
             raise ValueError(f"--decoder {self.name} starts from eos; bos_token={bos_token} is not supported")
         if self.model.training:  # a generator built once may serve validation during training
             self.model.eval()
+        if self.live is not None:
+            if prefix_tokens is not None:
+                raise ValueError(f"--decoder {self.name} in fairseq-interactive takes no prefix tokens")
+            return self.live.answer(sample["net_input"])
         pool = self.make_pool(sample["net_input"], prefix_tokens)
         ctx = DecodeContext(
             self.runner, build_processors(self.tgt_dict, self.gen_cfg, prefix_tokens), pool,

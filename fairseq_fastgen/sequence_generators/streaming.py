@@ -120,8 +120,8 @@ class StreamOptions(FairseqDataclass):
         default=1024,
         metadata={"help": "streaming decoders in fairseq-generate: sentences read per generate() call, streamed "
                           "through the capacity given by --batch-size / --max-tokens with refills (the batch "
-                          "options then set the capacity, not the batches); fairseq-interactive streams each "
-                          "--buffer-size block of input lines"},
+                          "options then set the capacity, not the batches); in fairseq-interactive input lines "
+                          "enter the stream as they arrive, at most --buffer-size of them read ahead"},
     )
 
 
@@ -130,9 +130,9 @@ def prepare_streaming_cli(cfg, tool):
 
     The capacity (``--batch-size`` / ``--max-tokens``, or fairseq's defaults)
     is recorded in ``--stream-capacity`` / ``--stream-capacity-tokens`` unless
-    given; the data iterator then yields whole pools: ``--stream-pool``
-    sentences (fairseq-generate) or each ``--buffer-size`` block of lines
-    (fairseq-interactive).
+    given; fairseq-generate's data iterator then yields whole pools of
+    ``--stream-pool`` sentences.  (fairseq-interactive hands its lines to the
+    stream one at a time as they arrive: ``fairseq_fastgen/cli/live_lines.py``.)
     """
     generation, dataset = cfg.generation, cfg.dataset
     batch_size, max_tokens = dataset.batch_size, dataset.max_tokens
@@ -177,50 +177,79 @@ class StreamingScheduler:
         return any(c is not None for c in (self.capacity, self.capacity_tokens, self.capacity_rows))
 
     def run(self, policy, ctx):
-        """Decode the pool with ``policy``.  A policy whose rows advance by different numbers of tokens
-        (``joins_lengths``: blockwise) keeps every active row in one state, a refill joining it; the others
-        keep cohorts of equal length in the companion-free layout."""
-        joins_lengths = getattr(policy, "joins_lengths", False)
-        layout = CompanionFreeLayout(ctx)
-        self.source_len, self.width = layout.source_len, getattr(policy, "width", 1)
-        encode = ctx.start_state if joins_lengths else functools.partial(layout.encode, ctx)
-        merge = policy.join if joins_lengths else functools.partial(_merge_equal_lengths, layout=layout)
-        if self.streams:
-            ctx.counters.add("refills", 0)  # reported even when none was needed
-        next_source = 0  # sources before it (in pool order) have been admitted
-        cohorts = []
-        while True:
-            if next_source < ctx.pool.size and self._wants_refill(cohorts):
-                admitted = self._admit(cohorts, next_source)
-                if admitted:
-                    sentences = torch.arange(next_source, next_source + admitted, device=self.source_len.device)
-                    start = policy.start_joining if joins_lengths and cohorts else policy.start
-                    cohorts = merge(cohorts + [start(encode(sentences), ctx)])
-                    if next_source:
-                        ctx.counters.add("refills")
-                    next_source += admitted
-            if not cohorts:
-                break
-            cohort = self._select(cohorts)
-            ctx.counters.record_step("candidate_expansions", int(cohort.sentence.ne(PADDING_SENTENCE).sum()))
-            policy.advance(cohort, ctx)
-            ctx.counters.add("iterations")
-            cohorts = merge([c for c in cohorts if c.rows > 0])
+        """Decode the pool with ``policy`` to its last sentence."""
+        stream = StreamRun(self, policy, ctx)
+        while stream.iterate():
+            pass
 
-    def _select(self, cohorts):
+
+class StreamRun:
+    """One pool streaming through a scheduler, an iteration at a time.
+
+    A policy whose rows advance by different numbers of tokens (``joins_lengths``: blockwise) keeps every
+    active row in one state, a refill joining it; the others keep cohorts of equal length in the
+    companion-free layout.  A pool with ``pull()`` (a live pool: fairseq-interactive's lines as they arrive)
+    takes in what arrived whenever the load asks for a refill."""
+
+    def __init__(self, scheduler: StreamingScheduler, policy, ctx):
+        self.scheduler, self.policy, self.ctx = scheduler, policy, ctx
+        self.joins_lengths = getattr(policy, "joins_lengths", False)
+        self.layout = CompanionFreeLayout(ctx)
+        self.width = getattr(policy, "width", 1)  # candidate rows of a source not yet expanded
+        self.encode = ctx.start_state if self.joins_lengths else functools.partial(self.layout.encode, ctx)
+        self.merge = policy.join if self.joins_lengths else functools.partial(_merge_equal_lengths,
+                                                                              layout=self.layout)
+        if scheduler.streams:
+            ctx.counters.add("refills", 0)  # reported even when none was needed
+        self.next_source = 0  # sources before it (in pool order) have been admitted
+        self.cohorts = []
+
+    @property
+    def source_len(self) -> torch.Tensor:
+        return self.layout.source_len  # (pool,) tokens of each source, with eos
+
+    def iterate(self) -> bool:
+        """Admit new sources if the load asks for them, then expand one cohort; False once nothing is left
+        to decode (a live pool may still grow later)."""
+        ctx = self.ctx
+        if self._wants_refill():
+            if hasattr(ctx.pool, "pull"):  # a live pool: take in what arrived
+                ctx.pool.pull()
+            if self.source_len.numel() != ctx.pool.size:  # a live pool grew
+                self.layout.measure(ctx)
+            admitted = self._admit() if self.next_source < ctx.pool.size else 0
+            if admitted:
+                sentences = torch.arange(self.next_source, self.next_source + admitted, device=self.source_len.device)
+                start = self.policy.start_joining if self.joins_lengths and self.cohorts else self.policy.start
+                self.cohorts = self.merge(self.cohorts + [start(self.encode(sentences), ctx)])
+                if self.next_source:
+                    ctx.counters.add("refills")
+                self.next_source += admitted
+                if hasattr(ctx.pool, "admitted"):
+                    ctx.pool.admitted(admitted)
+        if not self.cohorts:
+            return False
+        cohort = self._select()
+        ctx.counters.record_step("candidate_expansions", int(cohort.sentence.ne(PADDING_SENTENCE).sum()))
+        self.policy.advance(cohort, ctx)
+        ctx.counters.add("iterations")
+        self.cohorts = self.merge([c for c in self.cohorts if c.rows > 0])
+        return True
+
+    def _select(self):
         """The cohort this iteration expands: the least expanded, or with fifo the most (admitted first)."""
-        if len(cohorts) == 1:
-            return cohorts[0]
-        pick = max if self.selection == "fifo" else min
-        return pick(cohorts, key=lambda c: c.length)
+        if len(self.cohorts) == 1:
+            return self.cohorts[0]
+        pick = max if self.scheduler.selection == "fifo" else min
+        return pick(self.cohorts, key=lambda c: c.length)
 
     # ---- capacity ----------------------------------------------------------------
-    def _load(self, cohorts):
+    def _load(self):
         """Active sources, their source tokens and their candidate rows (a source not yet expanded counts
         at the policy's full width, ``--beam`` for the beam searches)."""
         active = self.source_len.new_zeros(self.source_len.size(0), dtype=torch.bool)  # (pool,)
         rows = 0
-        for cohort in cohorts:
+        for cohort in self.cohorts:
             real = cohort.sentence[cohort.sentence.ne(PADDING_SENTENCE)]
             active[real] = True
             rows += real.numel() if _expanded(cohort) else self.width * real.numel()
@@ -228,20 +257,21 @@ class StreamingScheduler:
 
     def _within(self, sentences, tokens, rows, share=1.0):
         """Whether a load is within ``share`` of every capacity."""
+        scheduler = self.scheduler
         return all(limit is None or load <= share * limit for load, limit in (
-            (sentences, self.capacity), (tokens, self.capacity_tokens), (rows, self.capacity_rows)))
+            (sentences, scheduler.capacity), (tokens, scheduler.capacity_tokens), (rows, scheduler.capacity_rows)))
 
-    def _wants_refill(self, cohorts):
-        if not cohorts:
+    def _wants_refill(self):
+        if not self.cohorts:
             return True
-        return self.streams and self._within(*self._load(cohorts), share=self.eps)
+        return self.scheduler.streams and self._within(*self._load(), share=self.scheduler.eps)
 
-    def _admit(self, cohorts, next_source):
+    def _admit(self):
         """How many sources, from ``next_source`` on, fit beside the active ones (at least one if none is)."""
-        pending = self.source_len[next_source:].tolist()
-        if not self.streams:
+        pending = self.source_len[self.next_source:].tolist()
+        if not self.scheduler.streams:
             return len(pending)
-        sentences, tokens, rows = self._load(cohorts) if cohorts else (0, 0, 0)
+        sentences, tokens, rows = self._load() if self.cohorts else (0, 0, 0)
         admitted = 0
         for length in pending:
             fits = self._within(sentences + admitted + 1, tokens + length, rows + (admitted + 1) * self.width)
@@ -276,6 +306,10 @@ class CompanionFreeLayout:
     """Encodes sources so that no sentence's numbers depend on its companions (see the module doc)."""
 
     def __init__(self, ctx):
+        self.measure(ctx)
+
+    def measure(self, ctx):
+        """Read the source lengths of the pool (again, once a live pool has grown)."""
         src_tokens = ctx.pool.net_input["src_tokens"]  # (sentences, src_len)
         self.source_len = src_tokens.ne(ctx.pool.pad).sum(dim=1)  # (sentences,) tokens incl. eos
 

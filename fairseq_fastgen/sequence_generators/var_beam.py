@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
+import torch.nn.functional as F
 
 from fairseq.dataclass import FairseqDataclass
 
@@ -78,6 +79,17 @@ class SentenceRecords:
         self.collected: List[List[dict]] = [[] for _ in range(pool_size)]
         self.collected_count = torch.zeros(pool_size, dtype=torch.long, device=device)
         self.best_collected = torch.full((pool_size,), NEG_INF, device=device)
+
+    def grow(self, pool_size):
+        """Records for the sentences a live pool took in since (fairseq-interactive's lines)."""
+        extra = pool_size - len(self.waiting)
+        if extra <= 0:
+            return
+        self.waiting_scores = F.pad(self.waiting_scores, (0, 0, 0, extra), value=NEG_INF)
+        self.waiting += [{} for _ in range(extra)]
+        self.collected += [[] for _ in range(extra)]
+        self.collected_count = F.pad(self.collected_count, (0, extra))
+        self.best_collected = F.pad(self.best_collected, (0, extra), value=NEG_INF)
 
 
 @dataclass
@@ -135,6 +147,7 @@ class BeamSearchPolicy:
         if self._records_ctx is not ctx:  # a new generate() call
             self._records = SentenceRecords(ctx.pool.size, self.beam, ctx.pool.src_lengths.device)
             self._records_ctx = ctx
+        self._records.grow(ctx.pool.size)
         return self._records
 
     def start(self, state, ctx):
