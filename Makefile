@@ -27,7 +27,7 @@ $(STAMP): requirements.txt setup.py Makefile
 # and then prints install hints and hydra's debug lines; configured first, it shows warnings only.
 demo: venv
 	$(BIN)/python -c 'import logging; logging.basicConfig(level=logging.WARNING); \
-		from fairseq_fastgen.demo import main; main()'
+		from fastgen_demo.demo import main; main()'
 
 test: venv
 	$(BIN)/python -m pytest tests -q -n 2 --dist loadgroup

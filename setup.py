@@ -8,7 +8,9 @@ setup(
     description="Fast decoders for fairseq: blockwise parallel decoding, streaming variable-width "
     "beam search, cluster-projected vocabulary, FastSeq optimizations",
     python_requires=">=3.11",
-    packages=find_packages(include=["fairseq_fastgen", "fairseq_fastgen.*"]) + ["fairseq_fastgen.kernels"],
+    # fastgen_demo: make demo's corpus, toy models and demo, beside the plugin (which never imports it)
+    packages=find_packages(include=["fairseq_fastgen", "fairseq_fastgen.*", "fastgen_demo"])
+    + ["fairseq_fastgen.kernels"],
     # CUDA sources live in the checkout's kernels/; a normal install copies them
     # into the package as fairseq_fastgen/kernels/*.cu
     package_dir={"fairseq_fastgen.kernels": "kernels"},

@@ -22,9 +22,9 @@ import torch
 from fairseq import checkpoint_utils
 
 import fairseq_fastgen  # noqa: F401  (checkpoint loading with torch >= 2.6)
+from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.engine import build_runner, compiled
-from fairseq_fastgen.ops.onednn_linear import OneDNNLinears
 
 
 def run_steps(runner, encoder_out, rows, steps, capacity):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import sentencepiece
 
-from fairseq_fastgen import toy
+from fastgen_demo import toy
 
 SPLITS = {"train": "train", "valid": "val", "test": "test_2016_flickr", "test1": "test_2017_flickr"}
 

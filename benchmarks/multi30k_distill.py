@@ -41,7 +41,7 @@ from multi30k import (  # noqa: E402  (the base model's settings)
     student_spec,
 )
 
-from fairseq_fastgen import toy  # noqa: E402
+from fastgen_demo import toy  # noqa: E402
 
 DATA_KINDS = ("regular", "distilled")
 REGIMES = ("frozen", "finetuned")

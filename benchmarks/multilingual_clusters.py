@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from multi30k import add_base_model_options, base_spec, console_script, read_lines, step  # noqa: E402
 
-from fairseq_fastgen import toy  # noqa: E402
-from fairseq_fastgen.toy_multilingual import (  # noqa: E402
+from fastgen_demo import toy  # noqa: E402
+from fastgen_demo.toy_multilingual import (  # noqa: E402
     binarize_multilingual, multilingual_spec, multilingual_task_args,
 )
 

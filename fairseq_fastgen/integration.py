@@ -1,4 +1,5 @@
-"""Every change the plugin makes to fairseq, in one place.
+"""The plugin's patches of fairseq's modules, in one place; its changes to the objects fairseq builds are in
+the adapters beside it (:mod:`fairseq_fastgen.adapters`, and ``fastseq/`` for FastSeq's optimizations).
 
 fairseq has no extension point for decoding algorithms, generation options or
 checkpoint allow-lists, so the plugin patches a few names when it is imported
@@ -18,12 +19,12 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    For ``--decoder beam`` it builds fairseq's own generator and then applies,
    to that instance only, the cluster projection (attached to the model's
    decoder only while that generator's ``generate`` runs, as other generators
-   may share the model) and the FastSeq optimizations
+   may share the model: :mod:`fairseq_fastgen.adapters.output_layer`) and the FastSeq optimizations
    (:func:`fairseq_fastgen.fastseq.optimize_stock_generator`: encoder cache
    shared by the beams unless ``--no-shared-encoder-cache``, n-gram banning
    that works on CPU).  For every decoder, ``--onednn-linear`` routes the
    model's linear layers through oneDNN while that generator generates
-   (:mod:`fairseq_fastgen.ops.onednn_linear`), and ``--reuse-large-allocations``
+   (:mod:`fairseq_fastgen.adapters.linear_forwards`), and ``--reuse-large-allocations``
    sets the process's malloc thresholds (:mod:`fairseq_fastgen.ops.heap`).
    Every generator generates under ``torch.inference_mode`` unless
    ``--no-inference-mode`` (:mod:`fairseq_fastgen.ops.inference_mode`).
@@ -68,16 +69,17 @@ from fairseq.dataclass import configs as fairseq_configs
 from fairseq.tasks.fairseq_task import FairseqTask
 
 from fairseq_fastgen import checkpoint_safety
+from fairseq_fastgen.adapters.ensemble import restore_ensemble
+from fairseq_fastgen.adapters.generate import give_attributes, take_back_attributes, unwrap_generate
+from fairseq_fastgen.adapters.linear_forwards import use_onednn_linears
+from fairseq_fastgen.adapters.output_layer import attach_to_stock_generator
 from fairseq_fastgen.cluster.directory import run_direction
-from fairseq_fastgen.cluster.projection import attach_to_stock_generator
 from fairseq_fastgen.config import build_generation_config
 from fairseq_fastgen.engine import serve_stock_search
-from fairseq_fastgen.engine.stock_search import leave_engine
 from fairseq_fastgen.fastseq import optimize_stock_generator
 from fairseq_fastgen.fastseq import restore_stock_generator as restore_fastseq
 from fairseq_fastgen.ops import heap
 from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
-from fairseq_fastgen.ops.onednn_linear import use_onednn_linears
 from fairseq_fastgen.option_checks import UsageError, check_generation_options
 from fairseq_fastgen.options import FastgenOptions, parse_options
 from fairseq_fastgen.cli.live_lines import LiveLines
@@ -188,7 +190,7 @@ def _install_build_generator():
             heap.reuse_large_allocations()  # the process's malloc settings
         if not common.no_inference_mode:
             generate_in_inference_mode(generator)  # every decoder
-        generator.fastgen_decoder = entry.name
+        give_attributes(generator, fastgen_decoder=entry.name)
         generators_built.append(generator)
         if _generate_run is not None:
             _generate_run.watch(generator)  # each batch starts by writing the previous one, printed whole
@@ -200,11 +202,13 @@ def _install_build_generator():
 def restore_stock_generator(generator):
     """Undo every change ``build_generator`` made to a generator fairseq built (``--decoder beam``): its
     ensemble (the step engine's, the shared caches'), its models' attention modules, its n-gram blocker, its
-    loop and the wrappers of its ``generate`` (inference mode, oneDNN's products, the cluster projection, the
-    run's batch output).  The models are then as fairseq loaded them; returns the generator."""
-    leave_engine(generator)
+    loop, the wrappers of its ``generate`` (inference mode, oneDNN's products, the cluster projection, the
+    run's batch output) and the attributes the plugin gave it.  The models are then as fairseq loaded them;
+    returns the generator."""
+    restore_ensemble(generator)
     restore_fastseq(generator)
-    vars(generator).pop("generate", None)  # the wrappers shadow the class's method as one instance attribute
+    unwrap_generate(generator)
+    take_back_attributes(generator)
     return generator
 
 

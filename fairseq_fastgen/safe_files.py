@@ -9,12 +9,17 @@ left are removed by :func:`remove_stale_temporaries`.
 its SHA-256 and where it came from, so that a later run trusts a file it keeps
 only after checking it (:meth:`FileManifest.problem`).
 
+:func:`cached_build` builds a directory once per content key under ``$FASTGEN_CACHE``
+(default ``~/.cache/fairseq_fastgen``): fastgen-bench's CTranslate2 conversions, the
+demo's and the tests' toy models.
+
 For tests, ``FASTGEN_KILL_AT_WRITE_STEP=N`` kills the process (SIGKILL, as
 ``kill -9`` would) at its N-th write step: after a temporary file is written and
 before it is renamed, and after it is renamed.  With the variable set, every step
 is printed on stderr (``write step N: ...``), so a test can list them.
 """
 
+import fcntl
 import hashlib
 import json
 import os
@@ -120,3 +125,29 @@ class FileManifest:
         if sha256(path) != entry["sha256"]:
             return "its content changed since it was written (SHA-256 differs)"
         return None
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fairseq_fastgen"))
+
+
+def cached_build(name, key_parts, build):
+    """Build an artifact directory once per content key, shared across processes.
+
+    ``build(tmp_dir)`` fills a fresh directory; it is renamed into place only
+    when complete, and a file lock makes concurrent callers (pytest-xdist
+    workers) wait for the first builder instead of building twice.
+    """
+    digest = hashlib.sha256("\x00".join(str(p) for p in key_parts).encode()).hexdigest()[:16]
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{name}-{digest}"
+    with open(root / f"{name}-{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not final.exists():
+            tmp = root / f"{name}-{digest}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            build(tmp)
+            tmp.rename(final)
+    return final

@@ -14,8 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from fairseq_fastgen import toy  # noqa: E402
-from fairseq_fastgen.data import synthetic  # noqa: E402
+from fastgen_demo import synthetic, toy  # noqa: E402
 
 TOY_SPEC = toy.ToyModelSpec(max_update=200, validate_interval=1000)
 

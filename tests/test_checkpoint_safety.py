@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import fairseq_fastgen  # noqa: F401  (installs the allow-list)
-from fairseq_fastgen import toy
 from fairseq_fastgen.checkpoint_safety import TRUST_ENV
+from fastgen_demo import toy
 from tests.test_foundation_cli import interactive
 from tests.test_usage_errors import assert_one_error_line
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_fastgen import toy
+from fastgen_demo import toy
 
 pytestmark = pytest.mark.xdist_group("toy_cli")
 

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 
 import fairseq_fastgen  # noqa: F401  (registers the decoders: their options are checked too)
-from fairseq_fastgen import toy
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.option_checks import (
     GENERATION_OPTIONS,
@@ -18,6 +17,7 @@ from fairseq_fastgen.option_checks import (
 )
 from fairseq_fastgen.options import parse_options
 from fairseq_fastgen.sequence_generators.registry import DECODERS
+from fastgen_demo import toy
 from tests.test_foundation_cli import generate
 
 NAN, INF = math.nan, math.inf

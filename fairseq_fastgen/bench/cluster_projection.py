@@ -192,7 +192,7 @@ def translate(model, task, args, beam, batch_size, sentences=0, projection=None)
     from omegaconf import OmegaConf
     from fairseq import utils
     from fairseq.dataclass.configs import GenerationConfig
-    from fairseq_fastgen.cluster.projection import attached
+    from fairseq_fastgen.adapters.output_layer import attached
 
     generator = task.build_generator([model], OmegaConf.structured(GenerationConfig(beam=beam)))
     dictionary = task.target_dictionary

@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from fairseq import utils
 
-from fairseq_fastgen import toy
 from fairseq_fastgen.bench.measure import Candidate
+from fairseq_fastgen.safe_files import cached_build
 
 logger = logging.getLogger("fastgen_bench")
 
@@ -47,7 +47,7 @@ def convert(ctranslate2, checkpoint: str, data_dir: str, source_lang=None, targe
         converter = FairseqConverter(str(checkpoint_file), data_dir, source_lang=source_lang, target_lang=target_lang)
         converter.convert(str(output_dir), force=True)
 
-    return toy.cached_build("ctranslate2", key, build)
+    return cached_build("ctranslate2", key, build)
 
 
 class CTranslate2Peer:

@@ -23,6 +23,7 @@ def cache_peak_bytes(data_bin, checkpoint, subset, beam, batch_size, shared, thr
     from fairseq.dataclass.configs import GenerationConfig
 
     import fairseq_fastgen  # noqa: F401
+    from fairseq_fastgen.adapters.ensemble import observing_steps
     from fairseq_fastgen.fastseq import encoder_attention_cache_bytes, share_encoder_cache
 
     torch.set_num_threads(threads)
@@ -35,16 +36,12 @@ def cache_peak_bytes(data_bin, checkpoint, subset, beam, batch_size, shared, thr
     if shared:
         share_encoder_cache(generator)
     peak = 0
-    forward_decoder = generator.model.forward_decoder
 
-    def measuring_forward_decoder(tokens, encoder_outs, incremental_states, temperature=1.0):
+    def measure(incremental_states):
         nonlocal peak
-        result = forward_decoder(tokens, encoder_outs, incremental_states, temperature)
         peak = max(peak, encoder_attention_cache_bytes(models, incremental_states))
-        return result
 
-    generator.model.forward_decoder = measuring_forward_decoder
-    with torch.no_grad(), warnings.catch_warnings():
+    with torch.no_grad(), warnings.catch_warnings(), observing_steps(generator, measure):
         warnings.simplefilter("ignore", UserWarning)  # the data loader's pin_memory note on CPU
         batches = task.get_batch_iterator(task.dataset(subset), max_sentences=batch_size, required_batch_size_multiple=1,
                                           disable_iterator_cache=True).next_epoch_itr(shuffle=False)

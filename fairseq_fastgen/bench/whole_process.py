@@ -32,10 +32,10 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from fairseq_fastgen import toy
 from fairseq_fastgen.bench import options
 from fairseq_fastgen.bench.options import STOCK_PROCESS
 from fairseq_fastgen.bench.measure import Candidate
+from fairseq_fastgen.commands import PLUGIN_DIR, fairseq_command, stock_fairseq_command
 
 GRACE_S = 30  # how long a stopped fairseq-generate pass may take to end before it is killed
 SUMMARY = re.compile(r"Translated ([\d,]+) sentences \(([\d,]+) tokens\)")
@@ -75,9 +75,9 @@ def generate_command(config, bench, stats_path: Optional[str]) -> List[str]:
     common = without_option(bench.fairseq_argv, "--user-dir")
     run_options = ["--gen-subset", bench.subset, "--beam", str(config.beam)] + batching
     if config.decoder == STOCK_PROCESS:
-        return toy.stock_fairseq_command("generate") + common + run_options
-    command = toy.fairseq_command("generate") + common + run_options
-    command += ["--user-dir", toy.PLUGIN_DIR, "--decoder", config.decoder, "--decoder-stats-json", stats_path]
+        return stock_fairseq_command("generate") + common + run_options
+    command = fairseq_command("generate") + common + run_options
+    command += ["--user-dir", PLUGIN_DIR, "--decoder", config.decoder, "--decoder-stats-json", stats_path]
     if config.variant is not None:
         command += shlex.split(bench.variant_argv[config.variant])
     if config.cluster_projection:

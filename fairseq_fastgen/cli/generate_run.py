@@ -8,9 +8,9 @@
   whole, is written (:mod:`fairseq_fastgen.cli.batched_output`).
 """
 
-import functools
 from typing import Optional
 
+from fairseq_fastgen.adapters.generate import wrap_generate
 from fairseq_fastgen.cli.batched_output import BatchedOutput, WrittenTally
 from fairseq_fastgen.cli.oversized_lines import OverBudgetSentences
 
@@ -27,15 +27,12 @@ class GenerateRun:
 
     def watch(self, generator):
         """From now on each call of ``generator.generate`` (one batch) first writes the batch printed before it."""
-        generate = generator.generate
+        wrap_generate(generator, self.generate_batch)
 
-        @functools.wraps(generate)
-        def generate_batch(models, sample, *args, **kwargs):
-            if self.output is not None:
-                self.output.start_batch(len(sample["id"]))
-            return generate(models, sample, *args, **kwargs)
-
-        generator.generate = generate_batch
+    def generate_batch(self, generate, models, sample, *args, **kwargs):
+        if self.output is not None:
+            self.output.start_batch(len(sample["id"]))
+        return generate(models, sample, *args, **kwargs)
 
     def exit_if_refused(self):
         """After the run: exit with status 1 naming the sentences refused for their length, if any."""

@@ -17,7 +17,8 @@ without it.
 
 The same object serves every decoder: the plugin's decoders call it from the
 model runner (``ModelRunner.step``); fairseq's own beam search (``--decoder
-beam``) calls ``decoder.forward``, so :func:`attach_to_stock_generator` routes
+beam``) calls ``decoder.forward``, so
+:func:`fairseq_fastgen.adapters.output_layer.attach_to_stock_generator` routes
 that decoder's ``output_layer`` through it while that generator generates.
 
 ``--cluster-full-normalizer`` is a diagnostic: the candidates stay the union's
@@ -34,7 +35,6 @@ statistics, so that the reduced projection's step time has a baseline measured
 the same way (fastgen-bench turns it on for the configurations without a file).
 """
 
-import contextlib
 import logging
 import math
 import time
@@ -48,7 +48,6 @@ from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, o
 from fairseq_fastgen.cluster.directory import Direction, load_for_direction
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
-from fairseq_fastgen.ops.generate_context import generate_within
 from fairseq_fastgen.ops.onednn_linear import attached_to, linear_like
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 
@@ -280,44 +279,6 @@ def load_projection(path, model, full_normalizer: Optional[FullNormalizer] = Non
     return ClusterProjection(cluster_file, full_normalizer)
 
 
-# ---- fairseq's own beam search (--decoder beam) -----------------------------------------------
-class ProjectedOutputLayer:
-    """Stands in for ``decoder.output_layer`` (an instance attribute shadowing the method)."""
-
-    def __init__(self, projection: TimedFullProjection, decoder):
-        self.projection = projection
-        self.decoder = decoder
-
-    def __call__(self, features: Tensor) -> Tensor:
-        return self.projection(features, self.decoder)
-
-
-def attach(decoder, projection: TimedFullProjection):
-    """Route ``decoder.forward``'s vocabulary projection through ``projection``."""
-    output_projection_of(decoder)  # refuses decoders whose output_layer is not a plain projection
-    decoder.output_layer = ProjectedOutputLayer(projection, decoder)
-
-
-@contextlib.contextmanager
-def attached(decoder, projection: TimedFullProjection):
-    """``decoder.forward`` projects through ``projection`` inside the block only."""
-    attach(decoder, projection)
-    try:
-        yield
-    finally:
-        detach(decoder)
-
-
-def detach(decoder):
-    if isinstance(decoder.__dict__.get("output_layer"), ProjectedOutputLayer):
-        del decoder.output_layer
-
-
-def attached_projection(decoder) -> Optional[TimedFullProjection]:
-    hook = decoder.__dict__.get("output_layer")
-    return hook.projection if isinstance(hook, ProjectedOutputLayer) else None
-
-
 class ProjectionCounters(GenerationCounters):
     """Counters of a generator whose only plugin statistics are the projection's."""
 
@@ -327,26 +288,3 @@ class ProjectionCounters(GenerationCounters):
 
     def extra_stats(self):
         return self.statistics.as_dict()
-
-
-def attach_to_stock_generator(generator, models, options: PluginOptions, temperature: Optional[float],
-                              decoder_name="beam", direction: Optional[Direction] = None
-                              ) -> Optional[TimedFullProjection]:
-    """Make ``--cluster-projection`` (or ``--time-projection``) apply to fairseq's SequenceGenerator.
-
-    With the option: loads the file and gives ``generator`` a ``projection`` and a
-    ``counters`` attribute reporting its statistics; the projection is attached to the
-    model's decoder only while ``generator.generate`` runs, so other generators built on
-    the same model (a bench's other configurations, a hub interface's other settings)
-    keep their own projection, or none. Without the option: nothing changes.
-    """
-    if not projection_requested(options):
-        return None
-    if len(models) != 1:
-        raise ValueError(f"--cluster-projection holds the clusters of one model; got an ensemble of {len(models)}")
-    projection = projection_from_options(options, temperature, models[0], direction)
-    decoder = models[0].decoder
-    generate_within(generator, lambda: attached(decoder, projection))
-    generator.projection = projection
-    generator.counters = ProjectionCounters(decoder_name, projection.statistics)
-    return projection

@@ -47,12 +47,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
 from fairseq_fastgen.engine.runners import StaticRunner
 from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache
 from fairseq_fastgen.engine.static_cache import StaticCache
-from fairseq_fastgen.ops.onednn_linear import (
-    OneDNNLinears, onednn_available, onednn_linear, onednn_serves, pack_weight,
-)
+from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear, onednn_serves, pack_weight
 
 POSITION_BUCKET = 32  # target positions of a row bucket's buffers: this, doubled as rows grow past it
 # target positions the buffers of the step for many rows grow by: that step reads every position of them (the

@@ -20,6 +20,8 @@ from typing import Optional
 
 from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
+from fairseq_fastgen.adapters.ensemble import use_ensemble
+
 logger = logging.getLogger("fairseq_fastgen.engine")
 CACHE_KEY = "fastgen_engine_cache"  # where the runner's cache sits in fairseq's incremental state
 STARTED_KEY = "fastgen_engine_started"  # marks an encoder output whose rows a cache has taken
@@ -73,7 +75,8 @@ def stock_search_refusal(generator, models) -> Optional[str]:
 
 def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = False) -> bool:
     """Give ``generator`` (fairseq's ``--decoder beam``) an :class:`EngineEnsemble` of ``engine``'s
-    runner; returns whether it did (otherwise one line says why, and fairseq's step runs)."""
+    runner (:func:`fairseq_fastgen.adapters.ensemble.use_ensemble`); returns whether it did (otherwise one line
+    says why, and fairseq's step runs)."""
     from fairseq_fastgen.engine import make_runner
 
     refusal = stock_search_refusal(generator, models)
@@ -82,15 +85,5 @@ def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = 
         return False
     runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None), freezing,
                          generator.beam_size)
-    engine_ensemble = EngineEnsemble(models, runner, generator.max_len + 2)
-    engine_ensemble.stock_ensemble = generator.model  # what leave_engine gives back
-    generator.model = engine_ensemble
-    return True
-
-
-def leave_engine(generator) -> bool:
-    """Undo :func:`run_stock_search_on_engine`: fairseq's own ensemble again; returns whether it was replaced."""
-    if not isinstance(getattr(generator, "model", None), EngineEnsemble):
-        return False
-    generator.model = generator.model.stock_ensemble
+    use_ensemble(generator, EngineEnsemble(models, runner, generator.max_len + 2))  # undone by restore_ensemble
     return True

@@ -10,11 +10,10 @@ sources on the CPU for tests.  One CPU op, :func:`onednn_linear`
 from fairseq_fastgen.ops.cache_reorder import reorder_beam_cache, shrink_shared_cache
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
 from fairseq_fastgen.ops.ngram_ban import ban_repeated_ngrams
-from fairseq_fastgen.ops.onednn_linear import OneDNNLinears, onednn_linear
+from fairseq_fastgen.ops.onednn_linear import onednn_linear
 
 __all__ = [
     "ClusterActiveSets",
-    "OneDNNLinears",
     "ban_repeated_ngrams",
     "cluster_union_mask",
     "onednn_linear",

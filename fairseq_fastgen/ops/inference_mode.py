@@ -18,7 +18,7 @@ hundreds of calls per step it saves.
 import torch
 from torch import Tensor
 
-from fairseq_fastgen.ops.generate_context import generate_within
+from fairseq_fastgen.adapters.generate import generate_within
 
 
 def generate_in_inference_mode(generator):

@@ -14,23 +14,20 @@ candidates are that close.  This is why the option is off by default and
 stock fairseq's bitwise guarantees (the shared encoder cache, the lean beam
 loop) are stated without it.
 
-:class:`OneDNNLinears` serves one model: while ``attached()``, every
-``nn.Linear`` of the model computes through its packed weight (an instance
-attribute ``forward`` shadowing the method, removed on exit, as the cluster
-projection attaches to ``output_layer``).  Packed weights are kept between
-batches and packed again when the layer's weight changes (a new tensor, or an
-in-place update: the tensor's version counter).  Where the product needs a
-gradient, or a layer's weight is not fp32, the layer keeps its own forward.
+:class:`PackedForward` is one layer's product through its packed weight;
+:class:`fairseq_fastgen.adapters.linear_forwards.OneDNNLinears` puts one in
+place of the ``forward`` of every ``nn.Linear`` of a model while attached.
+Packed weights are kept between batches and packed again when the layer's
+weight changes (a new tensor, or an in-place update: the tensor's version
+counter).  Where the product needs a gradient, or a layer's weight is not
+fp32, the layer keeps its own forward.
 """
 
-import contextlib
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from fairseq_fastgen.ops.generate_context import generate_within
 
 # oneDNN chooses the packed layout for an expected number of rows; measured
 # (8008 x 256, one thread): a hint of 64 rows packs a layout as fast at 1 and 4
@@ -127,55 +124,3 @@ class PackedForward:
             self.packed = pack_weight(weight)
             self.source, self.version = weight, weight._version
         return onednn_linear(x, self.packed, linear.bias)
-
-
-class OneDNNLinears:
-    """The packed forwards of every ``nn.Linear`` of ``model``, attached while :meth:`attached` runs."""
-
-    def __init__(self, model: nn.Module):
-        if not onednn_available():
-            raise ValueError("--onednn-linear needs a torch built with oneDNN (mkldnn); this one has none: "
-                             "leave the option out")
-        devices = {p.device.type for p in model.parameters()}
-        if devices - {"cpu"}:
-            raise ValueError(f"--onednn-linear runs on the CPU; the model is on {', '.join(sorted(devices))}: "
-                             f"leave the option out")
-        self.model = model
-        self.forwards: Dict[int, PackedForward] = {}
-
-    def linears(self):
-        return [m for m in self.model.modules() if isinstance(m, nn.Linear)]
-
-    @contextlib.contextmanager
-    def attached(self):
-        """Inside the block, the model's linear layers compute through oneDNN."""
-        attached = []
-        try:
-            for linear in self.linears():  # looked up each time: a layer may have been replaced
-                if "forward" in linear.__dict__:
-                    continue  # someone else's stand-in: leave it
-                forward = self.forwards.get(id(linear))
-                if forward is None or forward.linear is not linear:
-                    forward = self.forwards[id(linear)] = PackedForward(linear)
-                linear.__dict__["forward"] = forward  # an instance attribute, without nn.Module's setattr checks
-                attached.append(linear)
-            yield
-        finally:
-            for linear in attached:
-                del linear.__dict__["forward"]
-
-
-def use_onednn_linears(generator, models):
-    """``--onednn-linear``: ``generator.generate`` computes the linear layers of ``models``
-    through oneDNN (every decoder, stock beam search included)."""
-    linears = [OneDNNLinears(model) for model in models]
-
-    @contextlib.contextmanager
-    def every_model_attached():
-        with contextlib.ExitStack() as stack:
-            for model_linears in linears:
-                stack.enter_context(model_linears.attached())
-            yield
-
-    generate_within(generator, every_model_attached)
-    generator.onednn_linears = linears

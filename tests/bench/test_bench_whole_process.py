@@ -5,10 +5,11 @@ import shlex
 
 import pytest
 
-from fairseq_fastgen import bench, toy
+from fairseq_fastgen import bench
 from fairseq_fastgen.bench import options
 from fairseq_fastgen.bench.options import BenchConfig
 from fairseq_fastgen.bench.whole_process import generate_command, parse_output, without_option
+from fastgen_demo import toy
 
 pytestmark = pytest.mark.xdist_group("toy_cli")
 

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from fairseq_fastgen import toy
-from fairseq_fastgen.data import synthetic
+from fastgen_demo import synthetic, toy
 from tests.processes import children, finish, start_reading_until
 
 pytestmark = pytest.mark.xdist_group("toy_cli")

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from fairseq_fastgen import toy
+from fastgen_demo import toy
 from tests.cli.test_async_generate import assert_whole_sentences
 from tests.processes import children, finish, start_reading_until, wait_for_children
 

@@ -12,11 +12,10 @@ import torch
 
 import fairseq_fastgen  # noqa: F401  (plugin: checkpoint allow-list, --decoder)
 from fairseq import checkpoint_utils
-from fairseq_fastgen import toy as toy_pipeline
-from fairseq_fastgen import toy_multilingual
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
 from fairseq_fastgen.cluster.multilingual import direction_task, model_directions
-from fairseq_fastgen.data import multi_source, synthetic
+from fastgen_demo import multi_source, synthetic, toy_multilingual
+from fastgen_demo import toy as toy_pipeline
 from tests.models.khead_toy import khead_k4  # noqa: F401  (fixture)
 
 

@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from fairseq_fastgen import toy as toy_pipeline
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
 from fairseq_fastgen.cluster.train import ClusterTrainingConfig, check_counts, cli_main
+from fastgen_demo import toy as toy_pipeline
 
 
 def sentences_in(small_test_bin):

@@ -13,8 +13,9 @@ import torch
 from omegaconf import OmegaConf
 
 from fairseq.dataclass.configs import GenerationConfig  # the plugin's merged class
+from fairseq_fastgen.adapters.output_layer import attached_projection
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
-from fairseq_fastgen.cluster.projection import attached_projection, nearest_clusters
+from fairseq_fastgen.cluster.projection import nearest_clusters
 from fairseq_fastgen.sequence_generators import DECODERS
 
 K_HEAD_DECODERS = {"blockwise", "blockwise-stream"}  # need a transformer_khead model: the toy k-head model below

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
+from fairseq_fastgen.adapters.output_layer import attach, attached_projection, detach
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
-from fairseq_fastgen.cluster.projection import (
-    DENSE_FRACTION, ClusterProjection, FullNormalizer, attach, attached_projection, detach, padded_width,
-)
-from fairseq_fastgen.ops.onednn_linear import OneDNNLinears, onednn_available, onednn_linear
+from fairseq_fastgen.cluster.projection import DENSE_FRACTION, ClusterProjection, FullNormalizer, padded_width
+from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear
 
 # the module (the package exports its function under the same name)
 onednn_module = importlib.import_module("fairseq_fastgen.ops.onednn_linear")

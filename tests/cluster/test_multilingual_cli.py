@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fairseq_fastgen import toy as toy_pipeline
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
 from fairseq_fastgen.cluster.directory import INDEX_NAME, write_directory
 from fairseq_fastgen.safe_files import KILL_AT_WRITE_STEP_ENV
+from fastgen_demo import toy as toy_pipeline
 from tests.cluster.conftest import MULTILINGUAL_SIZES, full_coverage_file
 from tests.cluster.test_cluster_cli import projection_statistics
 from tests.test_usage_errors import assert_one_error_line

@@ -10,8 +10,8 @@ import torch
 from fairseq.criterions import CRITERION_REGISTRY
 from fairseq.data import Dictionary
 from fairseq.models import ARCH_MODEL_REGISTRY
-from fairseq_fastgen import toy
 from fairseq_fastgen.distill import INTERRUPTED_EXIT_CODE, STOP_AFTER_SHARDS_ENV
+from fastgen_demo import toy
 from tests.distill.distill_runs import ONE_THREAD, REFERENCE_ARGS, SPLIT, read_tokens, run, run_distill, same_bytes
 
 pytestmark = pytest.mark.xdist_group("toy_distill")

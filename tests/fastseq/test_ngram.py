@@ -8,9 +8,9 @@ import torch
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
-from fairseq_fastgen import toy
 from fairseq_fastgen.fastseq import RepeatedNgramBlocker, optimize_stock_generator
 from fairseq_fastgen.options import parse_options
+from fastgen_demo import toy
 
 pytestmark = pytest.mark.xdist_group("toy_cli")
 

@@ -22,10 +22,9 @@ import torch
 
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-from fairseq_fastgen import toy
 from fairseq_fastgen.criterions import random_subloss
-from fairseq_fastgen.data import synthetic
 from fairseq_fastgen.models import transformer_khead
+from fastgen_demo import synthetic, toy
 
 HERE = Path(__file__).resolve().parent
 CRITERION_ARGS = ["--criterion", "random_subloss", "--label-smoothing", "0.1"]

@@ -13,10 +13,10 @@ from fairseq import checkpoint_utils
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerDecoderBase
-from fairseq_fastgen import toy
 from fairseq_fastgen.models.transformer_khead import KHeadTransformerModel
 from fairseq_fastgen.options import parse_options
 from fairseq_fastgen.sequence_generators.greedy import GreedyGenerator
+from fastgen_demo import toy
 from tests.models.khead_toy import build_in_process, randomized_heads
 
 BLOCK = 3

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
 from fairseq_fastgen.ops.onednn_linear import (
-    MIN_MULTIPLY_ADDS, ROW_SIZES_PER_OCTAVE, OneDNNLinears, PackedForward, onednn_available, onednn_linear,
-    pack_weight, padded_rows,
+    MIN_MULTIPLY_ADDS, ROW_SIZES_PER_OCTAVE, PackedForward, onednn_available, onednn_linear, pack_weight, padded_rows,
 )
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")

@@ -16,7 +16,6 @@ import fairseq_fastgen  # noqa: F401  (plugin: --decoder, models)
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 from fairseq.dataclass.configs import GenerationConfig
-from fairseq_fastgen import toy
 from fairseq_fastgen.sequence_generators.blockwise_acceptance import OrdinalDistance, ordinal_values
 from fairseq_fastgen.sequence_generators.blockwise_rows import RowStepProcessors
 from fairseq_fastgen.sequence_generators.int8_proposals import Int8Linear
@@ -25,6 +24,7 @@ from fairseq_fastgen.sequence_generators.processors import (
 )
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.state import DecodingState
+from fastgen_demo import toy
 
 pytestmark = [pytest.mark.xdist_group("toy_khead"), pytest.mark.usefixtures("one_thread")]
 

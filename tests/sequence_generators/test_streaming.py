@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from fairseq_fastgen import toy as toy_pipeline
 from fairseq_fastgen.sequence_generators import generator as generator_module
 from fairseq_fastgen.sequence_generators import streaming
 from fairseq_fastgen.sequence_generators.streaming import kernels_are_companion_free
+from fastgen_demo import toy as toy_pipeline
 from test_var_beam import TEST_SENTENCES, assert_identical, toy  # noqa: F401  (toy: the model fixture)
 
 CAPACITY = 8

@@ -4,19 +4,18 @@ Used by ``make demo`` and by the test fixtures.  Every step calls the real
 fairseq command line tools (fairseq-preprocess, fairseq-train), as a user would.
 """
 
-import fcntl
 import hashlib
 import os
-import shutil
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
-from fairseq_fastgen.data.synthetic import generate_corpus
+# the runtime's command lines and artifact cache, which the test fixtures reach through this module too
+from fairseq_fastgen.commands import PLUGIN_DIR, fairseq_command, stock_fairseq_command  # noqa: F401
+from fairseq_fastgen.safe_files import cached_build  # noqa: F401
+from fastgen_demo.synthetic import generate_corpus
 
-PLUGIN_DIR = str(Path(__file__).resolve().parent)  # the --user-dir argument
 SRC, TGT = "en", "fr"
 
 
@@ -55,22 +54,7 @@ class ToyModelSpec:
         ] + list(self.extra_args)
 
 
-def fairseq_command(tool: str) -> List[str]:
-    """The fairseq console script (fairseq-generate, ...) of the running interpreter's
-    environment, so it works without the virtual environment on PATH."""
-    script = Path(sys.executable).parent / f"fairseq-{tool}"
-    if script.exists():
-        return [str(script)]
-    return [sys.executable, "-c", f"from fairseq_cli.{tool} import cli_main; cli_main()"]
-
-
 PROGRESS_MARKERS = (" | train_inner | ", " | train | ", " | valid | ", "done training")  # fairseq-train's progress lines
-
-
-def stock_fairseq_command(tool: str) -> List[str]:
-    """Stock fairseq's ``fairseq-TOOL`` without the plugin, loading checkpoints with only fairseq's
-    globals allowed (torch's weights_only protection stays on; see fairseq_fastgen/stock_fairseq.py)."""
-    return [sys.executable, str(Path(__file__).with_name("stock_fairseq.py")), tool]
 
 
 def run(cmd, log_path=None, show_progress=False):
@@ -126,32 +110,6 @@ def train(bin_dir, save_dir, spec: ToyModelSpec, show_progress=False, criterion_
         cmd.append("--no-progress-bar")
     run(cmd, log_path=Path(save_dir) / "train.log", show_progress=show_progress)
     return Path(save_dir) / "checkpoint_last.pt"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("FASTGEN_CACHE", Path.home() / ".cache" / "fairseq_fastgen"))
-
-
-def cached_build(name, key_parts, build):
-    """Build an artifact directory once per content key, shared across processes.
-
-    ``build(tmp_dir)`` fills a fresh directory; it is renamed into place only
-    when complete, and a file lock makes concurrent callers (pytest-xdist
-    workers) wait for the first builder instead of building twice.
-    """
-    digest = hashlib.sha256("\x00".join(str(p) for p in key_parts).encode()).hexdigest()[:16]
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{name}-{digest}"
-    with open(root / f"{name}-{digest}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not final.exists():
-            tmp = root / f"{name}-{digest}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            build(tmp)
-            tmp.rename(final)
-    return final
 
 
 def source_fingerprint(*modules) -> str:

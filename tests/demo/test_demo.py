@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from fairseq_fastgen import demo
+from fastgen_demo import demo
 from tests.models.khead_toy import khead_k4  # noqa: F401  (fixture)
 
 EXPECTED_ROWS = [

@@ -47,7 +47,7 @@ default 2; beyond 3 the length cap dominates. Every sentence ends with " ." and 
 3..40 tokens on both sides (sentences outside that range are drawn again). Output is
 lower-cased UTF-8, one sentence per line, tokens separated by single spaces.
 
-Usage: ``python -m fairseq_fastgen.data.synthetic OUT_DIR [--train N] [--valid N]
+Usage: ``python -m fastgen_demo.synthetic OUT_DIR [--train N] [--valid N]
 [--test N] [--seed S] [--max-depth D]``.
 """
 

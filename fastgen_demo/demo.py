@@ -1,6 +1,6 @@
 """``make demo``: the main job on the embedded default, each method where it is meant to pay.
 
-1. generate the synthetic English-like -> French-like corpus (fairseq_fastgen.data.synthetic),
+1. generate the synthetic English-like -> French-like corpus (fastgen_demo.synthetic),
 2. binarize it with fairseq-preprocess,
 3. train a tiny base transformer with fairseq-train (its progress lines show),
 4. train a k-head student on top of it (frozen base, the blockwise method's cheapest variant),
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from fairseq_fastgen import bench, toy
+from fairseq_fastgen import bench
+from fastgen_demo import toy
 
 BASE_SPEC = toy.ToyModelSpec(layers=2, dim=128, ffn=256, heads=4, max_positions=128, max_update=600,
                              max_tokens=4096, lr=0.003, warmup=200, validate_interval=4)

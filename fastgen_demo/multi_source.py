@@ -1,10 +1,10 @@
 """A multi-parallel synthetic corpus: two source languages into one target.
 
-The first source and the target are :mod:`fairseq_fastgen.data.synthetic`'s
+The first source and the target are :mod:`fastgen_demo.synthetic`'s
 English-like -> French-like corpus (same seed, same sentences); the second
 source language is the first re-spelled word by word (:func:`second_source_sentence`),
 so line i of every file is the same sentence, as in Multi30k.  The toy
-multilingual model of the tests (``fairseq_fastgen.toy``) is trained on it.
+multilingual model of the tests (``fastgen_demo.toy``) is trained on it.
 
 Kept apart from ``synthetic.py`` on purpose: the bilingual toy model's cache
 key hashes that file, and every change to it retrains that model.
@@ -14,7 +14,7 @@ import functools
 import os
 import random
 
-from fairseq_fastgen.data.synthetic import DEFAULT_MAX_DEPTH, DEFAULT_SIZES, generate_corpus
+from fastgen_demo.synthetic import DEFAULT_MAX_DEPTH, DEFAULT_SIZES, generate_corpus
 
 SECOND_SOURCE_SEED = 2718
 
@@ -49,7 +49,7 @@ def generate_multi_source_corpus(out_dir, n_train: int = DEFAULT_SIZES["train"],
                                  max_depth: int = DEFAULT_MAX_DEPTH) -> dict:
     """Write ``{train,valid,test}.{lang}`` for both ``sources`` and ``tgt`` under ``out_dir``.
 
-    Returns :func:`~fairseq_fastgen.data.synthetic.generate_corpus`'s result (first source and
+    Returns :func:`~fastgen_demo.synthetic.generate_corpus`'s result (first source and
     target) with the second source's paths added."""
     first, second = sources
     result = generate_corpus(out_dir, n_train, n_valid, n_test, seed=seed, src=first, tgt=tgt, max_depth=max_depth)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from fairseq_fastgen.data import synthetic
+from fastgen_demo import synthetic
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LEXICON = synthetic.build_lexicon()
@@ -186,7 +186,7 @@ def test_every_construction_occurs(default_corpus):
 def test_cli_prints_summary_and_writes_files(tmp_path):
     out_dir = tmp_path / "cli"
     completed = subprocess.run(
-        [sys.executable, "-m", "fairseq_fastgen.data.synthetic", str(out_dir),
+        [sys.executable, "-m", "fastgen_demo.synthetic", str(out_dir),
          "--train", "40", "--valid", "5", "--test", "6", "--seed", "2"],
         cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert "train 40" in completed.stdout and "test 6" in completed.stdout

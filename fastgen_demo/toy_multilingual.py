@@ -1,6 +1,6 @@
 """A multilingual toy model: two source languages into one target, as fairseq trains them.
 
-Its corpus is :mod:`fairseq_fastgen.data.multi_source`'s (the synthetic corpus with
+Its corpus is :mod:`fastgen_demo.multi_source`'s (the synthetic corpus with
 a second source language, line-aligned); one dictionary serves every language;
 fairseq-train trains one shared ``transformer`` with the ``translation_multi_simple_epoch``
 task.  Used by the cluster projection's tests; :func:`binarize_multilingual` and
@@ -13,8 +13,8 @@ hash that file, and every change to it retrains them.
 from pathlib import Path
 from typing import List
 
-from fairseq_fastgen.data.multi_source import generate_multi_source_corpus
-from fairseq_fastgen.toy import TGT, ToyModelSpec, fairseq_command, run, train
+from fastgen_demo.multi_source import generate_multi_source_corpus
+from fastgen_demo.toy import TGT, ToyModelSpec, fairseq_command, run, train
 
 MULTILINGUAL_SOURCES = ("en", "de")  # into TGT; "de" is the synthetic second source language
 MULTILINGUAL_TASK = "translation_multi_simple_epoch"

@@ -1,1 +1,0 @@
-"""Data utilities for fairseq_fastgen (the embedded synthetic corpus lives in :mod:`.synthetic`)."""

@@ -1,0 +1,42 @@
+"""What fairseq loads with ``--user-dir fairseq_fastgen`` stays the plugin: no module of it imports the demo and
+toy-model package (``fastgen_demo``), which ``make demo`` and the test fixtures use beside it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# fairseq's way in (--user-dir), then every module of the package, as the console scripts and the bench import them
+LOAD_THE_PLUGIN = """
+import argparse, importlib, json, pkgutil, sys
+from fairseq import utils
+from fairseq.dataclass import configs
+utils.import_user_module(argparse.Namespace(user_dir=sys.argv[1]))
+import fairseq_fastgen
+from fairseq_fastgen.sequence_generators.registry import DECODERS
+modules = [info.name for info in pkgutil.walk_packages(fairseq_fastgen.__path__, "fairseq_fastgen.")
+           if not info.name.endswith("__main__")]
+for name in modules:
+    importlib.import_module(name)
+print(json.dumps({
+    "plugin": fairseq_fastgen.__file__,
+    "modules": len(modules),
+    "decoders": sorted(DECODERS),
+    "generation_fields": "decoder" in configs.GenerationConfig.__dataclass_fields__,
+    "demo_modules": sorted(m for m in sys.modules if m.split(".")[0] == "fastgen_demo"),
+}))
+"""
+
+
+def test_the_plugin_and_every_module_of_it_load_without_the_demo_package():
+    plugin_dir = REPO / "fairseq_fastgen"
+    completed = subprocess.run([sys.executable, "-c", LOAD_THE_PLUGIN, str(plugin_dir)], cwd=REPO,
+                               capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    loaded = json.loads(completed.stdout.splitlines()[-1])
+    assert Path(loaded["plugin"]).parent == plugin_dir  # this checkout's plugin, not an installed copy
+    assert loaded["modules"] > 50 and {"beam", "greedy", "blockwise", "var-stream"} <= set(loaded["decoders"])
+    assert loaded["generation_fields"]  # the registrations ran: --decoder is one of fairseq's generation options
+    assert loaded["demo_modules"] == []
