@@ -64,6 +64,7 @@ import pickle
 import sys
 
 import fairseq
+import torch
 from fairseq import checkpoint_utils, utils
 from fairseq.dataclass import configs as fairseq_configs
 from fairseq.tasks.fairseq_task import FairseqTask
@@ -439,7 +440,9 @@ def _live_lines(options, cfg, oversized):
 
     def go_live(arrivals, admitted, run_cfg):
         generator = generators_built[-1]
-        generator.live = LiveStream(generator, arrivals, admitted, getattr(run_cfg.task, "left_pad_source", True))
+        device = "cuda" if torch.cuda.is_available() and not run_cfg.common.cpu else "cpu"  # as fairseq's use_cuda
+        generator.live = LiveStream(generator, arrivals, admitted, getattr(run_cfg.task, "left_pad_source", True),
+                                    device)
 
     return LiveLines(oversized.make_batches, cfg.interactive.buffer_size, go_live)
 

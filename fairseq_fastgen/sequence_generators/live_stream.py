@@ -73,8 +73,7 @@ class LivePool(SourcePool):
 class LiveStream:
     """The stream of one generator over a live pool (see the module doc)."""
 
-    def __init__(self, generator, arrivals: Callable, admitted: Callable, left_pad: bool = True):
-        device = next(generator.model.parameters()).device
+    def __init__(self, generator, arrivals: Callable, admitted: Callable, left_pad: bool = True, device="cpu"):
         max_positions = generator.model.max_decoder_positions()
         self.pool = LivePool(generator.pad, left_pad, lambda real: row_max_len(real, generator.gen_cfg, max_positions),
                              arrivals, admitted, device)

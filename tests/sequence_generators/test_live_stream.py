@@ -13,7 +13,7 @@ from collections import deque
 import pytest
 import torch
 
-from fairseq_fastgen import toy as toy_pipeline
+from fairseq_fastgen.commands import fairseq_command
 from fairseq_fastgen.sequence_generators.live_stream import LiveStream
 from test_blockwise import loaded  # noqa: F401  (the k-head fixture)
 from test_var_beam import TEST_SENTENCES, assert_identical, toy  # noqa: F401
@@ -98,7 +98,7 @@ def test_live_blockwise_stream_gives_blockwise_outputs(loaded):  # noqa: F811
 
 # ---- fairseq-interactive ------------------------------------------------------------------------
 def interactive_command(toy_model, plugin_dir, *extra):
-    return toy_pipeline.fairseq_command("interactive") + [
+    return fairseq_command("interactive") + [
         str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--user-dir", plugin_dir, "--cpu",
         "--source-lang", "en", "--target-lang", "fr", *extra]
 
