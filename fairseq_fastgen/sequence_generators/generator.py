@@ -41,9 +41,18 @@ class SourcePool:
     prefix_tokens: Optional[Tensor]  # (sentences, prefix_len) or None
     pad: int  # padding symbol of the source
 
+    def __post_init__(self):
+        self.source_len = self.net_input["src_tokens"].ne(self.pad).sum(dim=1)  # (sentences,) tokens with eos
+
     @property
     def size(self) -> int:
         return self.src_lengths.size(0)
+
+    def inputs_of(self, sentences: Tensor) -> Dict[str, Tensor]:
+        """net_input of the given sentences (the pool's own when they are all of it, in order)."""
+        if torch.equal(sentences, torch.arange(self.size, device=sentences.device)):
+            return self.net_input
+        return self.subset(sentences)
 
     def subset(self, index: Tensor) -> Dict[str, Tensor]:
         """net_input of the given sentences, re-padded to their own longest source."""
@@ -73,8 +82,7 @@ class DecodeContext:
     # ---- model ----------------------------------------------------------------
     def start_state(self, sentences: Tensor) -> DecodingState:
         """Encode the given pool sentences; one row per sentence."""
-        whole_pool = torch.equal(sentences, torch.arange(self.pool.size, device=sentences.device))
-        net_input = self.pool.net_input if whole_pool else self.pool.subset(sentences)
+        net_input = self.pool.inputs_of(sentences)
         encoder_out = self.runner.encode(net_input)
         self.counters.add("encoder_calls")
         bos = torch.full((sentences.numel(), 1), self.eos, dtype=torch.long, device=sentences.device)

@@ -8,7 +8,8 @@ no source waiting, the stream asks ``arrivals()`` for the lines read meanwhile (
 ``fairseq_fastgen/cli/live_lines.py``).  Sentences of later lines thus decode in the same model calls as the
 line being answered, and an answer is printed as soon as it and every earlier one are done.
 
-The pool only grows: a sentence's source stays (its results are dropped once returned).
+The pool keeps a sentence's source tokens until it enters the decoding and its hypotheses until they are
+returned; a long session grows by a few dozen bytes a line (its lengths and an empty results slot).
 """
 
 from collections import deque
@@ -17,39 +18,78 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-from fairseq_fastgen.sequence_generators.generator import DecodeContext, SourcePool
+from fairseq_fastgen.sequence_generators.generator import DecodeContext
 from fairseq_fastgen.sequence_generators.processors import build_processors, row_max_len
 from fairseq_fastgen.sequence_generators.streaming import StreamRun
 
 RETURNED: list = []  # a sentence's results once handed to its generate() call
 
 
-class LivePool(SourcePool):
-    """A :class:`SourcePool` that grows: ``pull()`` appends the sentences that arrived (non-blocking)."""
+class GrowingVector:
+    """A 1-D tensor that grows at its end, doubling its storage (appends cost O(1) amortized)."""
 
-    def __init__(self, pad: int, left_pad: bool, max_len_of: Callable, arrivals: Callable, admitted: Callable,
-                 device):
-        empty = torch.empty((0, 0), dtype=torch.long, device=device)
-        lengths = torch.empty(0, dtype=torch.long, device=device)
-        super().__init__({"src_tokens": empty, "src_lengths": lengths}, lengths, lengths, None, pad)
-        self.left_pad = left_pad
+    def __init__(self, dtype, device):
+        self.storage = torch.empty(16, dtype=dtype, device=device)
+        self.count = 0
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.storage[: self.count]  # (count,)
+
+    def append(self, values: torch.Tensor):
+        needed = self.count + values.numel()
+        if needed > self.storage.numel():
+            self.storage = F.pad(self.storage, (0, max(needed, 2 * self.storage.numel()) - self.storage.numel()))
+        self.storage[self.count : needed] = values
+        self.count = needed
+
+
+class LivePool:
+    """The sentences of a live stream, addressed by their position in it as a :class:`SourcePool`'s are.
+    ``pull()`` appends the sentences that arrived (it never waits).  A sentence's source tokens are kept
+    until it enters the decoding; per sentence the pool then keeps three lengths and its results slot (empty
+    once returned), so a long session grows by a few dozen bytes a line."""
+
+    prefix_tokens = None
+
+    def __init__(self, pad: int, eos: int, left_pad: bool, max_len_of: Callable, arrivals: Callable,
+                 admitted: Callable, device):
+        self.pad, self.eos, self.left_pad, self.device = pad, eos, left_pad, device
         self.max_len_of = max_len_of  # (sentences,) real source lengths -> (sentences,) hypothesis length limits
         self.arrivals = arrivals  # () -> list of net_input dicts, the lines read since the last call
         self.on_admitted = admitted  # (count) -> None: sources that entered the decoding
-        self.ahead = deque()  # (first sentence, count, src_tokens) pulled before their generate() call
+        self.tokens: List = []  # per sentence: its source tokens with eos, (length,), None once admitted
+        self.lengths = {name: GrowingVector(torch.long, device) for name in ("source_len", "src_lengths", "max_len")}
+        self.admitted_count = 0  # sentences before it entered the decoding
+        self.ahead = deque()  # (sentences, src_tokens) pulled before their generate() call
         self.results: List = []  # the DecodeContext's results, grown with the pool
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def source_len(self) -> torch.Tensor:
+        return self.lengths["source_len"].values  # (sentences,) tokens with eos
+
+    @property
+    def src_lengths(self) -> torch.Tensor:
+        return self.lengths["src_lengths"].values  # (sentences,) without pad and eos
+
+    @property
+    def max_len(self) -> torch.Tensor:
+        return self.lengths["max_len"].values  # (sentences,) length limit of each hypothesis
 
     def extend(self, net_input: Dict[str, torch.Tensor]) -> range:
         """Append a batch's sentences; returns their positions in the pool."""
         first = self.size
-        tokens = net_input["src_tokens"].to(self.src_lengths.device)  # (batch, width)
-        width = max(tokens.size(1), self.net_input["src_tokens"].size(1))
-        src_tokens = torch.cat([self._padded(self.net_input["src_tokens"], width), self._padded(tokens, width)])
-        src_lengths = torch.cat([self.net_input["src_lengths"], net_input["src_lengths"].to(tokens.device)])
-        self.net_input = {"src_tokens": src_tokens, "src_lengths": src_lengths}
-        real = (tokens.ne(self.pad) & tokens.ne(self.eos)).long().sum(dim=1)  # (batch,) without pad and eos
-        self.src_lengths = torch.cat([self.src_lengths, real])
-        self.max_len = torch.cat([self.max_len, self.max_len_of(real)])
+        tokens = net_input["src_tokens"].to(self.device)  # (batch, width)
+        kept = tokens.ne(self.pad)  # (batch, width)
+        self.tokens += [row[keep] for row, keep in zip(tokens, kept)]
+        source_len = kept.sum(dim=1)  # (batch,)
+        real = source_len - tokens.eq(self.eos).sum(dim=1)  # (batch,) without eos
+        for name, values in (("source_len", source_len), ("src_lengths", real), ("max_len", self.max_len_of(real))):
+            self.lengths[name].append(values)
         self.results.extend([None] * tokens.size(0))
         return range(first, self.size)
 
@@ -62,12 +102,22 @@ class LivePool(SourcePool):
             added += len(sentences)
         return added
 
-    def admitted(self, count: int):
-        self.on_admitted(count)
+    def subset(self, index: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """net_input of the given sentences, padded to their own longest source."""
+        rows = [self.tokens[sentence] for sentence in index.tolist()]
+        width = max(row.numel() for row in rows)
+        src_tokens = torch.stack([F.pad(row, (width - row.numel(), 0) if self.left_pad else (0, width - row.numel()),
+                                        value=self.pad) for row in rows])  # (sentences, width)
+        return {"src_tokens": src_tokens, "src_lengths": self.source_len.index_select(0, index)}
 
-    def _padded(self, tokens, width):
-        extra = width - tokens.size(1)
-        return F.pad(tokens, (extra, 0) if self.left_pad else (0, extra), value=self.pad) if extra else tokens
+    inputs_of = subset
+
+    def admitted(self, count: int):
+        """The next ``count`` sentences entered the decoding: their source tokens are not read again."""
+        for sentence in range(self.admitted_count, self.admitted_count + count):
+            self.tokens[sentence] = None
+        self.admitted_count += count
+        self.on_admitted(count)
 
 
 class LiveStream:
@@ -75,9 +125,9 @@ class LiveStream:
 
     def __init__(self, generator, arrivals: Callable, admitted: Callable, left_pad: bool = True, device="cpu"):
         max_positions = generator.model.max_decoder_positions()
-        self.pool = LivePool(generator.pad, left_pad, lambda real: row_max_len(real, generator.gen_cfg, max_positions),
-                             arrivals, admitted, device)
-        self.pool.eos = generator.eos
+        self.pool = LivePool(generator.pad, generator.eos, left_pad,
+                             lambda real: row_max_len(real, generator.gen_cfg, max_positions), arrivals, admitted,
+                             device)
         self.ctx = DecodeContext(
             generator.runner, build_processors(generator.tgt_dict, generator.gen_cfg), self.pool, generator.eos,
             generator.gen_cfg.lenpen, not generator.gen_cfg.unnormalized, generator.nbest, generator.counters,

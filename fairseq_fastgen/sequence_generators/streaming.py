@@ -194,7 +194,7 @@ class StreamRun:
     def __init__(self, scheduler: StreamingScheduler, policy, ctx):
         self.scheduler, self.policy, self.ctx = scheduler, policy, ctx
         self.joins_lengths = getattr(policy, "joins_lengths", False)
-        self.layout = CompanionFreeLayout(ctx)
+        self.layout = CompanionFreeLayout()
         self.width = getattr(policy, "width", 1)  # candidate rows of a source not yet expanded
         self.encode = ctx.start_state if self.joins_lengths else functools.partial(self.layout.encode, ctx)
         self.merge = policy.join if self.joins_lengths else functools.partial(_merge_equal_lengths,
@@ -206,7 +206,7 @@ class StreamRun:
 
     @property
     def source_len(self) -> torch.Tensor:
-        return self.layout.source_len  # (pool,) tokens of each source, with eos
+        return self.ctx.pool.source_len  # (pool,) tokens of each source, with eos
 
     def iterate(self) -> bool:
         """Admit new sources if the load asks for them, then expand one cohort; False once nothing is left
@@ -215,8 +215,6 @@ class StreamRun:
         if self._wants_refill():
             if hasattr(ctx.pool, "pull"):  # a live pool: take in what arrived
                 ctx.pool.pull()
-            if self.source_len.numel() != ctx.pool.size:  # a live pool grew
-                self.layout.measure(ctx)
             admitted = self._admit() if self.next_source < ctx.pool.size else 0
             if admitted:
                 sentences = torch.arange(self.next_source, self.next_source + admitted, device=self.source_len.device)
@@ -305,14 +303,6 @@ def _merge_equal_lengths(cohorts, layout):
 class CompanionFreeLayout:
     """Encodes sources so that no sentence's numbers depend on its companions (see the module doc)."""
 
-    def __init__(self, ctx):
-        self.measure(ctx)
-
-    def measure(self, ctx):
-        """Read the source lengths of the pool (again, once a live pool has grown)."""
-        src_tokens = ctx.pool.net_input["src_tokens"]  # (sentences, src_len)
-        self.source_len = src_tokens.ne(ctx.pool.pad).sum(dim=1)  # (sentences,) tokens incl. eos
-
     @staticmethod
     def width_for(longest: int) -> int:
         return max(MIN_KEY_WIDTH, -(-longest // KEY_BLOCK) * KEY_BLOCK)
@@ -320,7 +310,7 @@ class CompanionFreeLayout:
     def encode(self, ctx, sentences) -> DecodingState:
         """One row per sentence, encoder outputs right-padded to the width of the longest source."""
         states = []
-        lengths = self.source_len.index_select(0, sentences)
+        lengths = ctx.pool.source_len.index_select(0, sentences)
         width = self.width_for(int(lengths.max()))
         for length in lengths.unique().tolist():
             group = sentences[lengths.eq(length)]

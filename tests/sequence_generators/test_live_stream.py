@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fairseq_fastgen.commands import fairseq_command
-from fairseq_fastgen.sequence_generators.live_stream import LiveStream
+from fairseq_fastgen.sequence_generators.live_stream import RETURNED, LiveStream
 from test_blockwise import loaded  # noqa: F401  (the k-head fixture)
 from test_var_beam import TEST_SENTENCES, assert_identical, toy  # noqa: F401
 
@@ -57,6 +57,9 @@ def live_answers(toy, generator, ids):
     answers = script.answer_in_order(generator, ids)
     assert script.admitted_count == len(ids)  # every line entered the stream once
     assert script.taken_in  # the stream took lines in ahead of the loop's requests
+    pool = generator.live.pool  # keeps nothing of a sentence once it is answered but its lengths
+    assert pool.size == len(ids) and all(tokens is None for tokens in pool.tokens)
+    assert all(results is RETURNED for results in pool.results)
     return {sentence: [h for h in hypotheses] for sentence, hypotheses in answers.items()}, script
 
 
