@@ -19,16 +19,17 @@ import time
 from fairseq_fastgen.bench import main as bench_main
 from fairseq_fastgen.models.transformer_khead import KHeadTransformerDecoder
 from fairseq_fastgen.sequence_generators.blockwise import BlockwisePolicy
-from fairseq_fastgen.sequence_generators.blockwise_rows import BlockwiseState, RowStepProcessors
 from fairseq_fastgen.sequence_generators.greedy import GreedyPolicy
+from fairseq_fastgen.sequence_generators.processors import RowStepProcessors
 from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.sequence_generators.state import DecodingState
 
 PARTS = [
     (GreedyPolicy, "advance"), (ModelRunner, "step"),
     (BlockwisePolicy, "start"), (BlockwisePolicy, "advance"), (BlockwisePolicy, "run_block"),
     (BlockwisePolicy, "log_probs"), (BlockwisePolicy, "later_scores"), (BlockwisePolicy, "propose"),
-    (BlockwisePolicy, "accepted_prefix"), (RowStepProcessors, "__call__"), (BlockwiseState, "accept"),
-    (BlockwiseState, "select"), (KHeadTransformerDecoder, "rollback"),
+    (BlockwisePolicy, "accepted_prefix"), (RowStepProcessors, "__call__"), (DecodingState, "append"),
+    (DecodingState, "select"), (KHeadTransformerDecoder, "rollback"),
 ]
 
 seconds = collections.defaultdict(float)

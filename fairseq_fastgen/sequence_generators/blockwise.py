@@ -16,6 +16,11 @@ So after the first (bos) step, each iteration is one model invocation over at
 most k new positions.  The self-attention cache keeps only accepted positions:
 rejected ones are dropped after each pass (the runner's ``keep_accepted``).
 
+The rows live in a :class:`DecodingState` with per-row lengths (rows accept
+different numbers of tokens); its ``extra`` holds each row's next block:
+``proposals`` (rows, block), the first proposal's lprob ``first_lprob``
+(rows,) and attention ``first_attn`` (rows, src_len) or None.
+
 Acceptance is exact by default: a proposal is accepted iff it is greedy's
 choice (argmax of p_1 after the step processors), so the output is the greedy
 output of head 1.  ``--blockwise-top-k``, ``--blockwise-epsilon`` and
@@ -23,17 +28,22 @@ output of head 1.  ``--blockwise-top-k``, ``--blockwise-epsilon`` and
 """
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_fastgen.option_checks import UsageError, require_int
 from fairseq_fastgen.sequence_generators.blockwise_acceptance import BlockwiseOptions, ExactMatch, build_acceptance
-from fairseq_fastgen.sequence_generators.blockwise_rows import BlockwiseState, RowStepProcessors
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
 from fairseq_fastgen.sequence_generators.int8_proposals import Int8Proposer
 from fairseq_fastgen.sequence_generators.registry import register_decoder
 from fairseq_fastgen.sequence_generators.state import DecodingState
-from fairseq_fastgen.sequence_generators.streaming import StreamingScheduler, StreamOptions, prepare_streaming_cli
+from fairseq_fastgen.sequence_generators.streaming import (
+    CompanionFreeLayout,
+    StreamingScheduler,
+    StreamOptions,
+    prepare_streaming_cli,
+)
 
 
 # ---- the search policy -----------------------------------------------------------------------
@@ -55,83 +65,100 @@ class BlockwisePolicy:
 
     @staticmethod
     def join(states):
-        """Streaming: every state's rows in one (a list of at most one state)."""
-        return [BlockwiseState.concat(states)] if len(states) > 1 else states
+        """Streaming: every state's rows in one (a list of at most one state), whatever their lengths: the
+        runner right-aligns their cached positions; sources are right-padded to the widest."""
+        if len(states) < 2:
+            return states
+        width = max(s.src_len for s in states)
+        for state in states:
+            first_attn = state.extra.get("first_attn")
+            if first_attn is not None:
+                state.extra["first_attn"] = F.pad(first_attn, (0, width - state.src_len))  # (rows, width)
+            CompanionFreeLayout.widen(state, width)  # encoder output, cached keys/values and attn
+        return [DecodingState.concat(states)]
 
-    def start(self, state: DecodingState, ctx) -> BlockwiseState:
+    def start(self, state: DecodingState, ctx) -> DecodingState:
         """Run the bos position; its heads propose the first block."""
-        blockwise = BlockwiseState(state, self.pad, RowStepProcessors(ctx.processors))
-        positions = state.tokens.new_zeros((state.rows, 1))
-        features, attn = self.run_block(blockwise, state.tokens, positions, ctx)  # (rows, 1, dim)
+        bos = state.tokens  # (rows, 1)
+        state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)  # at most max_len tokens and eos
+        positions = bos.new_zeros((state.rows, 1))
+        features, attn = self.run_block(state, bos, positions, ctx)  # (rows, 1, dim)
         base = features[:, 0]  # (rows, dim)
         # (rows, block, dim)
         heads = None if self.decoder.heads.identity_first else ctx.runner.heads(base, self.block_size)
         first_lprobs = self.log_probs(base if heads is None else heads[:, 0], ctx)  # (rows, vocab)
-        rows = torch.arange(blockwise.rows, device=positions.device)
-        blockwise.rules(first_lprobs, blockwise.length, blockwise.tokens, rows, blockwise.sentence, blockwise.max_len)
-        self.propose(blockwise, ctx, first_lprobs, None if attn is None else attn[:, 0],
+        rows = torch.arange(state.rows, device=positions.device)
+        ctx.row_processors(first_lprobs, state.lengths, state.tokens, rows, state.sentence, state.max_len)
+        self.propose(state, ctx, first_lprobs, None if attn is None else attn[:, 0],
                      self.later_scores(base, heads, ctx))
-        return blockwise
+        return state
 
-    def start_joining(self, state: DecodingState, ctx) -> BlockwiseState:
+    def start_joining(self, state: DecodingState, ctx) -> DecodingState:
         """Streaming: rows about to join running ones.  Where the runner takes rows into a cache before
         their first step, their bos position runs in the running rows' next call (a block of the bos and
         padding, marked by length -1); else ``start`` runs it in a call of its own."""
         if not state.runner.joins_rows_before_their_first_step:
             return self.start(state, ctx)
-        blockwise = BlockwiseState(state, self.pad, RowStepProcessors(ctx.processors))
-        state.runner.start_cache(blockwise.cache, blockwise.encoder_out)
-        blockwise.length = blockwise.length - 1  # the next block starts at the bos position
-        blockwise.has_fresh_rows = True
-        blockwise.proposals = blockwise.tokens.new_full((blockwise.rows, self.block_size), self.pad)
-        blockwise.proposals[:, 0] = state.tokens[:, 0]  # (rows, block): the bos, then padding
-        blockwise.first_lprob = blockwise.cum_scores.new_zeros(blockwise.rows)  # read only for accepted tokens
-        return blockwise
+        state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)
+        state.runner.start_cache(state.cache, state.encoder_out)
+        state.row_lengths = state.row_lengths - 1  # the next block starts at the bos position
+        proposals = state.tokens.new_full((state.rows, self.block_size), self.pad)
+        proposals[:, 0] = state.tokens[:, 0]  # (rows, block): the bos, then padding
+        state.extra["proposals"] = proposals
+        state.extra["first_lprob"] = state.cum_scores.new_zeros(state.rows)  # read only for accepted tokens
+        state.extra["first_attn"] = None  # zeros once joined
+        return state
 
-    def advance(self, state: BlockwiseState, ctx):
-        if state.rows == 1 and self.one_row_path and not state.rules.reads_history and not state.has_fresh_rows:
+    def advance(self, state: DecodingState, ctx):
+        rules = ctx.row_processors
+        # a lone row is never a fresh one: rows join running rows (streaming), two at least
+        if state.rows == 1 and self.one_row_path and not rules.reads_history:
             self.advance_one_row(state, ctx)
             return
+        lengths = state.lengths  # (rows,) accepted tokens; -1: a row that has not run its bos (it just joined)
         rows = torch.arange(state.rows, device=state.tokens.device)
-        remaining = int((state.max_len + 1 - state.length).max())  # tokens a row may still take, eos included
-        block = state.proposals[:, : min(self.block_size, remaining)]  # (rows, n)
+        remaining = int((state.max_len + 1 - lengths).max())  # tokens a row may still take, eos included
+        block = state.extra["proposals"][:, : min(self.block_size, remaining)]  # (rows, n)
         n = block.size(1)
         offsets = torch.arange(n, device=block.device)
-        positions = (state.length.unsqueeze(1) + 1 + offsets).clamp(max=self.decoder.max_positions() - 1)
+        positions = (lengths.unsqueeze(1) + 1 + offsets).clamp(max=self.decoder.max_positions() - 1)
         features, attn, all_heads, lprobs = self.score_block(state, block, positions, ctx)
-        rules = state.rules
         history = None
         if rules.reads_history:
             history = torch.cat([state.tokens, block.new_full((state.rows, n), self.pad)], dim=1)
-            history[rows.unsqueeze(1), 1 + state.length.unsqueeze(1) + offsets] = block
-        steps = (state.length.unsqueeze(1) + 1 + offsets).view(-1)  # (rows * n,)
+            history[rows.unsqueeze(1), 1 + lengths.unsqueeze(1) + offsets] = block
+        steps = (lengths.unsqueeze(1) + 1 + offsets).view(-1)  # (rows * n,)
         flat = lprobs.view(-1, lprobs.size(-1))
         row_of = rows.unsqueeze(1).expand(-1, n).reshape(-1)  # (rows * n,)
         rules(flat, steps, history, row_of, state.sentence, state.max_len)
         best = lprobs.topk(1, dim=-1).indices.squeeze(2)  # (rows, n): greedy's choice after each block token
         accepted = self.accepted_prefix(block, lprobs, best, ctx.eos)  # (rows, n)
-        kept, fresh = accepted, None  # (rows, n) the positions the cache keeps: a fresh row's bos
-        if state.has_fresh_rows:
-            fresh = state.length.lt(0)  # (rows,) rows whose block is their bos (streaming: they joined just now)
+        kept = accepted  # (rows, n) the positions the cache keeps: a fresh row's bos
+        fresh = lengths.lt(0)  # (rows,) rows whose block is their bos (streaming: they joined just now)
+        has_fresh = bool(fresh.any())
+        if has_fresh:
             kept = torch.where(fresh.unsqueeze(1), offsets.eq(0).unsqueeze(0), accepted)
             accepted = accepted & ~fresh.unsqueeze(1)  # a fresh row accepts no token yet
+            state.row_lengths = lengths.clamp(min=0)  # it now holds its bos: no token yet
         count = kept.sum(dim=1)  # (rows,) >= 1
 
         token_lprobs = torch.cat(
-            [state.first_lprob.unsqueeze(1), lprobs[:, :-1].gather(2, block[:, 1:].unsqueeze(2)).squeeze(2)], dim=1
+            [state.extra["first_lprob"].unsqueeze(1), lprobs[:, :-1].gather(2, block[:, 1:].unsqueeze(2)).squeeze(2)],
+            dim=1,
         )  # (rows, n)
-        token_attn = None if attn is None else torch.cat([state.first_attn.unsqueeze(1), attn[:, :-1]], dim=1)
-        state.accept(block, token_lprobs, token_attn, accepted)
+        token_attn = None  # (rows, src_len, n)
+        if attn is not None:
+            token_attn = torch.cat([state.extra["first_attn"].unsqueeze(1), attn[:, :-1]], dim=1).transpose(1, 2)
+        state.append(block, token_lprobs, token_attn, accepted)
         state.runner.keep_accepted(state.cache, kept)
 
         last = count - 1  # the last accepted position proposes the next block (a fresh row's bos, its first)
         finished = block[rows, last].eq(ctx.eos)
-        if fresh is not None:
+        if has_fresh:
             finished &= ~fresh
-            state.has_fresh_rows = False  # accept() gave them length 0
         finished_rows = finished.nonzero().squeeze(1).tolist()
         for row in finished_rows:
-            ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state.finished_row(row), 0)])
+            ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state, row)])
         alive = rows  # (rows,) the rows that go on
         if finished_rows:
             alive = (~finished).nonzero().squeeze(1)
@@ -144,44 +171,47 @@ class BlockwisePolicy:
         heads = None if all_heads is None else all_heads[alive, last]  # (rows, block, dim)
         self.propose(state, ctx, first_lprobs, first_attn, self.later_scores(features[alive, last], heads, ctx))
 
-    def advance_one_row(self, state: BlockwiseState, ctx):
+    def advance_one_row(self, state: DecodingState, ctx):
         """``advance`` for a single row, exact acceptance, no processor reading the history:
         the same products and the same float operations on the scores (so bitwise the same
         hypotheses), with the acceptance, the row's steps and its length limits in Python."""
-        length, max_len = int(state.length[0]), int(state.max_len[0])
+        length, max_len = int(state.row_lengths[0]), int(state.max_len[0])
         n = min(self.block_size, max_len + 1 - length)  # tokens it may still take, eos included
-        block = state.proposals[:, :n]  # (1, n)
+        block = state.extra["proposals"][:, :n]  # (1, n)
         positions = torch.arange(length + 1, length + 1 + n, device=block.device)
         positions = positions.clamp_(max=self.decoder.max_positions() - 1).unsqueeze(0)  # (1, n)
         features, attn, all_heads, lprobs = self.score_block(state, block, positions, ctx)
-        state.rules.one_row(lprobs[0], length + 1, max_len)
+        ctx.row_processors.one_row(lprobs[0], length + 1, max_len)
         top_lprobs, top = lprobs[0].topk(1, dim=-1)  # (n, 1) each: greedy's choice after each block token
         proposed = block[0].tolist()
         count = self.accepted_count(proposed, top.view(-1).tolist(), ctx.eos)
 
-        token_lprobs = [state.first_lprob.item()]  # the accepted tokens' lprobs
+        token_lprobs = [state.extra["first_lprob"].item()]  # the accepted tokens' lprobs
         if count > 1:
             verified = lprobs[0, torch.arange(count - 1, device=block.device), block[0, 1:count]]  # (count - 1,)
             token_lprobs += verified.tolist()
-        token_attn = None if attn is None else torch.cat([state.first_attn, attn[0, : count - 1]])  # (count, src_len)
-        state.accept_one_row(block, count, length, token_lprobs, token_attn)
+        token_attn = None  # (count, src_len)
+        if attn is not None:
+            token_attn = torch.cat([state.extra["first_attn"], attn[0, : count - 1]])
+        state.append_lone_row(length, block[0, :count], token_lprobs, token_attn)
         if count < n:  # drop the rejected positions from the self-attention cache
             state.runner.drop_last_positions(state.cache, n - count)
 
         last = count - 1  # the last accepted position proposes the next block
         if proposed[last] == ctx.eos:
-            ctx.finish(int(state.sentence[0]), [ctx.hypothesis(state.finished_row(0), 0)])
-            state.select(state.length.new_zeros(0))
+            ctx.finish(int(state.sentence[0]), [ctx.hypothesis(state, 0)])
+            state.select(block.new_zeros(0))
             return
         heads = None if all_heads is None else all_heads[:, last]  # (1, block, dim)
         later = self.later_scores(features[:, last], heads, ctx)  # (1, block - 1, vocab) or None
         first = top[last: last + 1]  # (1, 1): greedy's next token, from the processed lprobs at ``last``
-        state.first_lprob, state.first_attn = top_lprobs[last], None if attn is None else attn[:, last]
+        state.extra["first_lprob"] = top_lprobs[last]  # (1,)
+        state.extra["first_attn"] = None if attn is None else attn[:, last]  # (1, src_len)
         if later is None:  # a block of 1
-            state.proposals = first
+            state.extra["proposals"] = first
             return
-        state.rules.one_row(later[0], length + count + 1, max_len)
-        state.proposals = torch.cat([first, later[0].topk(1, dim=-1).indices.view(1, -1)], dim=1)  # (1, block)
+        ctx.row_processors.one_row(later[0], length + count + 1, max_len)
+        state.extra["proposals"] = torch.cat([first, later[0].topk(1, dim=-1).indices.view(1, -1)], dim=1)
 
     def score_block(self, state, block, positions, ctx):
         """One decoder pass over each row's ``block`` (rows, n) at ``positions`` (rows, n), and head 1's
@@ -233,39 +263,40 @@ class BlockwisePolicy:
         later = ctx.runner.int8_later_heads(base, self.proposer) if heads is None else heads[:, 1:]
         return self.log_probs(later[:, : self.block_size - 1], ctx, project=self.proposer.logits, normalize=False)
 
-    def propose(self, state: BlockwiseState, ctx, first_lprobs, first_attn, later_scores):
+    def propose(self, state: DecodingState, ctx, first_lprobs, first_attn, later_scores):
         """Set the next block: greedy's token from ``first_lprobs`` (rows, vocab),
         processed) then one token per later head from ``later_scores`` (rows,
         block - 1, vocab), each processed with the proposals before it as context."""
         first_lprob, first = first_lprobs.topk(1, dim=-1)  # (rows, 1) each
-        state.first_lprob = first_lprob.squeeze(1)
-        state.first_attn = first_attn
+        state.extra["first_lprob"] = first_lprob.squeeze(1)  # (rows,)
+        state.extra["first_attn"] = first_attn  # (rows, src_len) or None
         if self.block_size == 1:
-            state.proposals = first
+            state.extra["proposals"] = first
             return
-        rules = state.rules
+        rules = ctx.row_processors
         if rules.reads_history:
-            state.proposals = self.propose_in_turn(state, rules, first, later_scores)
+            state.extra["proposals"] = self.propose_in_turn(state, rules, first, later_scores)
             return
         # no processor reads earlier tokens: every later head is processed at once, at its own step
         later = self.block_size - 1
         rows = torch.arange(state.rows, device=first.device)
-        steps = (state.length.unsqueeze(1) + 1 + torch.arange(later, device=first.device)).view(-1)  # (rows * later,)
+        steps = (state.lengths.unsqueeze(1) + 1 + torch.arange(later, device=first.device)).view(-1)  # (rows * later,)
         flat = later_scores.reshape(-1, later_scores.size(-1))  # (rows * later, vocab)
         rules(flat, steps, None, rows.unsqueeze(1).expand(-1, later).reshape(-1), state.sentence, state.max_len)
         best = flat.topk(1, dim=-1).indices.view(state.rows, later)  # (rows, later), ties as propose_in_turn
-        state.proposals = torch.cat([first, best], dim=1)  # (rows, block)
+        state.extra["proposals"] = torch.cat([first, best], dim=1)  # (rows, block)
 
     def propose_in_turn(self, state, rules, first, later_scores):
         """Proposals (rows, block), each later head processed with the proposals before it as history."""
         rows = torch.arange(state.rows, device=first.device)
+        lengths = state.lengths  # (rows,)
         history = torch.cat([state.tokens, state.tokens.new_full((state.rows, self.block_size), self.pad)], dim=1)
-        history[rows, 1 + state.length] = first.squeeze(1)
+        history[rows, 1 + lengths] = first.squeeze(1)
         for head in range(1, self.block_size):
             scores = later_scores[:, head - 1]
-            rules(scores, state.length + head, history, rows, state.sentence, state.max_len)
-            history[rows, 1 + state.length + head] = scores.topk(1, dim=-1).indices.squeeze(1)
-        columns = 1 + state.length.unsqueeze(1) + torch.arange(self.block_size, device=rows.device)
+            rules(scores, lengths + head, history, rows, state.sentence, state.max_len)
+            history[rows, 1 + lengths + head] = scores.topk(1, dim=-1).indices.squeeze(1)
+        columns = 1 + lengths.unsqueeze(1) + torch.arange(self.block_size, device=rows.device)
         return history[rows.unsqueeze(1), columns]  # (rows, block)
 
     # ---- the model, through the runner ----------------------------------------------------------

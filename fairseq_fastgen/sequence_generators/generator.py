@@ -24,7 +24,12 @@ from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.options import FastgenOptions, parse_options
 from fairseq_fastgen.sequence_generators.counters import GenerationCounters
-from fairseq_fastgen.sequence_generators.processors import apply_processors, build_processors, row_max_len
+from fairseq_fastgen.sequence_generators.processors import (
+    RowStepProcessors,
+    apply_processors,
+    build_processors,
+    row_max_len,
+)
 from fairseq_fastgen.engine import build_runner, cache_capacity
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
@@ -71,6 +76,7 @@ class DecodeContext:
     def __init__(self, runner, processors, pool, eos, lenpen, normalize_scores, nbest, counters):
         self.runner = runner
         self.processors = processors
+        self.row_processors = RowStepProcessors(processors)  # the same, for rows at steps of their own
         self.pool = pool
         self.eos = eos
         self.lenpen = lenpen
@@ -100,17 +106,17 @@ class DecodeContext:
 
     # ---- results ----------------------------------------------------------------
     def hypothesis(self, state: DecodingState, row: int) -> Dict[str, Tensor]:
-        """A finished row (its last token is eos) in fairseq's hypothesis format."""
-        length = state.length
-        cum = state.cum_scores[row]  # (length,)
+        """A finished row of ``state`` (its last token is eos) in fairseq's hypothesis format."""
+        length = state.row_length(row)
+        cum = state.cum_scores[row, :length]  # (length,)
         positional = cum.clone()
         positional[1:] = cum[1:] - cum[:-1]
         score = cum[-1]
         if self.normalize_scores:
             score = score / (length ** self.lenpen)
-        attention = state.attn[row] if state.attn is not None else torch.empty(0)
+        attention = state.attn[row, :, :length] if state.attn is not None else torch.empty(0)  # (src_len, length)
         return {
-            "tokens": state.tokens[row, 1:].clone(),
+            "tokens": state.tokens[row, 1: 1 + length].clone(),
             "score": score,
             "attention": attention,
             "alignment": torch.empty(0),

@@ -5,9 +5,12 @@ decoder honours the same generation options: no pad, the unk penalty, min and
 max length, forced prefixes and no-repeat n-gram banning.  A processor gets
 ``lprobs`` (rows, vocab) and the :class:`DecodingState` (whose ``tokens`` hold
 bos plus the tokens generated so far) and edits ``lprobs`` in place.
+:class:`RowStepProcessors` applies them to rows at steps of their own (blockwise decoding).
 """
 
 import math
+
+from fairseq_fastgen.sequence_generators.state import DecodingState
 
 
 NEG_INF = -math.inf
@@ -126,6 +129,56 @@ def apply_processors(processors, lprobs, state):
     for processor in processors:
         processor(lprobs, state)
     return lprobs
+
+
+class RowStepProcessors:
+    """Applies the generator's step processors to rows at different steps.
+
+    Blockwise decoding scores several steps per row at once, and rows have
+    accepted different numbers of tokens.  Processors that read only the scores
+    run once on everything; the length limits run vectorized over per-row
+    steps; any other processor (forced prefix, n-gram ban, ...) runs once per
+    distinct step on the rows at that step (a DecodingState of their history,
+    without model buffers), exactly as in greedy decoding.
+    """
+
+    def __init__(self, processors):
+        self.processors = processors
+        # whether some processor reads the tokens before a step (forced prefix, n-gram ban)
+        self.reads_history = any(not isinstance(p, (ForbidPad, UnkPenalty, LengthLimits)) for p in processors)
+
+    def __call__(self, lprobs, steps, history, row_of, sentence, max_len):
+        """Edit ``lprobs`` (N, vocab) in place.
+
+        steps: (N,) the step of each lprobs row; history: (rows, width) bos and
+        tokens of each row (up to at least ``steps``; may be None unless
+        ``reads_history``); row_of: (N,) the history row of each lprobs row;
+        sentence, max_len: (rows,).
+        """
+        for processor in self.processors:
+            if isinstance(processor, (ForbidPad, UnkPenalty)):  # read nothing but lprobs
+                processor(lprobs, None)
+            elif isinstance(processor, LengthLimits):
+                processor.at_steps(lprobs, steps, max_len[row_of])
+            else:
+                for step in steps.unique().tolist():
+                    at_step = steps.eq(step).nonzero().squeeze(1)
+                    rows = row_of[at_step]
+                    scores = lprobs[at_step]
+                    at = DecodingState(None, history[rows, : step + 1], sentence[rows], max_len[rows], None, None, 0)
+                    processor(scores, at)
+                    lprobs[at_step] = scores
+
+    def one_row(self, lprobs, first_step: int, max_len: int):
+        """Edit ``lprobs`` (m, vocab) of ONE row at the consecutive steps ``first_step`` ..
+        ``first_step + m - 1`` in place, as ``__call__`` would, with Python integers for the steps
+        and the row's ``max_len``. Only without processors that read the history."""
+        assert not self.reads_history
+        for processor in self.processors:
+            if isinstance(processor, LengthLimits):
+                processor.at_consecutive_steps(lprobs, first_step, max_len)
+            else:  # ForbidPad, UnkPenalty: read nothing but lprobs
+                processor(lprobs, None)
 
 
 def row_max_len(src_lengths, gen_cfg, max_positions):

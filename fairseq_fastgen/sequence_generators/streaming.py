@@ -281,8 +281,8 @@ class StreamRun:
 
 
 def _expanded(cohort) -> bool:
-    """Whether a cohort's rows have taken a step (a blockwise state holds per-row lengths)."""
-    return bool((torch.as_tensor(cohort.length) > 0).all())
+    """Whether a cohort's rows have taken a step (a blockwise state's rows, each at its own length)."""
+    return bool(cohort.lengths.gt(0).all())
 
 
 def _merge_equal_lengths(cohorts, layout):

@@ -93,19 +93,6 @@ class SentenceRecords:
 
 
 @dataclass
-class FinishedRows:
-    """Candidates that end in eos, shaped like a DecodingState for ``DecodeContext.hypothesis``."""
-
-    tokens: torch.Tensor  # (rows, length + 1)
-    cum_scores: torch.Tensor  # (rows, length)
-    attn: Optional[torch.Tensor]  # (rows, src_len, length) or None
-
-    @property
-    def length(self) -> int:
-        return self.cum_scores.size(1)
-
-
-@dataclass
 class StepBeams:
     """The ranked candidates of one step; (groups, beam) tensors, one group per sentence."""
 
@@ -252,17 +239,8 @@ class BeamSearchPolicy:
 
     def _hypotheses(self, state, ctx, parents, scores, attn):
         """Hypotheses of the rows ``parents`` (of ``state``) continued by eos with cumulative ``scores``."""
-        eos = torch.full((parents.numel(), 1), ctx.eos, dtype=torch.long, device=parents.device)
-        step_attn = None
-        if attn is not None:
-            step_attn = attn[parents].unsqueeze(2)
-            if state.attn is not None:
-                step_attn = torch.cat([state.attn[parents], step_attn], dim=2)
-        rows = FinishedRows(
-            torch.cat([state.tokens[parents], eos], dim=1),
-            torch.cat([state.cum_scores[parents], scores.unsqueeze(1)], dim=1),
-            step_attn,
-        )
+        eos = torch.full((parents.numel(),), ctx.eos, dtype=torch.long, device=parents.device)
+        rows = state.candidate_rows(parents, eos, scores, None if attn is None else attn[parents])
         return [ctx.hypothesis(rows, i) for i in range(parents.numel())]
 
 

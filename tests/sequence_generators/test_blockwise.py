@@ -17,10 +17,9 @@ from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq_fastgen.sequence_generators.blockwise_acceptance import OrdinalDistance, ordinal_values
-from fairseq_fastgen.sequence_generators.blockwise_rows import RowStepProcessors
 from fairseq_fastgen.sequence_generators.int8_proposals import Int8Linear
 from fairseq_fastgen.sequence_generators.processors import (
-    BanRepeatedNgrams, ForbidPad, ForcePrefix, LengthLimits, UnkPenalty,
+    BanRepeatedNgrams, ForbidPad, ForcePrefix, LengthLimits, RowStepProcessors, UnkPenalty,
 )
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.state import DecodingState
