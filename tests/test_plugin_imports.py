@@ -2,6 +2,7 @@
 toy-model package (``fastgen_demo``), which ``make demo`` and the test fixtures use beside it."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,18 @@ def test_the_plugin_and_every_module_of_it_load_without_the_demo_package():
     assert loaded["modules"] > 50 and {"beam", "greedy", "blockwise", "var-stream"} <= set(loaded["decoders"])
     assert loaded["generation_fields"]  # the registrations ran: --decoder is one of fairseq's generation options
     assert loaded["demo_modules"] == []
+
+
+READ_THE_CAP = "import os, fairseq_fastgen; print(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))"
+
+
+def test_the_plugin_caps_onednns_primitive_cache_unless_the_user_set_it():
+    """integration.py, 7: oneDNN keeps 32 primitives (not 1024) unless ONEDNN_PRIMITIVE_CACHE_CAPACITY is set."""
+    for given, expected in ((None, "32"), ("200", "200")):
+        env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+        if given is not None:
+            env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = given
+        completed = subprocess.run([sys.executable, "-c", READ_THE_CAP], cwd=REPO, env=env, capture_output=True,
+                                   text=True)
+        assert completed.returncode == 0, completed.stderr[-3000:]
+        assert completed.stdout.split()[-1] == expected
