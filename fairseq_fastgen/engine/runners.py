@@ -101,5 +101,9 @@ class StaticRunner(ModelRunner):
         cache.keep_accepted(accepted)
 
     @staticmethod
+    def drop_leading_padding(cache: StaticCache):
+        cache.drop_leading_padding()
+
+    @staticmethod
     def drop_last_positions(cache: StaticCache, dropped: int):
         cache.drop_last(dropped)

@@ -127,6 +127,23 @@ class StaticCache:
             buffer[:, :, :width] = buffer[:, :, :length].gather(2, index)
         self.drop_last(length - width)
 
+    def drop_leading_padding(self, at_least: int = 16):
+        """Drop the first positions where no row attends (rows that held them left), when there are at least
+        ``at_least`` of them: the rest move left, so a stream whose rows keep joining does not attend to an
+        ever longer cache."""
+        if self.self_padding is None or self.length == 0:
+            return
+        attended = ~self.self_padding[:, : self.length].all(dim=0)  # (length,) some row attends the position
+        first = int(attended.int().argmax()) if bool(attended.any()) else self.length
+        if first < at_least:
+            return
+        kept = self.length - first
+        for buffer in self.self_keys + self.self_values:  # (rows, heads, capacity, head_dim)
+            buffer[:, :, :kept] = buffer[:, :, first : self.length].clone()
+        self.self_padding[:, :kept] = self.self_padding[:, first : self.length].clone()
+        self.self_padding[:, kept:] = False
+        self.drop_last(first)
+
     # ---- rows -----------------------------------------------------------------------------------
     def select(self, index: Tensor):
         """Keep (and reorder to) the rows ``index``; only the written positions are copied."""

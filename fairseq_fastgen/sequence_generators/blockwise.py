@@ -39,9 +39,9 @@ from fairseq_fastgen.sequence_generators.int8_proposals import Int8Proposer
 from fairseq_fastgen.sequence_generators.registry import register_decoder
 from fairseq_fastgen.sequence_generators.state import DecodingState
 from fairseq_fastgen.sequence_generators.streaming import (
-    CompanionFreeLayout,
     StreamingScheduler,
     StreamOptions,
+    join_any_lengths,
     prepare_streaming_cli,
 )
 
@@ -65,8 +65,8 @@ class BlockwisePolicy:
 
     @staticmethod
     def join(states):
-        """Streaming: every state's rows in one (a list of at most one state), whatever their lengths: the
-        runner right-aligns their cached positions; sources are right-padded to the widest."""
+        """Streaming: every state's rows in one (``join_any_lengths``), the proposed blocks' first attention
+        right-padded with the sources."""
         if len(states) < 2:
             return states
         width = max(s.src_len for s in states)
@@ -74,8 +74,7 @@ class BlockwisePolicy:
             first_attn = state.extra.get("first_attn")
             if first_attn is not None:
                 state.extra["first_attn"] = F.pad(first_attn, (0, width - state.src_len))  # (rows, width)
-            CompanionFreeLayout.widen(state, width)  # encoder output, cached keys/values and attn
-        return [DecodingState.concat(states)]
+        return join_any_lengths(states)
 
     def start(self, state: DecodingState, ctx) -> DecodingState:
         """Run the bos position; its heads propose the first block."""

@@ -2,12 +2,14 @@
 
 import torch
 
+from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
 from fairseq_fastgen.sequence_generators.registry import register_decoder
 from fairseq_fastgen.sequence_generators.streaming import (
     PADDING_SENTENCE,
     StreamingScheduler,
     StreamOptions,
+    join_any_lengths,
     prepare_streaming_cli,
     select_padded,
 )
@@ -44,6 +46,47 @@ class GreedyPolicy:
             state.select((~finished).nonzero().squeeze(1))
 
 
+class JoinedGreedyPolicy:
+    """greedy-stream with ``--stream-join-lengths``: a refill's rows join the running ones whatever their
+    lengths, and every row takes its step in one model call, each at its own position (the step engines'
+    ``step_block``: the runner right-aligns the cached positions of joined rows).  The tokens of ``greedy``;
+    the scores within float rounding (a row's products run beside rows of other lengths)."""
+
+    joins_lengths = True
+
+    def __init__(self, pad: int):
+        self.pad = pad
+
+    join = staticmethod(join_any_lengths)
+
+    def start(self, state, ctx):
+        state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)  # at most max_len tokens and eos
+        state.runner.start_cache(state.cache, state.encoder_out)  # joinable before its first step
+        return state
+
+    start_joining = start
+
+    def advance(self, state, ctx):
+        lengths = state.lengths  # (rows,) tokens so far: the last one (the bos at 0) sits at position lengths
+        rows = torch.arange(state.rows, device=lengths.device)
+        last = state.tokens.gather(1, lengths.unsqueeze(1))  # (rows, 1)
+        features, attn = state.runner.step_block(last, lengths.unsqueeze(1), state.encoder_out, state.cache)
+        ctx.counters.add("model_calls")
+        lprobs = ctx.runner.project(features.contiguous())[:, 0]  # (rows, vocab)
+        rules = ctx.row_processors
+        rules(lprobs, lengths, state.tokens if rules.reads_history else None, rows, state.sentence, state.max_len)
+        best_lprob, best = lprobs.topk(1, dim=-1)  # (rows, 1) each
+        state.append(best, best_lprob, None if attn is None else attn.transpose(1, 2),
+                     best.new_ones(best.shape, dtype=torch.bool))
+        state.runner.keep_accepted(state.cache, best.new_ones(best.shape, dtype=torch.bool))
+        finished = best.squeeze(1).eq(ctx.eos)  # (rows,)
+        for row in finished.nonzero().squeeze(1).tolist():
+            ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state, row)])
+        if finished.any():
+            state.select((~finished).nonzero().squeeze(1))
+            state.runner.drop_leading_padding(state.cache)  # the positions only finished rows attended
+
+
 @register_decoder("greedy", guarantee="argmax at every step, token-identical to stock --beam 1")
 class GreedyGenerator(FastgenGenerator):
     """Greedy decoding: token-identical to fairseq's beam search with --beam 1."""
@@ -67,6 +110,12 @@ class GreedyStreamGenerator(FastgenGenerator):
     @classmethod
     def build(cls, model, tgt_dict, gen_cfg, options, projection=None):
         one_hypothesis_per_sentence(cls.name, gen_cfg)
-        scheduler = StreamingScheduler.from_options(options.of(StreamOptions))
-        return cls(model, tgt_dict, gen_cfg, options.common, GreedyPolicy(padded=True), scheduler,
-                   projection=projection)
+        stream_options = options.of(StreamOptions)
+        scheduler = StreamingScheduler.from_options(stream_options)
+        policy = GreedyPolicy(padded=True)
+        if stream_options.stream_join_lengths:
+            if options.common.step_engine == "fairseq":
+                raise UsageError("--stream-join-lengths runs rows at different lengths in one call, which "
+                                 "--step-engine fairseq cannot; use --step-engine static or compiled")
+            policy = JoinedGreedyPolicy(tgt_dict.pad())
+        return cls(model, tgt_dict, gen_cfg, options.common, policy, scheduler, projection=projection)

@@ -116,6 +116,13 @@ class StreamOptions(FairseqDataclass):
                           "least (Yang et al. 2020); fifo, those admitted first (VAR-STR-FIFO, longest first). "
                           "blockwise-stream expands every row at every iteration"},
     )
+    stream_join_lengths: bool = field(
+        default=False,
+        metadata={"help": "greedy-stream: a refill's rows join the running ones whatever their lengths, all rows "
+                          "in one model call at their own positions (--step-engine static or compiled); greedy's "
+                          "tokens, scores within float rounding. Default: cohorts of equal length, scores that do "
+                          "not depend on the sentences beside each one"},
+    )
     stream_pool: int = field(
         default=1024,
         metadata={"help": "streaming decoders in fairseq-generate: sentences read per generate() call, streamed "
@@ -278,6 +285,15 @@ class StreamRun:
             admitted += 1
             tokens += length
         return admitted
+
+
+def join_any_lengths(states):
+    """Every state's rows in one (a list of at most one state), whatever their lengths: the runner right-aligns
+    their cached positions; sources are right-padded to the widest."""
+    if len(states) < 2:
+        return states
+    width = max(s.src_len for s in states)
+    return [DecodingState.concat([CompanionFreeLayout.widen(state, width) for state in states])]
 
 
 def _expanded(cohort) -> bool:

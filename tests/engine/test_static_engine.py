@@ -134,3 +134,28 @@ def test_zero_unwritten_zeroes_the_tail_once_and_keeps_it_zero():
     for buffer in cache.self_keys + cache.self_values:
         assert buffer.shape == (3, heads, 6, head_dim)
         assert (buffer[:, :, :2] == 1).all() and (buffer[:, :, 2:] == 0).all()
+
+
+def test_positions_no_row_attends_are_dropped_from_the_front():
+    """Rows that joined a stream later sit right-aligned behind padding; once the rows that held the first
+    positions left, those positions are dropped (16 or more at once) and every row keeps its own keys/values
+    and padding, moved left; fewer than 16 stay."""
+    rows, heads, head_dim, length = 3, 2, 4, 40
+    cache = StaticCache(capacity=48, zeroed=True)
+    cache.start([torch.zeros(rows, heads, 5, head_dim)], [torch.zeros(rows, heads, 5, head_dim)], None, heads, head_dim)
+    for buffer in cache.self_keys + cache.self_values:
+        buffer[:, :, :length] = torch.randn(rows, heads, length, head_dim)
+    cache.length = length
+    cache.self_padding = torch.zeros(rows, 48, dtype=torch.bool)
+    cache.self_padding[0, :20] = True  # row 0 attends positions 20..39
+    cache.self_padding[1, :25] = True  # row 1: 25..39
+    cache.self_padding[2, :10] = True  # row 2: 10..39
+    keys = cache.self_keys[0].clone()
+    cache.drop_leading_padding()
+    assert cache.length == 40  # row 2 still attends position 10: only 10 unattended, fewer than 16
+    cache.select(torch.tensor([0, 1]))  # row 2 left: positions 0..19 are attended by no row
+    cache.drop_leading_padding()
+    assert cache.length == 20
+    assert torch.equal(cache.self_keys[0][:, :, :20], keys[:2, :, 20:40])
+    assert cache.self_padding[:, :20].tolist() == [[False] * 20, [True] * 5 + [False] * 15]
+    assert (cache.self_values[0][:, :, 20:] == 0).all()  # a zeroed cache stays zeroed past its length

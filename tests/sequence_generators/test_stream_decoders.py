@@ -64,6 +64,29 @@ def test_greedy_stream_on_the_engine(toy, engine):
     assert generator.counters.counts["refills"] >= 10
 
 
+@pytest.mark.parametrize("eps", [1 / 12, 1 / 2, 7 / 8])
+def test_greedy_stream_joining_lengths_gives_greedys_tokens(toy, eps):
+    """--stream-join-lengths: refills join the running rows at their own positions, one call for every row."""
+    ids = list(range(TEST_SENTENCES))
+    greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
+    cohorts = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=eps, **SOURCE_LENGTH)
+    toy.translate(cohorts, ids)
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=eps,
+                              stream_join_lengths=True, **SOURCE_LENGTH)
+    streamed = toy.translate(generator, ids)
+
+    assert_same_tokens_close_scores(greedy, streamed)
+    counts = generator.counters.counts
+    assert counts["refills"] >= TEST_SENTENCES / CAPACITY - 1
+    calls, cohort_calls = counts["model_calls"], cohorts.counters.counts["model_calls"]
+    assert calls < cohort_calls if eps >= 1 / 2 else calls <= cohort_calls  # no refill catches up alone
+
+
+def test_joining_lengths_needs_a_step_engine(toy):
+    with pytest.raises(Exception, match="--stream-join-lengths runs rows at different lengths in one call"):
+        toy.generator(decoder="greedy-stream", stream_capacity=4, stream_join_lengths=True, step_engine="fairseq")
+
+
 # ---- blockwise-stream ---------------------------------------------------------------------------
 class PositionLog:
     """The first target position of every row in each step_block call of a runner."""
