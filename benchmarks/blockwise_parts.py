@@ -18,7 +18,7 @@ import time
 
 from fairseq_fastgen.bench import main as bench_main
 from fairseq_fastgen.models.transformer_khead import KHeadTransformerDecoder
-from fairseq_fastgen.sequence_generators.blockwise import BlockwisePolicy
+from fairseq_fastgen.sequence_generators.blockwise.policy import BlockwisePolicy
 from fairseq_fastgen.sequence_generators.greedy import GreedyPolicy
 from fairseq_fastgen.sequence_generators.processors import RowStepProcessors
 from fairseq_fastgen.sequence_generators.runner import ModelRunner

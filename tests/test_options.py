@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 import fairseq_fastgen  # noqa: F401  (registers the decoders and their options)
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.options import FastgenOptions, parse_options, read_options
-from fairseq_fastgen.sequence_generators.blockwise_acceptance import BlockwiseOptions
+from fairseq_fastgen.sequence_generators.blockwise.options import BlockwiseOptions
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.streaming import StreamOptions
 from fairseq_fastgen.sequence_generators.var_beam import VarBeamOptions

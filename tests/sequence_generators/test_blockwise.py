@@ -16,8 +16,8 @@ import fairseq_fastgen  # noqa: F401  (plugin: --decoder, models)
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 from fairseq.dataclass.configs import GenerationConfig
-from fairseq_fastgen.sequence_generators.blockwise_acceptance import OrdinalDistance, ordinal_values
-from fairseq_fastgen.sequence_generators.int8_proposals import Int8Linear
+from fairseq_fastgen.sequence_generators.blockwise.options import OrdinalDistance, ordinal_values
+from fairseq_fastgen.sequence_generators.blockwise.int8_proposals import Int8Linear
 from fairseq_fastgen.sequence_generators.processors import (
     BanRepeatedNgrams, ForbidPad, ForcePrefix, LengthLimits, RowStepProcessors, UnkPenalty,
 )

@@ -1,7 +1,7 @@
 """Blockwise decoding's options and acceptance criteria: is a proposed token good enough, given p_1 there?
 
 Exact acceptance (the default) keeps greedy's output; ``--blockwise-top-k`` and
-``--blockwise-epsilon`` accept more, approximately (blockwise.py decodes).
+``--blockwise-epsilon`` accept more, approximately (policy.py decodes).
 """
 
 import math

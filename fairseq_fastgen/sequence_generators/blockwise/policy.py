@@ -24,30 +24,22 @@ different numbers of tokens); its ``extra`` holds each row's next block:
 Acceptance is exact by default: a proposal is accepted iff it is greedy's
 choice (argmax of p_1 after the step processors), so the output is the greedy
 output of head 1.  ``--blockwise-top-k``, ``--blockwise-epsilon`` and
-``--blockwise-min-block`` accept more, approximately (see the options).
+``--blockwise-min-block`` accept more, approximately (see options.py).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fairseq_fastgen.option_checks import UsageError, require_int
-from fairseq_fastgen.sequence_generators.blockwise_acceptance import BlockwiseOptions, ExactMatch, build_acceptance
-from fairseq_fastgen.sequence_generators.counters import GenerationCounters
-from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
-from fairseq_fastgen.sequence_generators.int8_proposals import Int8Proposer
-from fairseq_fastgen.sequence_generators.registry import register_decoder
+from fairseq_fastgen.sequence_generators.blockwise.int8_proposals import Int8Proposer
+from fairseq_fastgen.sequence_generators.blockwise.one_row import OneRowPath
+from fairseq_fastgen.sequence_generators.blockwise.options import ExactMatch
 from fairseq_fastgen.sequence_generators.state import DecodingState
-from fairseq_fastgen.sequence_generators.streaming import (
-    StreamingScheduler,
-    StreamOptions,
-    join_any_lengths,
-    prepare_streaming_cli,
-)
+from fairseq_fastgen.sequence_generators.streaming import join_any_lengths
 
 
 # ---- the search policy -----------------------------------------------------------------------
-class BlockwisePolicy:
+class BlockwisePolicy(OneRowPath):
     """Predict / verify / accept; one model invocation per iteration after the first step."""
 
     def __init__(self, decoder, block_size, acceptance, min_block, pad, int8_proposals=False):
@@ -170,47 +162,6 @@ class BlockwisePolicy:
         heads = None if all_heads is None else all_heads[alive, last]  # (rows, block, dim)
         self.propose(state, ctx, first_lprobs, first_attn, self.later_scores(features[alive, last], heads, ctx))
 
-    def advance_one_row(self, state: DecodingState, ctx):
-        """``advance`` for a single row, exact acceptance, no processor reading the history:
-        the same products and the same float operations on the scores (so bitwise the same
-        hypotheses), with the acceptance, the row's steps and its length limits in Python."""
-        length, max_len = int(state.row_lengths[0]), int(state.max_len[0])
-        n = min(self.block_size, max_len + 1 - length)  # tokens it may still take, eos included
-        block = state.extra["proposals"][:, :n]  # (1, n)
-        positions = torch.arange(length + 1, length + 1 + n, device=block.device)
-        positions = positions.clamp_(max=self.decoder.max_positions() - 1).unsqueeze(0)  # (1, n)
-        features, attn, all_heads, lprobs = self.score_block(state, block, positions, ctx)
-        ctx.row_processors.one_row(lprobs[0], length + 1, max_len)
-        top_lprobs, top = lprobs[0].topk(1, dim=-1)  # (n, 1) each: greedy's choice after each block token
-        proposed = block[0].tolist()
-        count = self.accepted_count(proposed, top.view(-1).tolist(), ctx.eos)
-
-        token_lprobs = [state.extra["first_lprob"].item()]  # the accepted tokens' lprobs
-        if count > 1:
-            verified = lprobs[0, torch.arange(count - 1, device=block.device), block[0, 1:count]]  # (count - 1,)
-            token_lprobs += verified.tolist()
-        token_attn = None  # (count, src_len)
-        if attn is not None:
-            token_attn = torch.cat([state.extra["first_attn"], attn[0, : count - 1]])
-        state.append_lone_row(length, block[0, :count], token_lprobs, token_attn)
-        if count < n:  # drop the rejected positions from the self-attention cache
-            state.runner.drop_last_positions(state.cache, n - count)
-
-        last = count - 1  # the last accepted position proposes the next block
-        if proposed[last] == ctx.eos:
-            ctx.finish(int(state.sentence[0]), [ctx.hypothesis(state, 0)])
-            state.select(block.new_zeros(0))
-            return
-        heads = None if all_heads is None else all_heads[:, last]  # (1, block, dim)
-        later = self.later_scores(features[:, last], heads, ctx)  # (1, block - 1, vocab) or None
-        first = top[last: last + 1]  # (1, 1): greedy's next token, from the processed lprobs at ``last``
-        state.extra["first_lprob"] = top_lprobs[last]  # (1,)
-        state.extra["first_attn"] = None if attn is None else attn[:, last]  # (1, src_len)
-        if later is None:  # a block of 1
-            state.extra["proposals"] = first
-            return
-        ctx.row_processors.one_row(later[0], length + count + 1, max_len)
-        state.extra["proposals"] = torch.cat([first, later[0].topk(1, dim=-1).indices.view(1, -1)], dim=1)
 
     def score_block(self, state, block, positions, ctx):
         """One decoder pass over each row's ``block`` (rows, n) at ``positions`` (rows, n), and head 1's
@@ -223,15 +174,6 @@ class BlockwisePolicy:
         all_heads = None if self.decoder.heads.identity_first else ctx.runner.heads(features, self.block_size)
         lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)
         return features, attn, all_heads, lprobs
-
-    @staticmethod
-    def accepted_count(proposed, best, eos) -> int:
-        """``accepted_prefix`` of one row with exact acceptance, in Python: how many tokens of the
-        block ``proposed`` (list) to accept, given greedy's choice ``best`` (list) after each."""
-        count = 1  # the first is greedy's own choice; then the longest verified prefix, nothing after an eos
-        while count < len(proposed) and proposed[count - 1] != eos and proposed[count] == best[count - 1]:
-            count += 1
-        return count
 
     def accepted_prefix(self, block, lprobs, best, eos) -> Tensor:
         """(rows, n) bool: the tokens of each row's block that are accepted (a prefix)."""
@@ -315,73 +257,3 @@ class BlockwisePolicy:
         lprobs = ctx.runner.project(features, project, normalize)
         return lprobs[:, 0] if squeeze else lprobs
 
-
-class BlockwiseCounters(GenerationCounters):
-    """Adds ``mean_accepted_block_size``: tokens per row and iteration."""
-
-    def extra_stats(self):
-        row_iterations = self.counts["row_iterations"]
-        return {"mean_accepted_block_size": self.counts["tokens"] / row_iterations} if row_iterations else {}
-
-
-@register_decoder(
-    "blockwise", options=BlockwiseOptions,
-    guarantee="blockwise parallel decoding of a transformer_khead model; exact acceptance (default) is "
-              "token-identical to greedy decoding with head 1, --blockwise-top-k/-epsilon/-min-block approximate",
-)
-class BlockwiseGenerator(FastgenGenerator):
-    """Blockwise parallel decoding with a k-head model (see the module docstring)."""
-
-    name = "blockwise"
-
-    def new_counters(self):
-        return BlockwiseCounters(self.name)
-
-    @classmethod
-    def build(cls, model, tgt_dict, gen_cfg, options, projection=None):
-        one_hypothesis_per_sentence(cls.name, gen_cfg)
-        blockwise = options.of(BlockwiseOptions)
-        decoder = model.decoder
-        if not hasattr(decoder, "forward_block"):
-            raise ValueError(
-                f"--decoder {cls.name} needs a k-head model (--arch transformer_khead); this checkpoint's decoder is "
-                f"{type(decoder).__name__}"
-            )
-        block_size = blockwise.blockwise_block_size
-        if block_size is None:  # default: every head (0 is refused, not read as this default)
-            block_size = decoder.block_size
-        if require_int("--blockwise-block-size", block_size, 1) > decoder.block_size:
-            raise ValueError(
-                f"--blockwise-block-size {block_size}: the model has {decoder.block_size} heads (--block-size of "
-                f"transformer_khead); give 1 .. {decoder.block_size}"
-            )
-        min_block = blockwise.blockwise_min_block
-        require_int("--blockwise-min-block", min_block, 1)
-        policy = BlockwisePolicy(decoder, block_size, build_acceptance(blockwise, tgt_dict), min_block, tgt_dict.pad(),
-                                 int8_proposals=blockwise.blockwise_int8_proposals)
-        return cls(model, tgt_dict, gen_cfg, options.common, policy, cls.scheduler_for(options),
-                   projection=projection)
-
-    @staticmethod
-    def scheduler_for(options):
-        return None  # static batches
-
-
-@register_decoder(
-    "blockwise-stream", prepare_cli=prepare_streaming_cli,
-    guarantee="blockwise decoding streamed with refills (continuous batching): rows at different lengths verify "
-              "their blocks in one call; blockwise's tokens",
-)
-class BlockwiseStreamGenerator(BlockwiseGenerator):
-    """Blockwise decoding with streaming refills: a refill's rows join the running ones (see streaming.py)."""
-
-    name = "blockwise-stream"
-
-    @staticmethod
-    def scheduler_for(options):
-        scheduler = StreamingScheduler.from_options(options.of(StreamOptions))
-        if scheduler.selection != "min-length":
-            raise UsageError(f"--stream-selection {scheduler.selection}: --decoder blockwise-stream expands every "
-                             f"active row at every iteration; the selection applies to the cohorts of greedy-stream, "
-                             f"var-stream and fixed-stream")
-        return scheduler
