@@ -81,6 +81,7 @@ from fairseq_fastgen.adapters.ensemble import restore_ensemble
 from fairseq_fastgen.adapters.generate import give_attributes, take_back_attributes, unwrap_generate
 from fairseq_fastgen.adapters.linear_forwards import use_onednn_linears
 from fairseq_fastgen.adapters.output_layer import attach_to_stock_generator
+from fairseq_fastgen.cli.live_lines import LiveLines
 from fairseq_fastgen.cluster.directory import run_direction
 from fairseq_fastgen.config import build_generation_config
 from fairseq_fastgen.engine import serve_stock_search
@@ -90,7 +91,6 @@ from fairseq_fastgen.ops import heap
 from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
 from fairseq_fastgen.option_checks import UsageError, check_generation_options
 from fairseq_fastgen.options import FastgenOptions, parse_options
-from fairseq_fastgen.cli.live_lines import LiveLines
 from fairseq_fastgen.sequence_generators.live_stream import LiveStream
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.streaming import prepare_streaming_cli

@@ -53,6 +53,13 @@ class SourcePool:
     def size(self) -> int:
         return self.src_lengths.size(0)
 
+    def pull(self) -> int:
+        """Sentences that arrived since the pool was made: none (a live pool grows, ``live_stream.py``)."""
+        return 0
+
+    def admitted(self, count: int):
+        """The next ``count`` sentences entered the decoding (a live pool lets go of their tokens)."""
+
     def inputs_of(self, sentences: Tensor) -> Dict[str, Tensor]:
         """net_input of the given sentences (the pool's own when they are all of it, in order)."""
         if torch.equal(sentences, torch.arange(self.size, device=sentences.device)):

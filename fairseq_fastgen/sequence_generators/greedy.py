@@ -76,9 +76,9 @@ class JoinedGreedyPolicy:
         rules = ctx.row_processors
         rules(lprobs, lengths, state.tokens if rules.reads_history else None, rows, state.sentence, state.max_len)
         best_lprob, best = lprobs.topk(1, dim=-1)  # (rows, 1) each
-        state.append(best, best_lprob, None if attn is None else attn.transpose(1, 2),
-                     best.new_ones(best.shape, dtype=torch.bool))
-        state.runner.keep_accepted(state.cache, best.new_ones(best.shape, dtype=torch.bool))
+        every_row = best.new_ones(best.shape, dtype=torch.bool)  # (rows, 1): each row keeps its one new token
+        state.append(best, best_lprob, None if attn is None else attn.transpose(1, 2), every_row)
+        state.runner.keep_accepted(state.cache, every_row)
         finished = best.squeeze(1).eq(ctx.eos)  # (rows,)
         for row in finished.nonzero().squeeze(1).tolist():
             ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state, row)])

@@ -3,8 +3,8 @@
 In fairseq-interactive a streaming decoder (``greedy-stream``, ``blockwise-stream``, ``var-stream``,
 ``fixed-stream``) keeps one :class:`LiveStream`.  Stock's loop still reads a line, batches it, calls
 ``generate`` and prints the answer; here each ``generate`` call adds its sentences to the stream (unless the
-stream already took them in) and iterates the stream until they are finished, and whenever a refill finds
-no source waiting, the stream asks ``arrivals()`` for the lines read meanwhile (tokenized as stock does, see
+stream already took them in) and iterates the stream until they are finished; at every refill the stream
+asks ``arrivals()`` for the lines read meanwhile (tokenized as stock does, see
 ``fairseq_fastgen/cli/live_lines.py``).  Sentences of later lines thus decode in the same model calls as the
 line being answered, and an answer is printed as soon as it and every earlier one are done.
 

@@ -195,8 +195,8 @@ class StreamRun:
 
     A policy whose rows advance by different numbers of tokens (``joins_lengths``: blockwise) keeps every
     active row in one state, a refill joining it; the others keep cohorts of equal length in the
-    companion-free layout.  A pool with ``pull()`` (a live pool: fairseq-interactive's lines as they arrive)
-    takes in what arrived whenever the load asks for a refill."""
+    companion-free layout.  Whenever the load asks for a refill the pool may ``pull()`` in more sources (a
+    live pool: fairseq-interactive's lines as they arrive)."""
 
     def __init__(self, scheduler: StreamingScheduler, policy, ctx):
         self.scheduler, self.policy, self.ctx = scheduler, policy, ctx
@@ -220,8 +220,7 @@ class StreamRun:
         to decode (a live pool may still grow later)."""
         ctx = self.ctx
         if self._wants_refill():
-            if hasattr(ctx.pool, "pull"):  # a live pool: take in what arrived
-                ctx.pool.pull()
+            ctx.pool.pull()  # a live pool takes in what arrived
             admitted = self._admit() if self.next_source < ctx.pool.size else 0
             if admitted:
                 sentences = torch.arange(self.next_source, self.next_source + admitted, device=self.source_len.device)
@@ -230,8 +229,7 @@ class StreamRun:
                 if self.next_source:
                     ctx.counters.add("refills")
                 self.next_source += admitted
-                if hasattr(ctx.pool, "admitted"):
-                    ctx.pool.admitted(admitted)
+                ctx.pool.admitted(admitted)
         if not self.cohorts:
             return False
         cohort = self._select()
@@ -252,13 +250,13 @@ class StreamRun:
     def _load(self):
         """Active sources, their source tokens and their candidate rows (a source not yet expanded counts
         at the policy's full width, ``--beam`` for the beam searches)."""
-        active = self.source_len.new_zeros(self.source_len.size(0), dtype=torch.bool)  # (pool,)
-        rows = 0
+        rows, reals = 0, []
         for cohort in self.cohorts:
-            real = cohort.sentence[cohort.sentence.ne(PADDING_SENTENCE)]
-            active[real] = True
+            real = cohort.sentence[cohort.sentence.ne(PADDING_SENTENCE)]  # (real rows,) a sentence per beam
+            reals.append(real)
             rows += real.numel() if _expanded(cohort) else self.width * real.numel()
-        return int(active.sum()), int(self.source_len[active].sum()), rows
+        active = torch.cat(reals).unique()  # (active sources,): as many as are active, not the pool's size
+        return active.numel(), int(self.source_len.index_select(0, active).sum()), rows
 
     def _within(self, sentences, tokens, rows, share=1.0):
         """Whether a load is within ``share`` of every capacity."""
