@@ -182,6 +182,11 @@ class CompiledRunner(StaticRunner):
             if src_len + extra > width:
                 cache.widen_source(round_up(src_len + extra, SOURCE_BUCKET) - width)
 
+    @staticmethod
+    def narrow_cache(cache: StaticCache, width: int):
+        if cache.started:
+            cache.narrow_source(round_up(width, SOURCE_BUCKET))
+
     def start_cache(self, cache: StaticCache, encoder_out):
         """The encoder-decoder keys of the rows, padded to the row and source buckets; the fused weights
         as the parameters are now (once per decode)."""

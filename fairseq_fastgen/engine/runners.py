@@ -1,7 +1,7 @@
 """The engine as runners: the same interface as ``ModelRunner``, another cache underneath.
 
 Decoders ask their runner for ``encode``, ``step``, ``step_block``,
-``reorder_cache``, ``concat_caches``, ``widen_cache``, ``keep_accepted`` and
+``reorder_cache``, ``concat_caches``, ``widen_cache``, ``keep_accepted``, ``place_rows`` and
 never look inside the cache, so they do not know which engine runs their steps:
 
 * :class:`StaticRunner` (``--step-engine static``): the exact form of
@@ -54,7 +54,13 @@ class StaticRunner(ModelRunner):
         if cache.started:
             cache.widen_source(extra)
 
+    @staticmethod
+    def narrow_cache(cache: StaticCache, width: int):
+        if cache.started:
+            cache.narrow_source(width)
+
     joins_rows_before_their_first_step = True  # start_cache takes their encoder keys/values at once
+    takes_rows_in_place = True  # place_rows, release_rows
 
     def start_cache(self, cache: StaticCache, encoder_out):
         """At a cache's first step: the encoder-decoder keys/values of its rows, once."""
@@ -99,6 +105,14 @@ class StaticRunner(ModelRunner):
     @staticmethod
     def keep_accepted(cache: StaticCache, accepted: Tensor):
         cache.keep_accepted(accepted)
+
+    @staticmethod
+    def place_rows(cache: StaticCache, slots: Tensor, fresh: StaticCache):
+        cache.place(slots, fresh)
+
+    @staticmethod
+    def release_rows(cache: StaticCache, rows: Tensor):
+        cache.release(rows)
 
     @staticmethod
     def drop_leading_padding(cache: StaticCache):

@@ -176,6 +176,40 @@ class StaticCache:
             selected[:, :, self.length:] = 0
         return selected
 
+    def place(self, slots: Tensor, other: "StaticCache"):
+        """Rows ``slots`` (n,) take the n rows of ``other``, a started cache that has run no step (a refill
+        entering the rows finished ones left): their encoder-decoder keys/values and mask are copied in, and
+        every position written so far becomes padding for them, so their first step writes at this cache's
+        length and attends only to its own positions (as ``concat`` right-aligns a shorter cache)."""
+        if other.length or not other.started or not self.started or self.beams > 1 or other.beams > 1:
+            raise ValueError("only a fresh cache's rows take the place of a running one's (a bug)")
+        extra = other.cross_keys[0].size(2) - self.cross_keys[0].size(2)
+        if extra > 0:
+            self.widen_source(extra)
+        width = self.cross_keys[0].size(2)
+        rows = other.cross_keys[0].size(0)
+        for mine, theirs in zip(self.cross_keys + self.cross_values, other.cross_keys + other.cross_values):
+            mine[slots] = F.pad(theirs[:slots.numel()], (0, 0, 0, width - theirs.size(2)))  # (n, heads, src, hd)
+        mask = other.cross_mask
+        if mask is None:
+            mask = slots.new_zeros((rows, other.cross_keys[0].size(2)), dtype=torch.bool)
+        if self.cross_mask is None:
+            self.cross_mask = slots.new_zeros((self.cross_keys[0].size(0), width), dtype=torch.bool)
+        self.cross_mask[slots] = F.pad(mask[:slots.numel()], (0, width - mask.size(1)), value=True)
+        self.cross_origin = self.cross_origin.clone()  # origins stay distinct: the new rows are their own
+        self.cross_origin[slots] = int(self.cross_origin.max()) + 1 + torch.arange(slots.numel(), device=slots.device)
+        self.release(slots)
+
+    def release(self, rows: Tensor):
+        """No row attends the positions ``rows`` (n,) wrote so far (their rows finished or are taken over): they
+        are padding for them, and positions no other row attends can go (``drop_leading_padding``)."""
+        if self.self_padding is None:
+            self.self_padding = rows.new_zeros((self.self_keys[0].size(0), self.capacity), dtype=torch.bool)
+        self.self_padding[rows, : self.length] = True
+        if self.zeroed:  # a padded step reads them (masked): keep them zero
+            for buffer in self.self_keys + self.self_values:
+                buffer[rows, :, : self.length] = 0
+
     def widen_source(self, extra: int):
         """Right-pad the source positions by ``extra`` (masked) columns."""
         pad = lambda buffer: F.pad(buffer, (0, 0, 0, extra))  # noqa: E731
@@ -186,6 +220,16 @@ class StaticCache:
         if mask is None:
             mask = self.cross_keys[0].new_zeros((rows, src_len), dtype=torch.bool)
         self.cross_mask = F.pad(mask, (0, extra), value=True)
+
+    def narrow_source(self, width: int):
+        """Keep the first ``width`` source positions, the others being padding for every row (a stream whose
+        longest sources finished)."""
+        if width >= self.cross_keys[0].size(2):
+            return
+        self.cross_keys = [b[:, :, :width].contiguous() for b in self.cross_keys]  # (rows, heads, width, hd)
+        self.cross_values = [b[:, :, :width].contiguous() for b in self.cross_values]
+        if self.cross_mask is not None:
+            self.cross_mask = self.cross_mask[:, :width].contiguous()
 
     @staticmethod
     def concat(caches: List["StaticCache"]) -> "StaticCache":

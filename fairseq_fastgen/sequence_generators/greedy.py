@@ -7,8 +7,11 @@ from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_
 from fairseq_fastgen.sequence_generators.registry import register_decoder
 from fairseq_fastgen.sequence_generators.streaming import (
     PADDING_SENTENCE,
+    ROW_MULTIPLE,
     StreamingScheduler,
     StreamOptions,
+    drain_waiting_rows,
+    finished_rows_wait,
     join_any_lengths,
     prepare_streaming_cli,
     select_padded,
@@ -49,8 +52,11 @@ class GreedyPolicy:
 class JoinedGreedyPolicy:
     """greedy-stream with ``--stream-join-lengths``: a refill's rows join the running ones whatever their
     lengths, and every row takes its step in one model call, each at its own position (the step engines'
-    ``step_block``: the runner right-aligns the cached positions of joined rows).  The tokens of ``greedy``;
-    the scores within float rounding (a row's products run beside rows of other lengths)."""
+    ``step_block``: the runner right-aligns the cached positions of joined rows).  A finished row stays as a
+    padding row (its steps are computed and ignored) until a refill's row takes its place
+    (``join_any_lengths``): no copy of the running rows at a finish or a refill, and the row count stays where
+    the kernels are fastest; once no source waits, ``drain`` lets the finished rows go.  The tokens of
+    ``greedy``; the scores within float rounding (a row's products run beside rows of other lengths)."""
 
     joins_lengths = True
 
@@ -69,6 +75,7 @@ class JoinedGreedyPolicy:
     def advance(self, state, ctx):
         lengths = state.lengths  # (rows,) tokens so far: the last one (the bos at 0) sits at position lengths
         rows = torch.arange(state.rows, device=lengths.device)
+        alive = state.sentence.ne(PADDING_SENTENCE)  # (rows,) finished rows wait for a refill's row
         last = state.tokens.gather(1, lengths.unsqueeze(1))  # (rows, 1)
         features, attn = state.runner.step_block(last, lengths.unsqueeze(1), state.encoder_out, state.cache)
         ctx.counters.add("model_calls")
@@ -76,15 +83,21 @@ class JoinedGreedyPolicy:
         rules = ctx.row_processors
         rules(lprobs, lengths, state.tokens if rules.reads_history else None, rows, state.sentence, state.max_len)
         best_lprob, best = lprobs.topk(1, dim=-1)  # (rows, 1) each
-        every_row = best.new_ones(best.shape, dtype=torch.bool)  # (rows, 1): each row keeps its one new token
-        state.append(best, best_lprob, None if attn is None else attn.transpose(1, 2), every_row)
+        every_row = best.new_ones(best.shape, dtype=torch.bool)  # (rows, 1): every row cached its new position
+        state.append(best, best_lprob, None if attn is None else attn.transpose(1, 2), alive.unsqueeze(1))
         state.runner.keep_accepted(state.cache, every_row)
-        finished = best.squeeze(1).eq(ctx.eos)  # (rows,)
-        for row in finished.nonzero().squeeze(1).tolist():
+        finished = best.squeeze(1).eq(ctx.eos) & alive  # (rows,)
+        finished_rows = finished.nonzero().squeeze(1).tolist()
+        for row in finished_rows:
             ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state, row)])
-        if finished.any():
-            state.select((~finished).nonzero().squeeze(1))
-            state.runner.drop_leading_padding(state.cache)  # the positions only finished rows attended
+        if finished_rows or not bool(alive.all()):
+            finished_rows_wait(state, finished)
+
+    @staticmethod
+    def drain(state, ctx):
+        """No source waits for a place: the finished rows go, but for those that keep the row count a multiple
+        of ROW_MULTIPLE (a step costs no more with them, and less than at other counts)."""
+        return drain_waiting_rows(state, ROW_MULTIPLE)
 
 
 @register_decoder("greedy", guarantee="argmax at every step, token-identical to stock --beam 1")

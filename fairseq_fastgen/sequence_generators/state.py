@@ -14,6 +14,7 @@ its own (``lengths``): row r's tokens then sit in columns ``1 .. lengths[r]``
 of ``tokens`` and columns past them hold padding.
 """
 
+import copy
 from typing import Dict, List, Optional
 
 import numpy
@@ -164,6 +165,47 @@ class DecodingState:
                 self.extra[name] = value.index_select(0, index)
         self.encoder_out = self.runner.reorder_encoder_out(self.encoder_out, index)
         self.runner.reorder_cache(self.cache, index)
+
+    def taken(self, index: Tensor) -> "DecodingState":
+        """A new state of the rows ``index``, this one unchanged (streaming takes a refill's rows from sources
+        encoded ahead); only before the first step, while the cache holds no position."""
+        rows = copy.copy(self)
+        rows.extra, rows.cache = dict(self.extra), copy.copy(self.cache)
+        rows.select(index)
+        return rows
+
+    def place(self, slots: Tensor, fresh: "DecodingState"):
+        """Rows ``slots`` (n,) of this state (finished ones) take the n rows of ``fresh``, a state that has run no
+        step, with per-row lengths as this one and the same source width (streaming: a refill entering the rows
+        finished ones left, without copying the running rows); the runner moves the cache's rows
+        (``place_rows``)."""
+        if self.row_lengths is None or fresh.row_lengths is None or fresh.src_len != self.src_len:
+            raise ValueError("rows take others' places only with per-row lengths and equal source widths (a bug)")
+        width = max(self.cum_scores.size(1), fresh.cum_scores.size(1))  # token columns
+        self.tokens = _pad_last(self.tokens, 1 + width, self.pad)
+        self.cum_scores = _pad_last(self.cum_scores, width)
+        self.tokens[slots] = _pad_last(fresh.tokens, 1 + width, self.pad)
+        self.cum_scores[slots] = _pad_last(fresh.cum_scores, width)
+        if self.attn is not None:  # (rows, src_len, width); a fresh state has attended nothing yet
+            self.attn = _pad_last(self.attn, width)
+            self.attn[slots] = 0
+        for name, value in (("sentence", fresh.sentence), ("max_len", fresh.max_len),
+                            ("row_lengths", fresh.row_lengths)):
+            setattr(self, name, getattr(self, name).clone())  # (rows,) never shared with another state
+            getattr(self, name)[slots] = value
+        for name in {name for name in self.extra} | set(fresh.extra):
+            mine, theirs = self.extra.get(name), fresh.extra.get(name)
+            if mine is None and theirs is not None:
+                mine = theirs.new_zeros((self.rows,) + theirs.shape[1:])
+            if mine is not None:
+                mine = mine.clone()
+                mine[slots] = 0 if theirs is None else theirs
+            self.extra[name] = mine
+        states, mask = self.encoder_out["encoder_out"][0].clone(), self.encoder_out["encoder_padding_mask"][0].clone()
+        states[:, slots] = fresh.encoder_out["encoder_out"][0]  # (src_len, rows, dim)
+        mask[slots] = fresh.encoder_out["encoder_padding_mask"][0]  # (rows, src_len)
+        self.encoder_out = dict(self.encoder_out, encoder_out=[states], encoder_padding_mask=[mask])
+        self.runner.place_rows(self.cache, slots, fresh.cache)
 
     def candidate_rows(self, index: Tensor, tokens: Tensor, cum_scores: Tensor, attn=None) -> "DecodingState":
         """The rows ``index`` (k,), each continued by one of ``tokens`` (k,) at the cumulative scores

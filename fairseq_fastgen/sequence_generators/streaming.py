@@ -84,6 +84,7 @@ ROW_MULTIPLE = 4  # row counts that give every row its batch-independent MKL res
 KEY_BLOCK = 4  # q·Kᵀ columns computed together
 MIN_KEY_WIDTH = 16  # narrower encoder outputs take another q·Kᵀ kernel
 PADDING_SENTENCE = -1  # sentence index of padding rows
+ENCODED_AHEAD = 4  # a stream that joins lengths encodes this many capacities of sources in one call
 SELECTIONS = ["min-length", "fifo"]  # which cohort a streaming iteration expands
 
 
@@ -203,7 +204,10 @@ class StreamRun:
         self.joins_lengths = getattr(policy, "joins_lengths", False)
         self.layout = CompanionFreeLayout()
         self.width = getattr(policy, "width", 1)  # candidate rows of a source not yet expanded
-        self.encode = ctx.start_state if self.joins_lengths else functools.partial(self.layout.encode, ctx)
+        if self.joins_lengths:
+            self.encode = EncodedAhead(ctx, ENCODED_AHEAD * (scheduler.capacity or ENCODED_AHEAD))
+        else:
+            self.encode = functools.partial(self.layout.encode, ctx)
         self.merge = policy.join if self.joins_lengths else functools.partial(_merge_equal_lengths,
                                                                               layout=self.layout)
         if scheduler.streams:
@@ -232,6 +236,11 @@ class StreamRun:
                 ctx.pool.admitted(admitted)
         if not self.cohorts:
             return False
+        drain = getattr(self.policy, "drain", None)
+        if drain is not None and self.next_source >= ctx.pool.size:  # no source waits for a finished row's place
+            self.cohorts = [c for c in (drain(c, ctx) for c in self.cohorts) if c.rows > 0]
+            if not self.cohorts:
+                return False
         cohort = self._select()
         ctx.counters.record_step("candidate_expansions", int(cohort.sentence.ne(PADDING_SENTENCE).sum()))
         self.policy.advance(cohort, ctx)
@@ -250,6 +259,10 @@ class StreamRun:
     def _load(self):
         """Active sources, their source tokens and their candidate rows (a source not yet expanded counts
         at the policy's full width, ``--beam`` for the beam searches)."""
+        if self.joins_lengths and self.scheduler.capacity_tokens is None and self.scheduler.capacity_rows is None:
+            # one row per source, only the source count limited: the rows that are not padding
+            active = sum(int(c.sentence.ne(PADDING_SENTENCE).sum()) for c in self.cohorts)
+            return active, 0, active
         rows, reals = 0, []
         for cohort in self.cohorts:
             real = cohort.sentence[cohort.sentence.ne(PADDING_SENTENCE)]  # (real rows,) a sentence per beam
@@ -287,11 +300,116 @@ class StreamRun:
 
 def join_any_lengths(states):
     """Every state's rows in one (a list of at most one state), whatever their lengths: the runner right-aligns
-    their cached positions; sources are right-padded to the widest."""
+    their cached positions; sources are right-padded to the widest.  Where the first (running) state keeps
+    finished rows as padding rows (``JoinedGreedyPolicy``) and the runner can, the later (fresh) states' rows
+    take their places (``DecodingState.place``) and only the rows left over are appended (a copy of every row)."""
     if len(states) < 2:
         return states
     width = max(s.src_len for s in states)
-    return [DecodingState.concat([CompanionFreeLayout.widen(state, width) for state in states])]
+    running, *fresh_states = [CompanionFreeLayout.widen(state, width) for state in states]
+    free = running.sentence.eq(PADDING_SENTENCE).nonzero().squeeze(1)  # (free rows,)
+    if not running.runner.takes_rows_in_place:
+        free = free[:0]
+    left_over = []
+    for fresh in fresh_states:
+        placed = min(free.numel(), fresh.rows)
+        if placed:
+            rows = torch.arange(fresh.rows, device=free.device)
+            running.place(free[:placed], fresh if placed == fresh.rows else fresh.taken(rows[:placed]))
+            free = free[placed:]
+            fresh = fresh.taken(rows[placed:]) if placed < fresh.rows else None
+        if fresh is not None:
+            left_over.append(fresh)
+    joined = DecodingState.concat([running] + left_over) if left_over else running
+    if joined.runner.takes_rows_in_place:
+        narrow_sources(joined)
+    return [joined]
+
+
+def left_justified(encoder_out):
+    """``encoder_out`` with each row's source positions first and its padding after them (fairseq left-pads
+    sources): the layout in which a stream's source width shrinks when its longest sources finish
+    (``narrow_sources``)."""
+    states, mask = encoder_out["encoder_out"][0], encoder_out["encoder_padding_mask"][0]  # (src, rows, dim), (rows, src)
+    leading = mask.long().cumprod(dim=1).sum(dim=1)  # (rows,) padding positions before each row's source
+    if not bool(leading.any()):
+        return encoder_out
+    src_len = mask.size(1)
+    positions = torch.arange(src_len, device=mask.device)
+    index = (positions.unsqueeze(0) + leading.unsqueeze(1)) % src_len  # (rows, src): rotated left
+    states = states.gather(0, index.t().unsqueeze(2).expand(-1, -1, states.size(2)))
+    return dict(encoder_out, encoder_out=[states], encoder_padding_mask=[mask.gather(1, index)], encoder_embedding=[],
+                encoder_states=[], src_tokens=[], src_lengths=[])
+
+
+def narrow_sources(state, slack: int = 2 * KEY_BLOCK):
+    """Drop the last source positions of a state whose rows are left-justified (``left_justified``) when at least
+    ``slack`` of them are padding for every row: a stream's width follows its longest running source."""
+    mask = state.encoder_out["encoder_padding_mask"][0]  # (rows, src_len)
+    used = -(-int((~mask).sum(dim=1).max()) // KEY_BLOCK) * KEY_BLOCK if state.rows else 0
+    if state.src_len - used < slack or not bool(mask[:, used:].all()):
+        return
+    state.encoder_out = dict(state.encoder_out, encoder_out=[state.encoder_out["encoder_out"][0][:used]],
+                             encoder_padding_mask=[mask[:, :used]])
+    if state.attn is not None:
+        state.attn = state.attn[:, :used]  # (rows, used, width)
+    state.runner.narrow_cache(state.cache, used)
+    state.src_len = used
+
+
+def finished_rows_wait(state, finished, streaming: bool = True) -> torch.Tensor:
+    """Rows ``finished`` (rows,) bool have been answered: when ``streaming`` where the runner takes rows in
+    place, they stay as padding rows, released from the cache, until a refill's rows take their places
+    (``join_any_lengths``) or ``drain_waiting_rows`` lets them go; else they go now.  Returns the rows kept,
+    (kept,)."""
+    if streaming and state.runner.takes_rows_in_place:
+        if finished.any():
+            state.sentence = state.sentence.masked_fill(finished, PADDING_SENTENCE)
+        waiting = state.sentence.eq(PADDING_SENTENCE).nonzero().squeeze(1)  # (waiting,)
+        if waiting.numel():
+            state.runner.release_rows(state.cache, waiting)
+            state.runner.drop_leading_padding(state.cache)  # the positions only finished rows attended
+        return torch.arange(state.rows, device=finished.device)
+    kept = (~finished).nonzero().squeeze(1)
+    if kept.numel() < state.rows:
+        state.select(kept)
+    return kept
+
+
+def drain_waiting_rows(state, multiple: int = 1):
+    """No source waits for a finished row's place any more: the finished rows go, but for as many as keep the
+    row count a multiple of ``multiple``."""
+    running = state.sentence.ne(PADDING_SENTENCE)  # (rows,)
+    kept, waiting = running.nonzero().squeeze(1), (~running).nonzero().squeeze(1)
+    kept = torch.cat([kept, waiting[: (-kept.numel()) % multiple if kept.numel() else 0]])
+    if kept.numel() < state.rows:
+        state.select(kept)
+        if kept.numel():
+            state.runner.drop_leading_padding(state.cache)
+            narrow_sources(state)
+    return state
+
+
+class EncodedAhead:
+    """Sources encoded ahead of their admission, ``group`` sentences in one encoder call: the refills of a
+    stream that joins lengths take their rows from the group (``DecodingState.taken``) instead of an encoder
+    call each.  fairseq orders a pool by source length, so a group's sources are padded little."""
+
+    def __init__(self, ctx, group: int):
+        self.ctx, self.group = ctx, group
+        self.first = 0  # pool position of the group's first sentence
+        self.state: Optional[DecodingState] = None  # the group, encoded; its rows are never stepped
+
+    def __call__(self, sentences: torch.Tensor) -> DecodingState:
+        """The state of ``sentences`` (consecutive pool positions), encoded now or earlier."""
+        first, end = int(sentences[0]), int(sentences[-1]) + 1
+        if self.state is None or first < self.first or end > self.first + self.state.rows:
+            end = max(end, min(first + self.group, self.ctx.pool.size))
+            self.first = first
+            self.state = self.ctx.start_state(torch.arange(first, end, device=sentences.device))
+            if self.state.runner.takes_rows_in_place:
+                self.state.encoder_out = left_justified(self.state.encoder_out)
+        return self.state.taken(sentences - self.first)
 
 
 def _expanded(cohort) -> bool:

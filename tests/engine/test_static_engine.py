@@ -159,3 +159,51 @@ def test_positions_no_row_attends_are_dropped_from_the_front():
     assert torch.equal(cache.self_keys[0][:, :, :20], keys[:2, :, 20:40])
     assert cache.self_padding[:, :20].tolist() == [[False] * 20, [True] * 5 + [False] * 15]
     assert (cache.self_values[0][:, :, 20:] == 0).all()  # a zeroed cache stays zeroed past its length
+
+
+def test_fresh_rows_take_finished_rows_places():
+    """A refill's rows enter the rows finished ones left (streaming with --stream-join-lengths): their
+    encoder-decoder keys/values and mask are copied in (the running rows' own stay), the narrower source is
+    right-padded, the positions written so far become padding for them only, and a zeroed cache keeps them zero."""
+    heads, head_dim, length = 2, 4, 7
+    running = StaticCache(capacity=12, zeroed=True)
+    running.start([torch.randn(4, heads, 5, head_dim)], [torch.randn(4, heads, 5, head_dim)], None, heads, head_dim)
+    for buffer in running.self_keys + running.self_values:
+        buffer[:, :, :length] = torch.randn(4, heads, length, head_dim)
+    running.length = length
+    fresh = StaticCache(capacity=12)
+    fresh_mask = torch.tensor([[False] * 6, [True, False, False, False, False, False]])
+    fresh.start([torch.randn(2, heads, 6, head_dim)], [torch.randn(2, heads, 6, head_dim)], fresh_mask, heads, head_dim)
+    before_keys, before_self = running.cross_keys[0].clone(), running.self_keys[0].clone()
+
+    running.place(torch.tensor([3, 1]), fresh)
+
+    assert running.cross_keys[0].shape == (4, heads, 6, head_dim)  # widened to the fresh rows' source
+    assert torch.equal(running.cross_keys[0][[3, 1]], fresh.cross_keys[0])
+    assert torch.equal(running.cross_values[0][[3, 1]], fresh.cross_values[0])
+    assert torch.equal(running.cross_keys[0][[0, 2], :, :5], before_keys[[0, 2]])  # the running rows' own keys
+    assert running.cross_mask.tolist() == [[False] * 5 + [True], fresh_mask[1].tolist(), [False] * 5 + [True],
+                                           fresh_mask[0].tolist()]
+    assert running.self_padding[:, :length].tolist() == [[False] * length, [True] * length, [False] * length,
+                                                         [True] * length]
+    assert not running.self_padding[:, length:].any()  # the fresh rows' first step writes at position 7
+    assert torch.equal(running.self_keys[0][[0, 2]], before_self[[0, 2]])
+    assert (running.self_keys[0][[1, 3], :, :length] == 0).all()  # zeroed: released positions hold zeros
+    assert len(set(running.cross_origin.tolist())) == 4  # no reorder takes a fresh row for a running one
+    with pytest.raises(ValueError, match="fresh cache"):
+        running.place(torch.tensor([0]), running)  # a cache that ran steps cannot take a place
+
+
+def test_released_rows_stop_holding_positions():
+    """A finished row waiting for a refill releases its positions: once the only other row that attended the
+    first ones left too, they are dropped."""
+    heads, head_dim = 2, 4
+    cache = StaticCache(capacity=40)
+    cache.start([torch.zeros(2, heads, 5, head_dim)], [torch.zeros(2, heads, 5, head_dim)], None, heads, head_dim)
+    cache.length = 20
+    cache.self_padding = torch.zeros(2, 40, dtype=torch.bool)
+    cache.self_padding[1, :18] = True  # row 1 joined at position 18
+    cache.release(torch.tensor([0]))
+    assert cache.self_padding[0, :20].all() and not cache.self_padding[0, 20:].any()
+    cache.drop_leading_padding()
+    assert cache.length == 2 and cache.self_padding[:, :2].tolist() == [[True, True], [False, False]]

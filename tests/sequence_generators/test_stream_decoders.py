@@ -9,6 +9,7 @@ import torch
 
 from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.sequence_generators import streaming
+from fairseq_fastgen.sequence_generators.state import DecodingState
 from test_blockwise import SOURCE_LENGTH, decode, loaded  # noqa: F401  (loaded: the k-head fixture)
 from test_streaming import (  # noqa: F401  (fixtures: toy, var_batch_results, edge_case_data)
     CAPACITY, AdmissionLog, edge_case_data, hypothesis_lines, run_cli, translate_in_batches, var_batch_results,
@@ -241,3 +242,66 @@ def test_fairseq_generate_and_interactive_greedy_stream(toy_model, plugin_dir, e
     assert [int(m) for m in re.findall(r"^S-(\d+)\t", interactive, flags=re.M)] == list(range(len(sources)))
     assert texts(hypothesis_lines(interactive)) == texts(greedy)
     assert re.search(r"decoder greedy-stream: .*refills=\d+", interactive)
+
+
+# ---- refills in the places of finished rows -------------------------------------------------------
+class RowLog:
+    """The row count of every step_block call of a runner, and the states streaming concatenated."""
+
+    def __init__(self, runner, monkeypatch):
+        self.rows, self.concatenated = [], []
+        step_block = runner.step_block
+
+        def logged(tokens, positions, encoder_out, cache):
+            self.rows.append(tokens.size(0))
+            return step_block(tokens, positions, encoder_out, cache)
+
+        monkeypatch.setattr(runner, "step_block", logged)
+        concat = DecodingState.concat
+
+        def logged_concat(states):
+            self.concatenated.append([s.rows for s in states])
+            return concat(states)
+
+        monkeypatch.setattr(DecodingState, "concat", staticmethod(logged_concat))
+
+
+def test_greedy_refills_take_finished_rows_places(toy, monkeypatch):
+    """--stream-join-lengths with refills at 7/8: a refill's rows take the places finished rows left (no copy
+    of the running rows), every call runs the capacity's rows until no source waits and then a multiple of
+    ROW_MULTIPLE, the sources are encoded ahead in groups; greedy's tokens."""
+    ids = list(range(TEST_SENTENCES))
+    greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=7 / 8,
+                              stream_join_lengths=True, **SOURCE_LENGTH)
+    log = RowLog(generator.runner, monkeypatch)
+    streamed = toy.translate(generator, ids)
+
+    assert_same_tokens_close_scores(greedy, streamed)
+    assert log.concatenated == []  # every refill entered finished rows' places
+    assert set(log.rows) == {CAPACITY, streaming.ROW_MULTIPLE}
+    assert log.rows[: len(log.rows) // 2] == [CAPACITY] * (len(log.rows) // 2)
+    counts = generator.counters.counts
+    assert counts["refills"] >= TEST_SENTENCES // 2  # a refill at every step where rows finished
+    assert counts["encoder_calls"] <= TEST_SENTENCES // (2 * CAPACITY)  # encoded ahead: 4 capacities a call
+    assert counts["model_calls"] < 1.3 * sum(h[0]["tokens"].numel() for h in greedy.values()) / CAPACITY
+
+
+@pytest.mark.parametrize("engine", ["static", "compiled"])
+def test_blockwise_refills_take_finished_rows_places(loaded, engine, monkeypatch):
+    model, task = loaded(4)
+    reference, _ = decode(model, task, 25, decoder="blockwise", step_engine=engine, **SOURCE_LENGTH)
+    from fairseq.dataclass.configs import GenerationConfig
+
+    generator = task.build_generator([model], GenerationConfig(
+        beam=1, decoder="blockwise-stream", stream_capacity=CAPACITY, stream_eps=7 / 8, step_engine=engine,
+        **SOURCE_LENGTH))
+    log = RowLog(generator.runner, monkeypatch)
+    sample = task.dataset("test").collater([task.dataset("test")[i] for i in range(TEST_SENTENCES)])
+    results = generator.generate([model], sample)
+    streamed = {s: h[0]["tokens"].tolist() for s, h in zip(sample["id"].tolist(), results)}
+
+    assert streamed == {s: tokens for s, (tokens, _) in reference.items()}
+    assert log.concatenated == []
+    assert max(log.rows) == CAPACITY and log.rows.count(CAPACITY) >= len(log.rows) // 2
+    assert generator.counters.counts["encoder_calls"] <= TEST_SENTENCES // (2 * CAPACITY)

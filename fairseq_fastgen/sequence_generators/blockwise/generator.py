@@ -53,8 +53,9 @@ class BlockwiseGenerator(FastgenGenerator):
         require_int("--blockwise-min-block", min_block, 1)
         policy = BlockwisePolicy(decoder, block_size, build_acceptance(blockwise, tgt_dict), min_block, tgt_dict.pad(),
                                  int8_proposals=blockwise.blockwise_int8_proposals)
-        return cls(model, tgt_dict, gen_cfg, options.common, policy, cls.scheduler_for(options),
-                   projection=projection)
+        scheduler = cls.scheduler_for(options)
+        policy.streaming = scheduler is not None  # finished rows wait for a refill's rows
+        return cls(model, tgt_dict, gen_cfg, options.common, policy, scheduler, projection=projection)
 
     @staticmethod
     def scheduler_for(options):

@@ -35,7 +35,12 @@ from fairseq_fastgen.sequence_generators.blockwise.int8_proposals import Int8Pro
 from fairseq_fastgen.sequence_generators.blockwise.one_row import OneRowPath
 from fairseq_fastgen.sequence_generators.blockwise.options import ExactMatch
 from fairseq_fastgen.sequence_generators.state import DecodingState
-from fairseq_fastgen.sequence_generators.streaming import join_any_lengths
+from fairseq_fastgen.sequence_generators.streaming import (
+    PADDING_SENTENCE,
+    drain_waiting_rows,
+    finished_rows_wait,
+    join_any_lengths,
+)
 
 
 # ---- the search policy -----------------------------------------------------------------------
@@ -54,6 +59,9 @@ class BlockwisePolicy(OneRowPath):
         self.one_row_path = isinstance(acceptance, ExactMatch) and min_block == 1
 
     joins_lengths = True  # streaming: a refill's rows join the running ones, whatever their lengths
+    # blockwise-stream: a finished row stays, as a padding row whose blocks are ignored, until a refill's row
+    # takes its place (``finished_rows_wait``)
+    streaming = False
 
     @staticmethod
     def join(states):
@@ -66,7 +74,20 @@ class BlockwisePolicy(OneRowPath):
             first_attn = state.extra.get("first_attn")
             if first_attn is not None:
                 state.extra["first_attn"] = F.pad(first_attn, (0, width - state.src_len))  # (rows, width)
-        return join_any_lengths(states)
+        joined = join_any_lengths(states)
+        first_attn = joined[0].extra.get("first_attn")
+        if first_attn is not None:  # the joined rows' sources may have narrowed
+            joined[0].extra["first_attn"] = first_attn[:, : joined[0].src_len]
+        return joined
+
+    @staticmethod
+    def drain(state, ctx):
+        """No source waits for a finished row's place: the finished rows go (a row costs a block of positions)."""
+        drain_waiting_rows(state)
+        first_attn = state.extra.get("first_attn")
+        if first_attn is not None:  # the running rows' sources may have narrowed
+            state.extra["first_attn"] = first_attn[:, : state.src_len]
+        return state
 
     def start(self, state: DecodingState, ctx) -> DecodingState:
         """Run the bos position; its heads propose the first block."""
@@ -102,8 +123,9 @@ class BlockwisePolicy(OneRowPath):
 
     def advance(self, state: DecodingState, ctx):
         rules = ctx.row_processors
-        # a lone row is never a fresh one: rows join running rows (streaming), two at least
-        if state.rows == 1 and self.one_row_path and not rules.reads_history:
+        # a lone row that has run its bos and is not waiting for a refill (streaming)
+        if state.rows == 1 and self.one_row_path and not rules.reads_history and int(state.lengths[0]) >= 0 \
+                and int(state.sentence[0]) != PADDING_SENTENCE:
             self.advance_one_row(state, ctx)
             return
         lengths = state.lengths  # (rows,) accepted tokens; -1: a row that has not run its bos (it just joined)
@@ -126,11 +148,14 @@ class BlockwisePolicy(OneRowPath):
         accepted = self.accepted_prefix(block, lprobs, best, ctx.eos)  # (rows, n)
         kept = accepted  # (rows, n) the positions the cache keeps: a fresh row's bos
         fresh = lengths.lt(0)  # (rows,) rows whose block is their bos (streaming: they joined just now)
+        waiting = state.sentence.eq(PADDING_SENTENCE)  # (rows,) finished rows waiting for a refill's row
         has_fresh = bool(fresh.any())
+        if has_fresh or bool(waiting.any()):  # they accept no token; the cache keeps their first position
+            idle = fresh | waiting
+            kept = torch.where(idle.unsqueeze(1), offsets.eq(0).unsqueeze(0), accepted)
+            accepted = accepted & ~idle.unsqueeze(1)
         if has_fresh:
-            kept = torch.where(fresh.unsqueeze(1), offsets.eq(0).unsqueeze(0), accepted)
-            accepted = accepted & ~fresh.unsqueeze(1)  # a fresh row accepts no token yet
-            state.row_lengths = lengths.clamp(min=0)  # it now holds its bos: no token yet
+            state.row_lengths = lengths.clamp(min=0)  # a fresh row now holds its bos: no token yet
         count = kept.sum(dim=1)  # (rows,) >= 1
 
         token_lprobs = torch.cat(
@@ -144,19 +169,15 @@ class BlockwisePolicy(OneRowPath):
         state.runner.keep_accepted(state.cache, kept)
 
         last = count - 1  # the last accepted position proposes the next block (a fresh row's bos, its first)
-        finished = block[rows, last].eq(ctx.eos)
+        finished = block[rows, last].eq(ctx.eos) & ~waiting
         if has_fresh:
             finished &= ~fresh
-        finished_rows = finished.nonzero().squeeze(1).tolist()
-        for row in finished_rows:
+        for row in finished.nonzero().squeeze(1).tolist():
             ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state, row)])
-        alive = rows  # (rows,) the rows that go on
-        if finished_rows:
-            alive = (~finished).nonzero().squeeze(1)
-            state.select(alive)
-            last = last[alive]
+        alive = finished_rows_wait(state, finished, self.streaming)  # (rows,) the rows that go on
         if state.rows == 0:
             return
+        last = last[alive]
         first_lprobs = lprobs[alive, last]  # (rows, vocab), already processed
         first_attn = None if attn is None else attn[alive, last]
         heads = None if all_heads is None else all_heads[alive, last]  # (rows, block, dim)
