@@ -189,7 +189,9 @@ class CompiledRunner(StaticRunner):
 
     def start_cache(self, cache: StaticCache, encoder_out):
         """The encoder-decoder keys of the rows, padded to the row and source buckets; the fused weights
-        as the parameters are now (once per decode)."""
+        as the parameters are now (once per decode; a cache started already keeps its keys)."""
+        if cache.started:
+            return
         self.fused = self.fused_weights.current()
         if self.freezing or self.many_rows_on_cpu:
             signature = tuple((id(p), p._version) for p in self.model.decoder.parameters())

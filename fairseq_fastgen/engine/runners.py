@@ -63,7 +63,10 @@ class StaticRunner(ModelRunner):
     takes_rows_in_place = True  # place_rows, release_rows
 
     def start_cache(self, cache: StaticCache, encoder_out):
-        """At a cache's first step: the encoder-decoder keys/values of its rows, once."""
+        """At a cache's first step: the encoder-decoder keys/values of its rows, once (a cache started already,
+        rows taken from sources encoded ahead, keeps them)."""
+        if cache.started:
+            return
         states = encoder_out["encoder_out"][0]  # (src_len, rows, dim)
         masks = encoder_out["encoder_padding_mask"]
         keys, values = self.decoder_step.encoder_keys_values(states)

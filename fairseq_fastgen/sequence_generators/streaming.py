@@ -391,7 +391,8 @@ def drain_waiting_rows(state, multiple: int = 1):
 
 
 class EncodedAhead:
-    """Sources encoded ahead of their admission, ``group`` sentences in one encoder call: the refills of a
+    """Sources encoded ahead of their admission, ``group`` sentences in one encoder call (and, where the runner
+    takes rows before their first step, one computation of their encoder-decoder keys/values): the refills of a
     stream that joins lengths take their rows from the group (``DecodingState.taken``) instead of an encoder
     call each.  fairseq orders a pool by source length, so a group's sources are padded little."""
 
@@ -407,8 +408,11 @@ class EncodedAhead:
             end = max(end, min(first + self.group, self.ctx.pool.size))
             self.first = first
             self.state = self.ctx.start_state(torch.arange(first, end, device=sentences.device))
-            if self.state.runner.takes_rows_in_place:
+            runner = self.state.runner
+            if runner.takes_rows_in_place:
                 self.state.encoder_out = left_justified(self.state.encoder_out)
+            if runner.joins_rows_before_their_first_step:  # the group's encoder-decoder keys/values at once
+                runner.start_cache(self.state.cache, self.state.encoder_out)
         return self.state.taken(sentences - self.first)
 
 
