@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from fairseq_fastgen import safe_files
+from fairseq_fastgen.engine.loaded_package import load_package
 
 COMPILED_DIR_ENV = "FASTGEN_COMPILED_DIR"
 ENGINE_SOURCES = ("decoder_step.py", "compiled.py", "fused_weights.py", "aot_step.py")
@@ -127,7 +128,7 @@ def load_or_compile(runner, position_table, rows: Optional[int] = None, beams: i
         compiled_now = not path.exists()
         if compiled_now:
             compile_package(runner, position_table, rows, path, beams)
-        step = torch._inductor.aoti_load_package(str(path))
+        step = load_package(path)
     return step, time.perf_counter() - start, compiled_now
 
 
@@ -144,5 +145,7 @@ def compile_package(runner, position_table, rows: Optional[int], path: Path, bea
     settings = {"freezing": True}
     if rows is not None:
         settings.update(max_autotune=True, max_autotune_gemm_backends="CPP")
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(temporary), inductor_configs=settings)
+    import torch._inductor as inductor  # only where a package is compiled (loading needs none of it)
+
+    inductor.aoti_compile_and_package(exported, package_path=str(temporary), inductor_configs=settings)
     os.replace(temporary, path)

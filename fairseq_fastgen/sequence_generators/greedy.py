@@ -83,9 +83,8 @@ class JoinedGreedyPolicy:
         rules = ctx.row_processors
         rules(lprobs, lengths, state.tokens if rules.reads_history else None, rows, state.sentence, state.max_len)
         best_lprob, best = lprobs.topk(1, dim=-1)  # (rows, 1) each
-        every_row = best.new_ones(best.shape, dtype=torch.bool)  # (rows, 1): every row cached its new position
-        state.append(best, best_lprob, None if attn is None else attn.transpose(1, 2), alive.unsqueeze(1))
-        state.runner.keep_accepted(state.cache, every_row)
+        # every row keeps the position it cached (finished rows' are masked for the row that takes their place)
+        state.append_each_row(best, best_lprob, None if attn is None else attn.transpose(1, 2), alive)
         finished = best.squeeze(1).eq(ctx.eos) & alive  # (rows,)
         finished_rows = finished.nonzero().squeeze(1).tolist()
         for row in finished_rows:

@@ -111,6 +111,19 @@ class DecodingState:
             self._attention_buffer(new_attn, new_attn.size(1))[rows, :, columns] = new_attn[rows, :, offsets]
         self.row_lengths = self.row_lengths + accepted.sum(dim=1)
 
+    def append_each_row(self, new_tokens, new_lprobs, new_attn, taking):
+        """``append`` with per-row lengths where the rows ``taking`` (rows,) bool take their one new token
+        (``new_tokens``, ``new_lprobs`` (rows, 1), ``new_attn`` (rows, src_len, 1) or None) and the others
+        keep their length (the new token goes, unread, to a column past it).  The same float additions."""
+        columns = self.row_lengths.clamp(max=self.cum_scores.size(1) - 1).unsqueeze(1)  # (rows, 1)
+        cumulative = self.scores.unsqueeze(1) + new_lprobs  # (rows, 1)
+        self.tokens.scatter_(1, columns + 1, new_tokens)
+        self.cum_scores.scatter_(1, columns, cumulative)
+        if new_attn is not None:
+            attn = self._attention_buffer(new_attn, new_attn.size(1))  # (rows, src_len, width)
+            attn.scatter_(2, columns.unsqueeze(1).expand(-1, attn.size(1), 1), new_attn)
+        self.row_lengths = self.row_lengths + taking
+
     def append_lone_row(self, length: int, new_tokens, new_lprobs, new_attn=None):
         """``append`` for a state of one row that holds ``length`` tokens, with per-row lengths, the scores
         in Python: ``new_tokens`` (count,), their lprobs ``new_lprobs`` (floats of float32 values), their

@@ -305,3 +305,29 @@ def test_blockwise_refills_take_finished_rows_places(loaded, engine, monkeypatch
     assert log.concatenated == []
     assert max(log.rows) == CAPACITY and log.rows.count(CAPACITY) >= len(log.rows) // 2
     assert generator.counters.counts["encoder_calls"] <= TEST_SENTENCES // (2 * CAPACITY)
+
+
+def test_answered_rows_keep_their_hypotheses_when_their_places_are_taken(toy):
+    """A finished row's place goes to another sentence: its hypothesis keeps its own score (unnormalized: the
+    cumulative score itself) and attention, greedy's within float rounding, the attention on the source positions
+    (left-padded in greedy's batches, first in the stream's rows)."""
+    ids = list(range(0, TEST_SENTENCES, 2))
+    greedy = translate_in_batches(toy, toy.generator(decoder="greedy", unnormalized=True, **SOURCE_LENGTH), ids, 25)
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=7 / 8,
+                              stream_join_lengths=True, unnormalized=True, **SOURCE_LENGTH)
+    streamed = toy.translate(generator, ids)
+
+    for sentence in ids:
+        want, got = greedy[sentence][0], streamed[sentence][0]
+        assert torch.equal(got["tokens"], want["tokens"]), sentence
+        assert float(got["score"]) == pytest.approx(float(want["score"]), rel=1e-6, abs=1e-5), sentence
+    source_len = dict(zip(toy.sample(ids)["id"].tolist(), toy.sample(ids)["net_input"]["src_lengths"].tolist()))
+    compared = 0
+    for sentence in ids:
+        want, got = greedy[sentence][0]["attention"], streamed[sentence][0]["attention"]
+        if want.numel():
+            n = source_len[sentence]  # (source positions with eos, length)
+            assert torch.allclose(got[:n], want[-n:], atol=1e-5), sentence
+            assert not got[n:].any(), sentence
+            compared += 1
+    assert compared == len(ids)
