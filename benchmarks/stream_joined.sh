@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Streaming that joins lengths beside fixed batches (docs/benchmarks.md, "Streaming that joins lengths"):
+# greedy beside greedy-stream --stream-join-lengths, blockwise (the frozen k = 4 student) beside
+# blockwise-stream, at capacities 8 and 16 with a refill as soon as a row finishes (--stream-eps 1 - 1/capacity).
+# One fastgen-bench run per decoder family and capacity, passes interleaved.
+#
+#   bash benchmarks/stream_joined.sh [MODEL_DIR] [OUT_DIR] [SENTENCES] [ENGINE]
+#
+# MODEL_DIR is what benchmarks/multi30k.py builds (bin/, base/checkpoint_best.pt, khead4/checkpoint_last.pt).
+# Defaults: bench_out/multi30k, bench_out/stream-joined, 1,000 sentences, --step-engine static; REPEAT=N sets
+# the timed passes per configuration (default 5).
+set -euo pipefail
+M=${1:-bench_out/multi30k}
+OUT=${2:-bench_out/stream-joined}
+SENTENCES=${3:-1000}
+ENGINE=${4:-static}
+BENCH=(.venv/bin/fastgen-bench "$M/bin" --path "$M/base/checkpoint_best.pt" --cpu --threads 1
+       --post-process sentencepiece --repeat "${REPEAT:-5}" --no-ctranslate2 --step-engine "$ENGINE"
+       --max-sentences "$SENTENCES" --beam 1)
+for CAPACITY in 8 16; do
+  EPS=$(python3 -c "print(1 - 1 / $CAPACITY)")
+  "${BENCH[@]}" --batch-size "$CAPACITY" --decoders greedy,greedy-stream --reference greedy \
+      --stream-join-lengths --stream-eps "$EPS" --output-dir "$OUT/greedy-$CAPACITY"
+  "${BENCH[@]}" --batch-size "$CAPACITY" --decoders blockwise,blockwise-stream --reference blockwise \
+      --khead-path "$M/khead4/checkpoint_last.pt" --stream-eps "$EPS" --output-dir "$OUT/blockwise-$CAPACITY"
+done
