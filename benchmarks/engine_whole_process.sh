@@ -3,8 +3,9 @@
 # stock fairseq-generate (no plugin), the plugin on fairseq's step (the default for --decoder beam) and the
 # plugin with --step-engine compiled, once with an empty compile cache (a fresh TORCHINDUCTOR_CACHE_DIR and
 # FASTGEN_COMPILED_DIR: torch.compile's code and the steps compiled ahead of time) and once with the cache the
-# previous compiled process left. Wall seconds per process, the four
-# processes interleaved round by round; prints each round and the medians, and how many hypotheses (H- lines:
+# previous compiled process left, and once with --compile-in-background and an empty cache (the decode runs
+# eager while a child process compiles; the script waits for that child before the next process, outside the
+# timing). Wall seconds per process, the five processes interleaved round by round; prints each round and the medians, and how many hypotheses (H- lines:
 # sentence id and text) and printed scores each process shares with stock fairseq-generate.
 #
 #   bash benchmarks/engine_whole_process.sh [MODEL_DIR] [ROUNDS] [THREADS]
@@ -36,13 +37,17 @@ for round in $(seq "$ROUNDS"); do
   export TORCHINDUCTOR_CACHE_DIR="$WORK/cache-$round" FASTGEN_COMPILED_DIR="$WORK/cache-$round/fairseq_fastgen"
   run compiled-cold "${PLUGIN[@]}" --step-engine compiled
   run compiled-warm "${PLUGIN[@]}" --step-engine compiled
+  export TORCHINDUCTOR_CACHE_DIR="$WORK/cache-bg-$round" FASTGEN_COMPILED_DIR="$WORK/cache-bg-$round/fairseq_fastgen"
+  run compiled-background "${PLUGIN[@]}" --step-engine compiled --compile-in-background
+  child=$(grep -o 'in the background (process [0-9]*' "$WORK/compiled-background.err" | grep -o '[0-9]*$' || true)
+  while [ -n "$child" ] && kill -0 "$child" 2> /dev/null; do sleep 1; done  # its compilation ends untimed
   unset TORCHINDUCTOR_CACHE_DIR FASTGEN_COMPILED_DIR
-  echo "round $round: $(for n in stock plugin compiled-cold compiled-warm; do printf '%s %.1f s  ' $n "$(tail -1 "$WORK/$n.times")"; done)"
+  echo "round $round: $(for n in stock plugin compiled-cold compiled-warm compiled-background; do printf '%s %.1f s  ' $n "$(tail -1 "$WORK/$n.times")"; done)"
 done
-for name in stock plugin compiled-cold compiled-warm; do
+for name in stock plugin compiled-cold compiled-warm compiled-background; do
   median=$(sort -n "$WORK/$name.times" | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}')
   texts=$(paste <(cut -f1,3 "$WORK/$name.hyp") <(cut -f1,3 "$WORK/stock.hyp") | awk -F'\t' '$1 == $3 && $2 == $4' | wc -l)
   scores=$(paste <(cut -f2 "$WORK/$name.hyp") <(cut -f2 "$WORK/stock.hyp") | awk -F'\t' '$1 == $2' | wc -l)
-  printf '%-14s median %6.1f s over %s processes; as stock: %s of %s hypotheses, %s printed scores\n' \
+  printf '%-19s median %6.1f s over %s processes; as stock: %s of %s hypotheses, %s printed scores\n' \
       "$name" "$median" "$ROUNDS" "$texts" "$(wc -l < "$WORK/stock.hyp")" "$scores"
 done

@@ -8,7 +8,7 @@
 #
 # MODEL_DIR is what benchmarks/multi30k.py builds (bin/, base/checkpoint_best.pt, khead4/checkpoint_last.pt).
 # Defaults: bench_out/multi30k, bench_out/stream-joined, 1,000 sentences, --step-engine static; REPEAT=N sets
-# the timed passes per configuration (default 5).
+# the timed passes per configuration (default 5), FAMILIES="greedy" leaves blockwise out (default "greedy blockwise").
 set -euo pipefail
 M=${1:-bench_out/multi30k}
 OUT=${2:-bench_out/stream-joined}
@@ -19,8 +19,12 @@ BENCH=(.venv/bin/fastgen-bench "$M/bin" --path "$M/base/checkpoint_best.pt" --cp
        --max-sentences "$SENTENCES" --beam 1)
 for CAPACITY in 8 16; do
   EPS=$(python3 -c "print(1 - 1 / $CAPACITY)")
-  "${BENCH[@]}" --batch-size "$CAPACITY" --decoders greedy,greedy-stream --reference greedy \
-      --stream-join-lengths --stream-eps "$EPS" --output-dir "$OUT/greedy-$CAPACITY"
-  "${BENCH[@]}" --batch-size "$CAPACITY" --decoders blockwise,blockwise-stream --reference blockwise \
-      --khead-path "$M/khead4/checkpoint_last.pt" --stream-eps "$EPS" --output-dir "$OUT/blockwise-$CAPACITY"
+  for FAMILY in ${FAMILIES:-greedy blockwise}; do
+    case $FAMILY in
+      greedy) FAMILY_OPTIONS=(--stream-join-lengths) ;;
+      *) FAMILY_OPTIONS=(--khead-path "$M/khead4/checkpoint_last.pt") ;;
+    esac
+    "${BENCH[@]}" --batch-size "$CAPACITY" --decoders "$FAMILY,$FAMILY-stream" --reference "$FAMILY" \
+        "${FAMILY_OPTIONS[@]}" --stream-eps "$EPS" --output-dir "$OUT/$FAMILY-$CAPACITY"
+  done
 done

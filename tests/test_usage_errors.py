@@ -18,6 +18,8 @@ MISUSES = {
     "decoder vs model": (["--decoder", "blockwise", "--beam", "1"], "--decoder blockwise needs a k-head model"),
     "engine": (["--decoder", "greedy", "--beam", "1", "--compiled-freezing"],
                "--compiled-freezing applies to --step-engine compiled"),
+    "engine background": (["--decoder", "greedy", "--beam", "1", "--compile-in-background"],
+                          "--compile-in-background applies to --step-engine compiled; got --step-engine static"),
     "streaming option": (["--decoder", "var-stream", "--beam", "4", "--stream-eps", "2"], "--stream-eps"),
     # issue 30 item 2: 0 was read as "every head"; refused before the model loads, whatever the model
     "block size 0": (["--decoder", "blockwise", "--beam", "1", "--blockwise-block-size", "0"],

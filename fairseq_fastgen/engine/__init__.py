@@ -35,8 +35,10 @@ def engine_setting(options: PluginOptions) -> str:
     engine = options.step_engine
     if engine not in ENGINES:
         raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
-    if options.compiled_freezing and engine != "compiled":
-        raise ValueError(f"--compiled-freezing applies to --step-engine compiled; got --step-engine {engine}")
+    for name in ("compiled_freezing", "compile_in_background"):
+        if getattr(options, name) and engine != "compiled":
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} applies to --step-engine compiled; got --step-engine {engine}")
     return engine
 
 
@@ -57,7 +59,8 @@ def serve_stock_search(generator, models, options: PluginOptions) -> bool:
         return False
     from fairseq_fastgen.engine.stock_search import run_stock_search_on_engine
 
-    return run_stock_search_on_engine(generator, models, engine, options.compiled_freezing)
+    return run_stock_search_on_engine(generator, models, engine, options.compiled_freezing,
+                                      options.compile_in_background)
 
 
 def build_runner(model, options: PluginOptions, temperature: float, projection):
@@ -70,13 +73,15 @@ def build_runner(model, options: PluginOptions, temperature: float, projection):
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         engine = "fairseq"
-    return make_runner(engine, model, temperature, projection, options.compiled_freezing)
+    return make_runner(engine, model, temperature, projection, options.compiled_freezing,
+                       background=options.compile_in_background)
 
 
-def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1):
+def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1,
+                background: bool = False):
     """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job);
     ``beams``: the rows of a sentence in fairseq's beam search (the compiled engine shares their
-    encoder-decoder keys)."""
+    encoder-decoder keys); ``freezing``, ``background``: --compiled-freezing, --compile-in-background."""
     if engine == "static":
         from fairseq_fastgen.engine.runners import StaticRunner
 
@@ -84,5 +89,5 @@ def make_runner(engine: str, model, temperature: float, projection, freezing: bo
     if engine == "compiled":
         from fairseq_fastgen.engine.compiled import CompiledRunner
 
-        return CompiledRunner(model, temperature, projection, freezing, beams)
+        return CompiledRunner(model, temperature, projection, freezing, beams, background)
     return ModelRunner(model, temperature, projection)

@@ -20,6 +20,8 @@ directory, ``$TORCHINDUCTOR_CACHE_DIR`` or ``/tmp/torchinductor_$USER``).  The
 first process compiles it (tens of seconds), later ones load it (a fraction of
 a second); a process that finds another compiling the same package waits for
 it (a file lock), and a package is written under a temporary name and renamed.
+With ``--compile-in-background`` a forked child compiles the step for many rows
+while the decode runs those steps eager (:class:`BackgroundCompilation`).
 """
 
 import hashlib
@@ -48,9 +50,9 @@ class PaddedStep(nn.Module):
         self.lprobs_of = runner.padded_lprobs
         self.beams = beams  # > 1: encoder-decoder keys/values once per sentence, shared by its beams
 
-    def forward(self, last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
-                cross_mask):
-        return self.lprobs_of(last_tokens, positions, position_table, self_keys, self_values, cross_keys,
+    def forward(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
+                cross_values, cross_mask):
+        return self.lprobs_of(last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
                               cross_values, cross_mask, self.decoder_step.fused_buffers.weights(), self.beams)
 
 
@@ -91,7 +93,8 @@ def example_inputs(runner, position_table, rows: Optional[int], beams: int = 1):
     buffers = lambda count, length: [weight.new_zeros(count, step.heads, length, step.head_dim)  # noqa: E731
                                      for _ in range(step.num_layers)]
     tokens = torch.full((rows, 1), runner.model.decoder.dictionary.eos(), dtype=torch.long, device=weight.device)
-    return (tokens, torch.zeros(rows, dtype=torch.long, device=weight.device), position_table,
+    attended = torch.zeros(rows, capacity, dtype=torch.bool, device=weight.device)
+    return (tokens, torch.zeros(rows, dtype=torch.long, device=weight.device), attended, position_table,
             buffers(rows, capacity), buffers(rows, capacity), buffers(sources, width), buffers(sources, width),
             torch.zeros(sources, width, dtype=torch.bool, device=weight.device))
 
@@ -110,26 +113,83 @@ def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor], row
     table = {0: Dim("table_positions", min=2)} if position_table is not None else None
     keys = [{**row, 2: capacity}] * layers
     sources = [{**source, 2: width}] * layers
-    return (row or None, row or None, table, keys, keys, sources, sources, {**source, 1: width})
+    return (row or None, row or None, {**row, 1: capacity}, table, keys, keys, sources, sources, {**source, 1: width})
+
+
+def package_path(runner, rows: Optional[int] = None, beams: int = 1) -> Path:
+    """Where the package of ``runner``'s step for ``rows`` rows (and ``beams``) is kept."""
+    directory = compiled_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    what = f"beams{beams}" if beams > 1 else f"{'any' if rows is None else rows}-rows"
+    return directory / f"step-{what}-{package_key(runner, rows, beams)}.pt2"
 
 
 def load_or_compile(runner, position_table, rows: Optional[int] = None, beams: int = 1):
     """The package of ``runner``'s step for ``rows`` rows (None: any number; with ``beams`` > 1, any number of
     sentences of that many beams sharing their encoder-decoder keys), loaded from disk or compiled and written
     there; (callable, seconds, whether it was compiled now)."""
+    path = package_path(runner, rows, beams)
+    start = time.perf_counter()
+    compiled_now = compile_once(runner, position_table, rows, path, beams)
+    return load_package(path), time.perf_counter() - start, compiled_now
+
+
+def compile_once(runner, position_table, rows: Optional[int], path: Path, beams: int = 1) -> bool:
+    """Compile the package ``path`` unless it is there; a process finding another compiling it waits for it (a
+    file lock).  Returns whether this call compiled it."""
     from filelock import FileLock
 
-    directory = compiled_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    what = f"beams{beams}" if beams > 1 else f"{'any' if rows is None else rows}-rows"
-    path = directory / f"step-{what}-{package_key(runner, rows, beams)}.pt2"
-    start = time.perf_counter()
     with FileLock(str(path) + ".lock"):
-        compiled_now = not path.exists()
-        if compiled_now:
-            compile_package(runner, position_table, rows, path, beams)
-        step = load_package(path)
-    return step, time.perf_counter() - start, compiled_now
+        if path.exists():
+            return False
+        compile_package(runner, position_table, rows, path, beams)
+        return True
+
+
+class BackgroundCompilation:
+    """A package compiled by a child process while the decode goes on: a fork of this process, which holds the
+    model already, its output sent to /dev/null (a pipe reading the decode's output ends with the decode) and
+    its priority lowered.  It outlives a decode that ends first, so that later runs load the package."""
+
+    POLL_SECONDS = 0.5  # the child's state is looked at no more often than this
+
+    def __init__(self, runner, position_table, rows: Optional[int], beams: int, path: Path):
+        self.path = path
+        self.started = self.polled = time.perf_counter()
+        self.pid = os.fork()
+        if self.pid == 0:
+            compile_in_child(runner, position_table, rows, path, beams)  # never returns
+
+    def ready(self):
+        """None while the child compiles; then (the loaded step, seconds since the child started).  Raises
+        RuntimeError where the child failed."""
+        now = time.perf_counter()
+        if now - self.polled < self.POLL_SECONDS:
+            return None
+        self.polled = now
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+        if pid == 0:
+            return None
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 or not self.path.exists():
+            raise RuntimeError(f"the compiling process {self.pid} ended with status {code}")
+        return load_package(self.path), time.perf_counter() - self.started
+
+
+def compile_in_child(runner, position_table, rows: Optional[int], path: Path, beams: int):
+    """The forked child of :class:`BackgroundCompilation`: compile the package, then exit (status 0 only when it
+    is on disk), without running anything of the parent's (no atexit handlers, no buffered output)."""
+    status = 1
+    try:
+        quiet = os.open(os.devnull, os.O_RDWR)
+        for descriptor in (0, 1, 2):
+            os.dup2(quiet, descriptor)
+        os.nice(10)
+        torch.set_num_threads(1)
+        compile_once(runner, position_table, rows, path, beams)
+        status = 0
+    finally:
+        os._exit(status)
 
 
 def compile_package(runner, position_table, rows: Optional[int], path: Path, beams: int = 1):

@@ -15,11 +15,15 @@ unit serves every row count: the same padded step with its rows, target and
 source widths symbolic and its weights frozen, compiled ahead of time by
 AOTInductor and kept on disk between processes (``aot_step.py``); its products
 are oneDNN's prepacked ones, which on the AMD EPYC of docs/benchmarks.md run
-2-3x faster than MKL's from 8 rows up.  Where that unit cannot be built, and
-for several positions per row (blockwise verification, ``step_block``) or rows
-holding left padding, the step runs eager, in the decoder step's fast form (the
-exact form for blockwise), its linear layers through oneDNN's prepacked
-products on the CPU (``ops/onednn_linear.py``).
+2-3x faster than MKL's from 8 rows up.  Rows joined at different lengths
+(``step_rows``: streaming refills in finished rows' places) and rows holding
+left padding take the same units, each row at its own position and attending
+only its own positions (``StaticCache.attended``).  Where no unit can be built
+(or, with --compile-in-background, while a child process compiles it), and for
+several positions per row (blockwise verification, ``step_block``), the step
+runs eager, in the decoder step's fast form (the exact form for blockwise and
+left padding), its linear layers through oneDNN's prepacked products on the CPU
+(``ops/onednn_linear.py``).
 
 On CUDA the row buckets go up to ``CUDA_MAX_ROWS`` rows (powers of two), all
 served by one compilation whose shapes are symbolic, each bucket replayed as a
@@ -95,7 +99,8 @@ def round_up(value: int, multiple: int) -> int:
 class CompiledRunner(StaticRunner):
     engine = "compiled"
 
-    def __init__(self, model, temperature: float = 1.0, projection=None, freezing: bool = False, beams: int = 1):
+    def __init__(self, model, temperature: float = 1.0, projection=None, freezing: bool = False, beams: int = 1,
+                 background: bool = False):
         super().__init__(model, temperature, projection)
         # fairseq's beam search keeps each sentence's ``beams`` rows together: above max_rows, on the CPU, the step
         # for many rows then reads encoder-decoder keys/values held once per sentence (StaticCache.beams)
@@ -116,6 +121,10 @@ class CompiledRunner(StaticRunner):
         self.many_rows_on_cpu = on_cpu and onednn_available()
         self.packaged_steps: Dict[object, object] = {}
         self.compiled_now: set = set()  # keys of the packages compiled in this process (the others were loaded)
+        # --compile-in-background: the step above max_rows, when not on disk, is compiled by a child process
+        # (aot_step.BackgroundCompilation) while those steps run eager; one at a time, the others stay eager
+        self.compile_in_background = background
+        self.background = None  # (key, what, BackgroundCompilation) of the package being compiled, or None
         # the largest row bucket
         self.max_rows = CUDA_MAX_ROWS if self.on_cuda else FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS
         # on CUDA one compilation with symbolic shapes serves every bucket (a CUDA graph is recorded per bucket)
@@ -196,7 +205,7 @@ class CompiledRunner(StaticRunner):
         if self.freezing or self.many_rows_on_cpu:
             signature = tuple((id(p), p._version) for p in self.model.decoder.parameters())
             if signature != self.frozen_signature:  # compiled code holding other weights as constants: drop it
-                self.frozen_signature, self.packaged_steps = signature, {}
+                self.frozen_signature, self.packaged_steps, self.background = signature, {}, None
                 self.decoder_step.fused_buffers = FusedBuffers(self.fused)  # a submodule: its buffers freeze
                 if self.freezing:
                     self._compiled_step, self.compiled_shapes = None, {}
@@ -236,39 +245,56 @@ class CompiledRunner(StaticRunner):
         return self.packaged_steps.get(None) or self.packaged_steps.get(("beams", self.beams))
 
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
-        rows = tokens.size(0)
         if not cache.started:
             self.start_cache(cache, encoder_out)
-        length = tokens.size(1)
-        packaged = None
+        unit = self.padded_unit(tokens.size(0), cache)
+        if unit is None:
+            return self.eager_step(tokens, encoder_out, cache)
+        positions = tokens.new_full((tokens.size(0),), tokens.size(1) - 1)  # every row at the prefix's length
+        return self.padded_step(unit, tokens[:, -1:], positions, encoder_out, cache)
+
+    def step_rows(self, last_tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
+        """As ``ModelRunner.step_rows`` (rows joined at different lengths): the padded step, each row at its own
+        position and attending only its own positions (eager with oneDNN's products where no unit serves)."""
+        if not cache.started:
+            self.start_cache(cache, encoder_out)
+        unit = self.padded_unit(last_tokens.size(0), cache)
+        if unit is None:
+            with self.eager_products():
+                return super().step_rows(last_tokens, positions, encoder_out, cache)
+        return self.padded_step(unit, last_tokens, positions, encoder_out, cache)
+
+    def padded_unit(self, rows: int, cache: StaticCache):
+        """What runs the padded step of ``rows`` rows: above ``max_rows`` the unit for every row count (None
+        where it cannot be built, or off the CPU: eager), else the rows' bucket (its frozen unit with
+        --compiled-freezing, or torch.compile's)."""
         if rows > self.max_rows:
-            if self.many_rows_on_cpu and cache.self_padding is None:
-                packaged = self.packaged_step(None, cache, cache.beams)
-            if packaged is None:
-                return self.eager_step(tokens, encoder_out, cache)
-            # its capacity is symbolic: buffers a little longer than the rows need
-            cache.ensure_room(round_up(length, POSITION_STEP), doubling=False)
+            return self.packaged_step(None, cache, cache.beams) if self.many_rows_on_cpu else None
+        if self.freezing and self.many_rows_on_cpu:
+            packaged = self.packaged_step(cache.self_keys[0].size(0), cache)  # the rows' bucket
+            if packaged is not None:
+                return packaged
+        return lambda *inputs: self.compiled_bucket_step(inputs, cache)
+
+    def padded_step(self, unit, last_tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
+        """lprobs (rows, vocab) and attention (rows, src_len) of ``unit``'s step: last_tokens (rows, 1) at
+        target ``positions`` (rows,), their keys/values written at the buffers' length."""
+        rows, written = last_tokens.size(0), cache.length
+        if rows > self.max_rows:  # its capacity is symbolic: buffers a little longer than the rows need
+            cache.ensure_room(round_up(written + 1, POSITION_STEP), doubling=False)
         else:
-            if self.freezing and self.many_rows_on_cpu:
-                packaged = self.packaged_step(cache.self_keys[0].size(0), cache)  # the rows' bucket
-            cache.ensure_room(bucket_capacity(length), doubling=False)
-        cache.zero_unwritten()  # the padded step reads every position, the unwritten ones masked
-        bucket = cache.self_keys[0].size(0)  # the rows, padded
-        rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)
-        last_tokens = tokens[:, -1:].index_select(0, rows_index)  # (bucket, 1)
-        positions = tokens.new_full((bucket,), length - 1)
-        inputs = (last_tokens, positions, self.decoder_step.position_table(cache.capacity), cache.self_keys,
+            cache.ensure_room(bucket_capacity(written + 1), doubling=False)
+        cache.zero_unwritten()  # the padded step reads every position, the unattended ones masked
+        rows_index = padded_index(torch.arange(rows, device=last_tokens.device), self.max_rows)
+        inputs = (last_tokens.index_select(0, rows_index), positions.index_select(0, rows_index),
+                  cache.attended(), self.decoder_step.position_table(cache.capacity), cache.self_keys,
                   cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask)
-        if packaged is not None:
-            features_or_lprobs, attn, new_keys, new_values = packaged(*inputs)
-        else:
-            features_or_lprobs, attn, new_keys, new_values = self.compiled_bucket_step(inputs, cache)
+        features_or_lprobs, attn, new_keys, new_values = unit(*inputs)
         for buffer, new in zip(cache.self_keys + cache.self_values, new_keys + new_values):
-            buffer[:, :, length - 1] = new  # (rows, heads, head_dim) at every row's position
-        cache.length = length
+            buffer[:, :, written] = new  # (rows, heads, head_dim) at the buffers' length
+        cache.length = written + 1
         lprobs = features_or_lprobs[:rows]
-        src_len = encoder_out["encoder_out"][0].size(0)
-        attn = attn[:rows, :src_len]
+        attn = attn[:rows, : encoder_out["encoder_out"][0].size(0)]
         if self.on_cuda:  # the outputs of a CUDA graph live in its memory pool, rewritten by its next replay
             lprobs, attn = lprobs.clone(), attn.clone()
         if self.projection is not None:
@@ -308,10 +334,13 @@ class CompiledRunner(StaticRunner):
     def packaged_step(self, rows: Optional[int], cache: StaticCache, beams: int = 1):
         """The step compiled ahead of time for ``rows`` rows (None: every row count above ``max_rows``; with
         ``beams`` > 1, sentences of that many beams sharing their encoder-decoder keys), loaded from disk or
-        compiled the first time a decode needs it; None where it cannot be built (one line says why)."""
+        compiled the first time a decode needs it (with --compile-in-background: by a child process, None
+        until it is ready); None where it cannot be built (one line says why)."""
         key = rows if beams == 1 else ("beams", beams)
         if key in self.packaged_steps:
             return self.packaged_steps[key]
+        if self.background is not None:
+            return self.background_step(key)
         from fairseq_fastgen.engine import aot_step
 
         what = f"the step above {self.max_rows} rows" if rows is None else f"the step of {rows} rows"
@@ -319,21 +348,53 @@ class CompiledRunner(StaticRunner):
             what += f" ({beams} beams a sentence, sharing its encoder-decoder keys)"
         try:
             table = self.decoder_step.position_table(cache.capacity)
+            if self.compile_in_background and rows is None:
+                path = aot_step.package_path(self, rows, beams)
+                if not path.exists():
+                    compilation = aot_step.BackgroundCompilation(self, table, rows, beams, path)
+                    self.background = (key, what, compilation)
+                    logger.info(f"--step-engine compiled: {what} is compiled in the background (process "
+                                f"{compilation.pid}, which stores it in {path.parent} even if this decode ends "
+                                f"first); those steps run eager until it is ready")
+                    return None
             step, seconds, compiled_now = aot_step.load_or_compile(self, table, rows, beams)
         except Exception as error:  # export or inductor refusing this model: eager, or torch.compile, serves it
-            self.packaged_steps[key] = None
-            reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-            logger.warning(f"--step-engine compiled: {what} could not be compiled ahead of time ({reason}); "
-                           f"{'those steps run eager' if rows is None else 'torch.compile compiles it'}")
+            return self.not_compiled(key, what, error)
+        return self.keep_packaged_step(key, what, step, seconds, compiled_now)
+
+    def background_step(self, key):
+        """The step the child process compiles, once it is ready (polled); None before, and for every other
+        step while one is compiled in the background (they run eager)."""
+        compiling, what, compilation = self.background
+        if key != compiling:
             return None
+        try:
+            step = compilation.ready()
+        except Exception as error:
+            return self.not_compiled(key, what, error)
+        if step is None:
+            return None
+        step, seconds = step
+        return self.keep_packaged_step(key, what + " (in the background)", step, seconds, compiled_now=True)
+
+    def not_compiled(self, key, what: str, error: Exception):
+        self.packaged_steps[key] = None
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        fallback = "torch.compile compiles it" if isinstance(key, int) else "those steps run eager"
+        logger.warning(f"--step-engine compiled: {what} could not be compiled ahead of time ({reason}); {fallback}")
+        return None
+
+    def keep_packaged_step(self, key, what: str, step, seconds: float, compiled_now: bool):
         self.packaged_steps[key] = step
         self.compile_seconds += seconds
-        if rows is not None:
-            self.compiled_shapes[(rows, None, None)] = seconds
+        if isinstance(key, int):
+            self.compiled_shapes[(key, None, None)] = seconds
         if compiled_now:
             self.compiled_now.add(key)
+        from fairseq_fastgen.engine.aot_step import compiled_dir
+
         done = "compiled and stored" if compiled_now else "loaded"
-        logger.info(f"--step-engine compiled: {what} {done} in {seconds:.1f} s ({aot_step.compiled_dir()})")
+        logger.info(f"--step-engine compiled: {what} {done} in {seconds:.1f} s ({compiled_dir()})")
         return step
 
     def compile_settings(self, shape):
@@ -377,12 +438,12 @@ class CompiledRunner(StaticRunner):
             features, attn = super().step_block(tokens, positions, encoder_out, cache)
         return features, attn[:, :, : encoder_out["encoder_out"][0].size(0)]
 
-    def padded_lprobs(self, last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values,
-                      cross_mask, fused: FusedWeights, beams: int = 1):
+    def padded_lprobs(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
+                      cross_values, cross_mask, fused: FusedWeights, beams: int = 1):
         """The compiled unit: the padded step and, with the full projection, log-softmax of its logits."""
         features, attn, new_keys, new_values = self.decoder_step.padded(
-            last_tokens, positions, position_table, self_keys, self_values, cross_keys, cross_values, cross_mask,
-            fused.qkv_weights, fused.qkv_biases, beams,
+            last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys, cross_values,
+            cross_mask, fused.qkv_weights, fused.qkv_biases, beams,
         )
         if self.projection is not None:  # a cluster projection runs eager, after the step
             return features, attn, new_keys, new_values

@@ -16,8 +16,9 @@ buffers instead of a dict of tensors grown with ``torch.cat``.  Three forms:
   larger calls (one query/key/value product, fused attention over the buffers
   in place), for the compiled engine's eager rows; scores move in the last bits.
 * :meth:`DecoderStep.padded`: every shape fixed (rows, buffer capacity, source
-  width), each row at its own position; attention runs over the whole buffer
-  with the unwritten positions masked.  This is the form ``torch.compile``
+  width), each row at its own target position (rows joined at different
+  lengths too); attention runs over the whole buffer with the positions a row
+  does not attend (unwritten, or another row's before it took the place) masked.  This is the form ``torch.compile``
   turns into one compiled unit (``compiled.py``); the longer softmax sums in
   another order, so scores move in the last bits.
 
@@ -270,16 +271,18 @@ class DecoderStep(nn.Module):
         return self.finish(x), attn
 
     # ---- the padded form (fixed shapes, a position per row) ----------------------------------------
-    def padded(self, last_tokens: Tensor, positions: Tensor, position_table: Optional[Tensor],
+    def padded(self, last_tokens: Tensor, positions: Tensor, attended: Tensor, position_table: Optional[Tensor],
                self_keys, self_values, cross_keys, cross_values, cross_mask: Tensor, qkv_weights, qkv_biases,
                beams: int = 1):
         """Features (rows, 1, dim), last-layer encoder attention (rows, src_width) and the new self-attention
         keys and values of every layer (rows, heads, head_dim) of one step.
 
-        last_tokens (rows, 1); positions (rows,) the buffer position each row is at (its target length so
-        far); self_keys/values per layer (rows, heads, cap, hd), read at the positions before it (the caller
-        writes the new ones there afterwards: a pure function compiles into tighter loops than one that
-        updates its inputs); cross_keys/values per layer (rows, heads, src_width, hd); cross_mask
+        last_tokens (rows, 1); positions (rows,) each row's target position (its target length so far: rows
+        joined at different lengths each have their own); attended (rows, cap) True at the buffer positions
+        each row reads besides its new one (its earlier positions, not those of rows that held its place
+        before); self_keys/values per layer (rows, heads, cap, hd), read at the attended positions (the caller
+        writes the new ones at the buffers' length afterwards: a pure function compiles into tighter loops
+        than one that updates its inputs); cross_keys/values per layer (rows, heads, src_width, hd); cross_mask
         (rows, src_width) True at padding; qkv_weights/biases per layer, each self-attention's query, key
         and value projections as one (``fused_weights.py``).  With ``beams`` > 1 the rows are sentences x
         beams (each sentence's beams together) and the encoder-decoder keys/values and mask hold one entry
@@ -290,8 +293,6 @@ class DecoderStep(nn.Module):
         if position_table is not None:
             position_rows = position_table[positions + (self.decoder.padding_idx + 1)].unsqueeze(1)  # (rows, 1, dim)
         x = self.embed(last_tokens, position_rows)
-        capacity = self_keys[0].size(2)
-        earlier = torch.arange(capacity, device=positions.device) < positions.unsqueeze(1)  # (rows, cap)
         attn, new_keys, new_values = None, [], []
         for index, layer in enumerate(self.layers):
             x, residual = self.sublayer_input(layer, layer.self_attn_layer_norm, x)
@@ -301,7 +302,7 @@ class DecoderStep(nn.Module):
             k, v = k.view(rows, self.heads, 1, self.head_dim), v.view(rows, self.heads, 1, self.head_dim)
             new_keys.append(k.view(rows, self.heads, self.head_dim))
             new_values.append(v.view(rows, self.heads, self.head_dim))
-            x = self.attention_with_new_position(q, self_keys[index], self_values[index], earlier, k, v)
+            x = self.attention_with_new_position(q, self_keys[index], self_values[index], attended, k, v)
             x = layer.residual_connection(attention.out_proj(x), residual)
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
@@ -337,8 +338,8 @@ class DecoderStep(nn.Module):
             x = layer.encoder_attn_layer_norm(x)
         return x, weights
 
-    def attention_with_new_position(self, q, keys, values, earlier, new_key, new_value):
-        """q (rows, heads, 1, hd) over the ``earlier`` (rows, cap) positions of keys/values (rows, heads,
+    def attention_with_new_position(self, q, keys, values, attended, new_key, new_value):
+        """q (rows, heads, 1, hd) over the ``attended`` (rows, cap) positions of keys/values (rows, heads,
         cap, hd) and the new position's key/value (rows, heads, 1, hd) -> (1, rows, dim).
 
         The scores of the buffer's positions and of the new one are computed apart and share one softmax,
@@ -349,7 +350,7 @@ class DecoderStep(nn.Module):
         The scaling is already in ``q``."""
         rows = q.size(0)
         buffer_scores = torch.matmul(q, keys.transpose(2, 3))  # (rows, heads, 1, cap)
-        buffer_scores = buffer_scores.masked_fill(~earlier[:, None, None, :], float("-inf"))
+        buffer_scores = buffer_scores.masked_fill(~attended[:, None, None, :], float("-inf"))
         new_scores = (q * new_key).sum(dim=-1, keepdim=True)  # (rows, heads, 1, 1)
         weights = F.softmax(torch.cat([buffer_scores, new_scores], dim=-1), dim=-1)  # (rows, heads, 1, cap + 1)
         x = torch.matmul(weights[..., :-1], values) + weights[..., -1:] * new_value  # (rows, heads, 1, hd)

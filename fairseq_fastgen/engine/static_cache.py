@@ -95,6 +95,13 @@ class StaticCache:
         self.self_padding[:, self.length: self.length + new] = False
         return self.self_padding[:, : self.length + new]
 
+    def attended(self) -> Tensor:
+        """(rows, capacity) True at the written positions each row attends (not its padding)."""
+        written = torch.arange(self.capacity, device=self.self_keys[0].device) < self.length  # (capacity,)
+        if self.self_padding is None:
+            return written.expand(self.self_keys[0].size(0), -1).contiguous()
+        return written & ~self.self_padding[:, : self.capacity]
+
     # ---- positions (blockwise verification) ----------------------------------------------------
     def drop_last(self, dropped: int):
         """Forget the last ``dropped`` positions of every row."""

@@ -73,7 +73,8 @@ def stock_search_refusal(generator, models) -> Optional[str]:
     return unsupported_reason(models[0].decoder)
 
 
-def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = False) -> bool:
+def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = False,
+                               background: bool = False) -> bool:
     """Give ``generator`` (fairseq's ``--decoder beam``) an :class:`EngineEnsemble` of ``engine``'s
     runner (:func:`fairseq_fastgen.adapters.ensemble.use_ensemble`); returns whether it did (otherwise one line
     says why, and fairseq's step runs)."""
@@ -84,6 +85,6 @@ def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = 
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         return False
     runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None), freezing,
-                         generator.beam_size)
+                         generator.beam_size, background)
     use_ensemble(generator, EngineEnsemble(models, runner, generator.max_len + 2))  # undone by restore_ensemble
     return True

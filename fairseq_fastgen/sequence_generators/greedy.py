@@ -51,8 +51,8 @@ class GreedyPolicy:
 
 class JoinedGreedyPolicy:
     """greedy-stream with ``--stream-join-lengths``: a refill's rows join the running ones whatever their
-    lengths, and every row takes its step in one model call, each at its own position (the step engines'
-    ``step_block``: the runner right-aligns the cached positions of joined rows).  A finished row stays as a
+    lengths, and every row takes its step in one model call, each at its own position (the runner's
+    ``step_rows``: the step engines right-align the cached positions of joined rows).  A finished row stays as a
     padding row (its steps are computed and ignored) until a refill's row takes its place
     (``join_any_lengths``): no copy of the running rows at a finish or a refill, and the row count stays where
     the kernels are fastest; once no source waits, ``drain`` lets the finished rows go.  The tokens of
@@ -77,14 +77,13 @@ class JoinedGreedyPolicy:
         rows = torch.arange(state.rows, device=lengths.device)
         alive = state.sentence.ne(PADDING_SENTENCE)  # (rows,) finished rows wait for a refill's row
         last = state.tokens.gather(1, lengths.unsqueeze(1))  # (rows, 1)
-        features, attn = state.runner.step_block(last, lengths.unsqueeze(1), state.encoder_out, state.cache)
+        lprobs, attn = state.runner.step_rows(last, lengths, state.encoder_out, state.cache)  # (rows, vocab)
         ctx.counters.add("model_calls")
-        lprobs = ctx.runner.project(features.contiguous())[:, 0]  # (rows, vocab)
         rules = ctx.row_processors
         rules(lprobs, lengths, state.tokens if rules.reads_history else None, rows, state.sentence, state.max_len)
         best_lprob, best = lprobs.topk(1, dim=-1)  # (rows, 1) each
         # every row keeps the position it cached (finished rows' are masked for the row that takes their place)
-        state.append_each_row(best, best_lprob, None if attn is None else attn.transpose(1, 2), alive)
+        state.append_each_row(best, best_lprob, None if attn is None else attn.unsqueeze(2), alive)
         finished = best.squeeze(1).eq(ctx.eos) & alive  # (rows,)
         finished_rows = finished.nonzero().squeeze(1).tolist()
         for row in finished_rows:

@@ -136,6 +136,13 @@ class ModelRunner:
         ``drop_last_positions`` drops some."""
         return self.model.decoder.forward_block(tokens, positions, encoder_out, cache)
 
+    def step_rows(self, last_tokens: Tensor, positions: Tensor, encoder_out, cache):
+        """One new position per row, each row at its own target position (rows joined at different lengths):
+        last_tokens (rows, 1), positions (rows,).  Returns lprobs (rows, vocab) and attn (rows, src_len) or
+        None, as ``step``."""
+        features, attn = self.step_block(last_tokens, positions.unsqueeze(1), encoder_out, cache)
+        return self.project(features.contiguous())[:, 0], (None if attn is None else attn[:, 0])
+
     def heads(self, features: Tensor, block_size: int) -> Tensor:
         """The first ``block_size`` heads (..., block, dim) of a k-head decoder's outputs (..., dim)."""
         return self.model.decoder.heads(features)[..., :block_size, :]

@@ -3,6 +3,7 @@ fallbacks of both engines with their one-line reason."""
 
 import importlib
 import logging
+import time
 
 import pytest
 import torch
@@ -84,6 +85,48 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
     assert len(list(tmp_path.glob("step-any-rows-*.pt2"))) == 1
     lines = [r.getMessage() for r in caplog.records if "the step above" in r.getMessage()]
     assert len(lines) == 2 and "compiled and stored in" in lines[0] and " loaded in " in lines[1]
+
+
+def test_the_many_rows_step_compiles_in_the_background_while_the_decode_runs_eager(toy, tmp_path, monkeypatch,
+                                                                                    caplog):
+    """--compile-in-background: a decode that finds no step for many rows on disk hands its compilation to a child
+    process and runs those steps eager (fairseq's tokens) without waiting; once the child has stored the package the
+    runner switches to it (the same tokens again), and a later runner loads it."""
+    if not onednn_linear_module.onednn_available():
+        pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
+    monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path))
+    from tests.engine.test_static_engine import translate_batches
+
+    ids = SENTENCES[:24]
+    _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
+    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compile_in_background=True)
+    runner = generator.runner
+    eager_rows, fast_form = [], runner.fast_form
+    monkeypatch.setattr(runner, "fast_form",
+                        lambda tokens, *rest: eager_rows.append(tokens.size(0)) or fast_form(tokens, *rest))
+    with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
+        assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
+    assert runner.background is not None and eager_rows and min(eager_rows) > runner.max_rows
+    compilation = runner.background[2]
+    lines = [r.getMessage() for r in caplog.records if "in the background" in r.getMessage()]
+    assert lines == [f"--step-engine compiled: the step above 2 rows is compiled in the background (process "
+                     f"{compilation.pid}, which stores it in {tmp_path} even if this decode ends first); those "
+                     f"steps run eager until it is ready"]
+    deadline = time.monotonic() + 600
+    while None not in runner.packaged_steps:  # what the decode's steps poll: the test waits, a decode does not
+        assert time.monotonic() < deadline, "the background compilation did not end"
+        runner.background_step(None)
+        time.sleep(0.2)
+    assert runner.packaged_steps[None] is not None and None in runner.compiled_now
+    assert len(list(tmp_path.glob("step-any-rows-*.pt2"))) == 1
+    eager_rows.clear()
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
+    assert not eager_rows
+
+    later = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compile_in_background=True)
+    assert_same_tokens_close_scores(expected, translate_batches(toy, later, ids, 8))
+    assert later.runner.background is None and later.runner.many_rows_step is not None
+    assert later.runner.compiled_now == set()
 
 
 def test_a_step_that_cannot_be_compiled_runs_eager_with_one_line(toy, tmp_path, monkeypatch, caplog):

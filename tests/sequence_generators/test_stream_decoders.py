@@ -287,6 +287,35 @@ def test_greedy_refills_take_finished_rows_places(toy, monkeypatch):
     assert counts["model_calls"] < 1.3 * sum(h[0]["tokens"].numel() for h in greedy.values()) / CAPACITY
 
 
+def test_compiled_engine_steps_joined_rows_in_its_compiled_unit(toy, monkeypatch):
+    """--step-engine compiled: rows joined at different lengths (refills in finished rows' places) take the
+    compiled padded step, each row at its own position and attending only its own positions, never the eager
+    one; greedy's tokens, scores within 1e-4 (the compiled engine's promise)."""
+    from fairseq_fastgen.ops.onednn_linear import onednn_available
+
+    if not onednn_available():
+        pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
+    ids = list(range(0, TEST_SENTENCES, 2))
+    greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=7 / 8,
+                              stream_join_lengths=True, step_engine="compiled", **SOURCE_LENGTH)
+    runner = generator.runner
+    eager = RowLog(runner, monkeypatch)
+    compiled_rows, padded_step = [], runner.padded_step
+    monkeypatch.setattr(runner, "padded_step",
+                        lambda unit, last, *rest: compiled_rows.append(last.size(0)) or padded_step(unit, last, *rest))
+    streamed = toy.translate(generator, ids)
+
+    for sentence in ids:
+        want, got = greedy[sentence][0], streamed[sentence][0]
+        assert torch.equal(got["tokens"], want["tokens"]), sentence
+        assert torch.allclose(got["positional_scores"], want["positional_scores"], atol=1e-4, rtol=0), sentence
+    assert eager.rows == [] and eager.concatenated == []
+    assert set(compiled_rows) == {CAPACITY, streaming.ROW_MULTIPLE}
+    assert len(compiled_rows) == generator.counters.counts["model_calls"]
+    assert runner.many_rows_step is not None
+
+
 @pytest.mark.parametrize("engine", ["static", "compiled"])
 def test_blockwise_refills_take_finished_rows_places(loaded, engine, monkeypatch):
     model, task = loaded(4)
