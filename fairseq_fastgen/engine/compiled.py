@@ -281,7 +281,10 @@ class CompiledRunner(StaticRunner):
         target ``positions`` (rows,), their keys/values written at the buffers' length."""
         rows, written = last_tokens.size(0), cache.length
         if rows > self.max_rows:  # its capacity is symbolic: buffers a little longer than the rows need
-            cache.ensure_room(round_up(written + 1, POSITION_STEP), doubling=False)
+            room = round_up(written + 1, POSITION_STEP)
+            if cache.capacity >= room + 2 * POSITION_STEP:  # positions dropped at the front (streams)
+                cache.shrink_room(room)
+            cache.ensure_room(room, doubling=False)
         else:
             cache.ensure_room(bucket_capacity(written + 1), doubling=False)
         cache.zero_unwritten()  # the padded step reads every position, the unattended ones masked

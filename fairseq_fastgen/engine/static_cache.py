@@ -80,6 +80,19 @@ class StaticCache:
             self.self_padding = F.pad(self.self_padding, (0, capacity - self.capacity))
         self.capacity = capacity
 
+    def shrink_room(self, positions: int):
+        """Keep room for ``positions`` positions only (the written ones at least): a stream whose first positions
+        went (``drop_leading_padding``) leaves its buffers longer than its rows need, and the padded step reads
+        every position of them."""
+        capacity = max(positions, self.length, 1)
+        if capacity >= self.capacity or not self.started:
+            return
+        self.self_keys = [b[:, :, :capacity].contiguous() for b in self.self_keys]  # (rows, heads, capacity, hd)
+        self.self_values = [b[:, :, :capacity].contiguous() for b in self.self_values]
+        if self.self_padding is not None:
+            self.self_padding = self.self_padding[:, :capacity].contiguous()
+        self.capacity = capacity
+
     def zero_unwritten(self):
         """Zero the unwritten positions (once) and keep them zero from now on."""
         if not self.zeroed:

@@ -207,3 +207,23 @@ def test_released_rows_stop_holding_positions():
     assert cache.self_padding[0, :20].all() and not cache.self_padding[0, 20:].any()
     cache.drop_leading_padding()
     assert cache.length == 2 and cache.self_padding[:, :2].tolist() == [[True, True], [False, False]]
+
+
+def test_shrunk_room_keeps_the_written_positions():
+    """Buffers left longer than the rows need (their first positions dropped) are cut back to the room asked for,
+    never below the written positions; keys, values and padding of the written positions stay."""
+    heads, head_dim = 2, 4
+    cache = StaticCache(capacity=40)
+    cache.start([torch.zeros(3, heads, 5, head_dim)], [torch.zeros(3, heads, 5, head_dim)], None, heads, head_dim)
+    cache.length = 6
+    cache.self_keys[0][:, :, :6] = torch.randn(3, heads, 6, head_dim)
+    cache.self_values[0][:, :, :6] = torch.randn(3, heads, 6, head_dim)
+    keys, values = cache.self_keys[0][:, :, :6].clone(), cache.self_values[0][:, :, :6].clone()
+    cache.release(torch.tensor([1]))
+    cache.shrink_room(8)
+    assert cache.capacity == 8 and cache.self_keys[0].shape == (3, heads, 8, head_dim)
+    assert cache.self_padding.shape == (3, 8) and cache.self_padding[1, :6].all() and not cache.self_padding[0].any()
+    assert torch.equal(cache.self_keys[0][:, :, :6], keys) and torch.equal(cache.self_values[0][:, :, :6], values)
+    cache.shrink_room(2)  # below the written positions: only down to them
+    assert cache.capacity == 6 and torch.equal(cache.self_keys[0], keys)
+    assert cache.attended().tolist() == [[True] * 6, [False] * 6, [True] * 6]

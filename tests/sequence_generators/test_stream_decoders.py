@@ -291,6 +291,7 @@ def test_compiled_engine_steps_joined_rows_in_its_compiled_unit(toy, monkeypatch
     """--step-engine compiled: rows joined at different lengths (refills in finished rows' places) take the
     compiled padded step, each row at its own position and attending only its own positions, never the eager
     one; greedy's tokens, scores within 1e-4 (the compiled engine's promise)."""
+    from fairseq_fastgen.engine import compiled
     from fairseq_fastgen.ops.onednn_linear import onednn_available
 
     if not onednn_available():
@@ -301,9 +302,15 @@ def test_compiled_engine_steps_joined_rows_in_its_compiled_unit(toy, monkeypatch
                               stream_join_lengths=True, step_engine="compiled", **SOURCE_LENGTH)
     runner = generator.runner
     eager = RowLog(runner, monkeypatch)
-    compiled_rows, padded_step = [], runner.padded_step
-    monkeypatch.setattr(runner, "padded_step",
-                        lambda unit, last, *rest: compiled_rows.append(last.size(0)) or padded_step(unit, last, *rest))
+    compiled_rows, unread_room, padded_step = [], [], runner.padded_step
+
+    def logged(unit, last, positions, encoder_out, cache):
+        compiled_rows.append(last.size(0))
+        outputs = padded_step(unit, last, positions, encoder_out, cache)
+        unread_room.append(cache.capacity - cache.length)  # positions the next step reads but no row wrote
+        return outputs
+
+    monkeypatch.setattr(runner, "padded_step", logged)
     streamed = toy.translate(generator, ids)
 
     for sentence in ids:
@@ -313,6 +320,9 @@ def test_compiled_engine_steps_joined_rows_in_its_compiled_unit(toy, monkeypatch
     assert eager.rows == [] and eager.concatenated == []
     assert set(compiled_rows) == {CAPACITY, streaming.ROW_MULTIPLE}
     assert len(compiled_rows) == generator.counters.counts["model_calls"]
+    # the buffers follow the rows' positions: the first ones, which no row attends any more, went (the step reads
+    # every position of its buffers)
+    assert max(unread_room) < 3 * compiled.POSITION_STEP
     assert runner.many_rows_step is not None
 
 
