@@ -13,15 +13,46 @@ from torch.utils import _pytree as pytree
 
 
 class LoadedPackage:
-    """The package's model as a callable of its positional (nested) tensor arguments, as when exported."""
+    """The package's model as a callable of its positional arguments (tensors, lists of tensors, None), as when
+    exported.  The engine's steps take and return tensors and flat lists of tensors: they are flattened and
+    rebuilt here by hand, since pytree's walk over them took 0.16 ms a call (an eighth of a one-row step)."""
 
     def __init__(self, loader):
         self.loader = loader
         self.out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+        self.out_layout = flat_layout(self.out_spec)
 
     def __call__(self, *args):
-        flat = [x for x in pytree.tree_flatten((args, {}))[0] if isinstance(x, torch.Tensor)]
-        return pytree.tree_unflatten(self.loader.boxed_run(flat), self.out_spec)
+        flat = []
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                flat.append(arg)
+            elif arg is not None:
+                flat.extend(arg)
+        outputs = self.loader.boxed_run(flat)
+        if self.out_layout is None:
+            return pytree.tree_unflatten(outputs, self.out_spec)
+        rebuilt, start = [], 0
+        for kind, leaves in self.out_layout:
+            rebuilt.append(outputs[start] if kind is None else kind(outputs[start: start + leaves]))
+            start += leaves
+        return tuple(rebuilt)
+
+
+def flat_layout(spec):
+    """[(None, 1) for a tensor, or (list or tuple, n) for a flat sequence of n tensors] for each item of the
+    tuple ``spec`` describes; None for any other structure (then pytree rebuilds it)."""
+    if spec.type is not tuple:
+        return None
+    layout = []
+    for child in spec.children():
+        if child.is_leaf():
+            layout.append((None, 1))
+        elif child.type in (list, tuple) and all(c.is_leaf() for c in child.children()):
+            layout.append((child.type, child.num_leaves))
+        else:
+            return None
+    return layout
 
 
 def load_package(path: Path):
