@@ -15,7 +15,7 @@ of ``tokens`` and columns past them hold padding.
 """
 
 import copy
-from typing import Dict, List, Optional
+from typing import Dict, FrozenSet, List, Optional
 
 import numpy
 import torch
@@ -40,6 +40,8 @@ class DecodingState:
         self.pad: Optional[int] = None  # the symbol in the columns past a row's length (with row_lengths)
         # a policy's own per-row tensors (rows, ...), moved with the rows (blockwise: the proposed next block)
         self.extra: Dict[str, Optional[Tensor]] = {}
+        # the names in ``extra`` whose last dimension is the source's (rows, ..., src_len): resized with it
+        self.source_extras: FrozenSet[str] = frozenset()
 
     @property
     def rows(self) -> int:
@@ -179,6 +181,14 @@ class DecodingState:
         self.encoder_out = self.runner.reorder_encoder_out(self.encoder_out, index)
         self.runner.reorder_cache(self.cache, index)
 
+    def resize_source_extras(self, width: int):
+        """The source-shaped extras (``source_extras``) cut or right-padded to ``width`` source positions (a
+        stream's width follows its longest running source)."""
+        for name in self.source_extras:
+            value = self.extra.get(name)
+            if value is not None and value.size(-1) != width:
+                self.extra[name] = _pad_last(value, width) if width > value.size(-1) else value[..., :width]
+
     def taken(self, index: Tensor) -> "DecodingState":
         """A new state of the rows ``index``, this one unchanged (streaming takes a refill's rows from sources
         encoded ahead); only before the first step, while the cache holds no position."""
@@ -206,6 +216,7 @@ class DecodingState:
                             ("row_lengths", fresh.row_lengths)):
             setattr(self, name, getattr(self, name).clone())  # (rows,) never shared with another state
             getattr(self, name)[slots] = value
+        self.source_extras |= fresh.source_extras
         for name in {name for name in self.extra} | set(fresh.extra):
             mine, theirs = self.extra.get(name), fresh.extra.get(name)
             if mine is None and theirs is not None:
@@ -267,6 +278,7 @@ class DecodingState:
         if per_row:
             merged.row_lengths = torch.cat([s.row_lengths for s in states])
             merged.pad = first.pad
+        merged.source_extras = frozenset().union(*(s.source_extras for s in states))
         for name in {name for s in states for name in s.extra}:
             values = [s.extra.get(name) for s in states]
             like = next((v for v in values if v is not None), None)

@@ -353,6 +353,7 @@ def narrow_sources(state, slack: int = 2 * KEY_BLOCK):
                              encoder_padding_mask=[mask[:, :used]])
     if state.attn is not None:
         state.attn = state.attn[:, :used]  # (rows, used, width)
+    state.resize_source_extras(used)
     state.runner.narrow_cache(state.cache, used)
     state.src_len = used
 
@@ -455,7 +456,8 @@ class CompanionFreeLayout:
 
     @staticmethod
     def widen(state: DecodingState, width: int) -> DecodingState:
-        """Right-pad a cohort's encoder output, cached encoder keys/values and attention to ``width``.
+        """Right-pad a cohort's encoder output, cached encoder keys/values, attention and source-shaped extras to
+        ``width``.
 
         (``DecodingState.concat`` would left-pad them, moving the keys of the narrower cohort.)
         """
@@ -471,6 +473,7 @@ class CompanionFreeLayout:
         state.runner.widen_cache(state.cache, state.src_len, extra)
         if state.attn is not None:
             state.attn = F.pad(state.attn, (0, 0, 0, extra))  # (rows, width, length)
+        state.resize_source_extras(width)
         state.src_len = width
         return state
 

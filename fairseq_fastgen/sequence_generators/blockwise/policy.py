@@ -28,7 +28,6 @@ output of head 1.  ``--blockwise-top-k``, ``--blockwise-epsilon`` and
 """
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from fairseq_fastgen.sequence_generators.blockwise.int8_proposals import Int8Proposer
@@ -41,6 +40,8 @@ from fairseq_fastgen.sequence_generators.streaming import (
     finished_rows_wait,
     join_any_lengths,
 )
+
+SOURCE_EXTRAS = frozenset({"first_attn"})  # the state's extras shaped (rows, src_len)
 
 
 # ---- the search policy -----------------------------------------------------------------------
@@ -63,35 +64,19 @@ class BlockwisePolicy(OneRowPath):
     # takes its place (``finished_rows_wait``)
     streaming = False
 
-    @staticmethod
-    def join(states):
-        """Streaming: every state's rows in one (``join_any_lengths``), the proposed blocks' first attention
-        right-padded with the sources."""
-        if len(states) < 2:
-            return states
-        width = max(s.src_len for s in states)
-        for state in states:
-            first_attn = state.extra.get("first_attn")
-            if first_attn is not None:
-                state.extra["first_attn"] = F.pad(first_attn, (0, width - state.src_len))  # (rows, width)
-        joined = join_any_lengths(states)
-        first_attn = joined[0].extra.get("first_attn")
-        if first_attn is not None:  # the joined rows' sources may have narrowed
-            joined[0].extra["first_attn"] = first_attn[:, : joined[0].src_len]
-        return joined
+    # streaming: every state's rows in one (the proposed blocks' first attention, a source-shaped extra, padded
+    # and cut with the sources)
+    join = staticmethod(join_any_lengths)
 
     @staticmethod
     def drain(state, ctx):
         """No source waits for a finished row's place: the finished rows go (a row costs a block of positions)."""
-        drain_waiting_rows(state)
-        first_attn = state.extra.get("first_attn")
-        if first_attn is not None:  # the running rows' sources may have narrowed
-            state.extra["first_attn"] = first_attn[:, : state.src_len]
-        return state
+        return drain_waiting_rows(state)
 
     def start(self, state: DecodingState, ctx) -> DecodingState:
         """Run the bos position; its heads propose the first block."""
         bos = state.tokens  # (rows, 1)
+        state.source_extras = SOURCE_EXTRAS
         state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)  # at most max_len tokens and eos
         positions = bos.new_zeros((state.rows, 1))
         features, attn = self.run_block(state, bos, positions, ctx)  # (rows, 1, dim)
@@ -111,6 +96,7 @@ class BlockwisePolicy(OneRowPath):
         padding, marked by length -1); else ``start`` runs it in a call of its own."""
         if not state.runner.joins_rows_before_their_first_step:
             return self.start(state, ctx)
+        state.source_extras = SOURCE_EXTRAS
         state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)
         state.runner.start_cache(state.cache, state.encoder_out)
         state.row_lengths = state.row_lengths - 1  # the next block starts at the bos position
