@@ -46,11 +46,12 @@ class PluginOptions(FairseqDataclass):
     )
     compile_in_background: bool = field(
         default=False,
-        metadata={"help": "--step-engine compiled on the CPU: when the step for many rows is not on disk yet, "
-                          "compile it in a child process while the decode runs those steps eager (oneDNN's "
-                          "products), and switch to it once it is ready; the child finishes and stores it even "
-                          "if the decode ends first (later runs load it), so a first run on a new model or "
-                          "machine does not wait tens of seconds for the compiler"},
+        metadata={"help": "--step-engine compiled on the CPU: when a step compiled ahead of time (the step for "
+                          "many rows; with --compiled-freezing the row buckets' too) is not on disk yet, compile "
+                          "it in a child process while the decode runs those steps eager (oneDNN's products), and "
+                          "switch to it once it is ready; the child finishes and stores it even if the decode "
+                          "ends first (later runs load it), so a first run on a new model or machine does not "
+                          "wait tens of seconds for the compiler"},
     )
     decoder_stats_json: Optional[str] = field(
         default=None,

@@ -186,6 +186,9 @@ def compile_in_child(runner, position_table, rows: Optional[int], path: Path, be
             os.dup2(quiet, descriptor)
         os.nice(10)
         torch.set_num_threads(1)
+        import torch._inductor.config as inductor_config
+
+        inductor_config.compile_threads = 1  # a compile worker pool of the parent's is not this process's
         compile_once(runner, position_table, rows, path, beams)
         status = 0
     finally:

@@ -121,8 +121,8 @@ class CompiledRunner(StaticRunner):
         self.many_rows_on_cpu = on_cpu and onednn_available()
         self.packaged_steps: Dict[object, object] = {}
         self.compiled_now: set = set()  # keys of the packages compiled in this process (the others were loaded)
-        # --compile-in-background: the step above max_rows, when not on disk, is compiled by a child process
-        # (aot_step.BackgroundCompilation) while those steps run eager; one at a time, the others stay eager
+        # --compile-in-background: a step compiled ahead of time that is not on disk yet is compiled by a child
+        # process (aot_step.BackgroundCompilation) while those steps run eager; one at a time, in the order needed
         self.compile_in_background = background
         self.background = None  # (key, what, BackgroundCompilation) of the package being compiled, or None
         # the largest row bucket
@@ -271,10 +271,18 @@ class CompiledRunner(StaticRunner):
         if rows > self.max_rows:
             return self.packaged_step(None, cache, cache.beams) if self.many_rows_on_cpu else None
         if self.freezing and self.many_rows_on_cpu:
-            packaged = self.packaged_step(cache.self_keys[0].size(0), cache)  # the rows' bucket
+            bucket = cache.self_keys[0].size(0)  # the rows, padded
+            packaged = self.packaged_step(bucket, cache)
             if packaged is not None:
                 return packaged
+            if bucket not in self.packaged_steps:  # compiled in the background: the same form, eager, till then
+                return self.eager_padded_step
         return lambda *inputs: self.compiled_bucket_step(inputs, cache)
+
+    def eager_padded_step(self, *inputs):
+        """The padded step of a bucket whose unit a child process compiles: uncompiled, oneDNN's products."""
+        with self.eager_products():
+            return self.padded_lprobs(*inputs, self.fused)
 
     def padded_step(self, unit, last_tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
         """lprobs (rows, vocab) and attention (rows, src_len) of ``unit``'s step: last_tokens (rows, 1) at
@@ -342,8 +350,11 @@ class CompiledRunner(StaticRunner):
         key = rows if beams == 1 else ("beams", beams)
         if key in self.packaged_steps:
             return self.packaged_steps[key]
-        if self.background is not None:
-            return self.background_step(key)
+        if self.compile_in_background:
+            if self.background is not None:
+                return self.background_step(key)
+            if key is None and self.beams > self.max_rows:
+                return None  # beam search: only its sentences' unit is compiled; rows not laid out so run eager
         from fairseq_fastgen.engine import aot_step
 
         what = f"the step above {self.max_rows} rows" if rows is None else f"the step of {rows} rows"
@@ -351,7 +362,7 @@ class CompiledRunner(StaticRunner):
             what += f" ({beams} beams a sentence, sharing its encoder-decoder keys)"
         try:
             table = self.decoder_step.position_table(cache.capacity)
-            if self.compile_in_background and rows is None:
+            if self.compile_in_background:
                 path = aot_step.package_path(self, rows, beams)
                 if not path.exists():
                     compilation = aot_step.BackgroundCompilation(self, table, rows, beams, path)
@@ -367,16 +378,18 @@ class CompiledRunner(StaticRunner):
 
     def background_step(self, key):
         """The step the child process compiles, once it is ready (polled); None before, and for every other
-        step while one is compiled in the background (they run eager)."""
+        step while one is compiled in the background (they run eager; the next is compiled after it)."""
         compiling, what, compilation = self.background
         if key != compiling:
             return None
         try:
             step = compilation.ready()
         except Exception as error:
+            self.background = None
             return self.not_compiled(key, what, error)
         if step is None:
             return None
+        self.background = None
         step, seconds = step
         return self.keep_packaged_step(key, what + " (in the background)", step, seconds, compiled_now=True)
 

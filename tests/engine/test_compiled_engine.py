@@ -87,45 +87,58 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
     assert len(lines) == 2 and "compiled and stored in" in lines[0] and " loaded in " in lines[1]
 
 
-def test_the_many_rows_step_compiles_in_the_background_while_the_decode_runs_eager(toy, tmp_path, monkeypatch,
-                                                                                    caplog):
-    """--compile-in-background: a decode that finds no step for many rows on disk hands its compilation to a child
-    process and runs those steps eager (fairseq's tokens) without waiting; once the child has stored the package the
-    runner switches to it (the same tokens again), and a later runner loads it."""
+BACKGROUND_CASES = {
+    "many rows": dict(batch=8, freezing=False, key=None, what="the step above 2 rows"),
+    "frozen row bucket": dict(batch=1, freezing=True, key=1, what="the step of 1 rows"),
+}
+
+
+@pytest.mark.parametrize("case", BACKGROUND_CASES.values(), ids=BACKGROUND_CASES.keys())
+def test_compiled_steps_compile_in_the_background_while_the_decode_runs_eager(toy, tmp_path, monkeypatch, caplog,
+                                                                             case):
+    """--compile-in-background: a decode that finds a step compiled ahead of time missing on disk hands its
+    compilation to a child process and runs those steps eager (fairseq's tokens; no torch.compile in its place)
+    without waiting; once the child has stored the package the runner switches to it (the same tokens again), and
+    a later runner loads it."""
     if not onednn_linear_module.onednn_available():
-        pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
+        pytest.skip("the steps compiled ahead of time are compiled on the CPU with oneDNN only")
     monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path))
     from tests.engine.test_static_engine import translate_batches
 
-    ids = SENTENCES[:24]
-    _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
-    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compile_in_background=True)
+    ids, batch, key = SENTENCES[:16], case["batch"], case["key"]
+    _, expected = decode(toy, ids, batch, step_engine="fairseq", decoder="greedy", beam=1)
+    options = dict(decoder="greedy", beam=1, step_engine="compiled", compile_in_background=True,
+                   compiled_freezing=case["freezing"])
+    generator = toy.generator(**options)
     runner = generator.runner
-    eager_rows, fast_form = [], runner.fast_form
-    monkeypatch.setattr(runner, "fast_form",
-                        lambda tokens, *rest: eager_rows.append(tokens.size(0)) or fast_form(tokens, *rest))
+    uncompiled = []
+    for name in ("fast_form", "eager_padded_step"):  # the eager forms: above the row buckets, and of a bucket
+        form = getattr(runner, name)
+        monkeypatch.setattr(runner, name, lambda *inputs, form=form: uncompiled.append(1) or form(*inputs))
     with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
-        assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
-    assert runner.background is not None and eager_rows and min(eager_rows) > runner.max_rows
+        assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, batch))
+    assert runner.background is not None and runner.background[0] == key and uncompiled
+    if case["freezing"]:
+        assert runner.compiled_shapes == {}  # no torch.compile bucket stood in for the unit
     compilation = runner.background[2]
     lines = [r.getMessage() for r in caplog.records if "in the background" in r.getMessage()]
-    assert lines == [f"--step-engine compiled: the step above 2 rows is compiled in the background (process "
+    assert lines == [f"--step-engine compiled: {case['what']} is compiled in the background (process "
                      f"{compilation.pid}, which stores it in {tmp_path} even if this decode ends first); those "
                      f"steps run eager until it is ready"]
     deadline = time.monotonic() + 600
-    while None not in runner.packaged_steps:  # what the decode's steps poll: the test waits, a decode does not
+    while key not in runner.packaged_steps:  # what the decode's steps poll: the test waits, a decode does not
         assert time.monotonic() < deadline, "the background compilation did not end"
-        runner.background_step(None)
+        runner.background_step(key)
         time.sleep(0.2)
-    assert runner.packaged_steps[None] is not None and None in runner.compiled_now
-    assert len(list(tmp_path.glob("step-any-rows-*.pt2"))) == 1
-    eager_rows.clear()
-    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
-    assert not eager_rows
+    assert runner.packaged_steps[key] is not None and key in runner.compiled_now and runner.background is None
+    assert len(list(tmp_path.glob("step-*.pt2"))) == 1
+    uncompiled.clear()
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, batch))
+    assert not uncompiled and runner.background is None  # no other unit was needed
 
-    later = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compile_in_background=True)
-    assert_same_tokens_close_scores(expected, translate_batches(toy, later, ids, 8))
-    assert later.runner.background is None and later.runner.many_rows_step is not None
+    later = toy.generator(**options)
+    assert_same_tokens_close_scores(expected, translate_batches(toy, later, ids, batch))
+    assert later.runner.background is None and later.runner.packaged_steps[key] is not None
     assert later.runner.compiled_now == set()
 
 
