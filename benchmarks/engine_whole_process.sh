@@ -9,16 +9,21 @@
 # sentence id and text) and printed scores each process shares with stock fairseq-generate.
 #
 #   bash benchmarks/engine_whole_process.sh [MODEL_DIR] [ROUNDS] [THREADS]
+#
+# Environment: BEAM (5), BATCH (64), PLUGIN_OPTIONS (options of every plugin process, e.g. "--decoder greedy"),
+# COMPILED_OPTIONS (options of the compiled ones, e.g. "--compiled-freezing").
 set -euo pipefail
 M=${1:-bench_out/multi30k}
 ROUNDS=${2:-3}
 export OMP_NUM_THREADS=${3:-1}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-OPTIONS=("$M/bin" --path "$M/base/checkpoint_best.pt" --cpu --beam 5 --batch-size 64 --required-batch-size-multiple 1
-         --post-process sentencepiece)
+OPTIONS=("$M/bin" --path "$M/base/checkpoint_best.pt" --cpu --beam "${BEAM:-5}" --batch-size "${BATCH:-64}"
+         --required-batch-size-multiple 1 --post-process sentencepiece)
+read -r -a PLUGIN_EXTRA <<< "${PLUGIN_OPTIONS:-}"
+read -r -a COMPILED <<< "--step-engine compiled ${COMPILED_OPTIONS:-}"
 STOCK=(.venv/bin/python fairseq_fastgen/stock_fairseq.py generate)  # fairseq-generate without the plugin
-PLUGIN=(.venv/bin/fairseq-generate --user-dir fairseq_fastgen)
+PLUGIN=(.venv/bin/fairseq-generate --user-dir fairseq_fastgen "${PLUGIN_EXTRA[@]}")
 
 run() {  # NAME COMMAND...: one process; appends its wall seconds to $WORK/NAME.times
   local name=$1
@@ -35,12 +40,13 @@ for round in $(seq "$ROUNDS"); do
   run stock "${STOCK[@]}"
   run plugin "${PLUGIN[@]}"
   export TORCHINDUCTOR_CACHE_DIR="$WORK/cache-$round" FASTGEN_COMPILED_DIR="$WORK/cache-$round/fairseq_fastgen"
-  run compiled-cold "${PLUGIN[@]}" --step-engine compiled
-  run compiled-warm "${PLUGIN[@]}" --step-engine compiled
+  run compiled-cold "${PLUGIN[@]}" "${COMPILED[@]}"
+  run compiled-warm "${PLUGIN[@]}" "${COMPILED[@]}"
   export TORCHINDUCTOR_CACHE_DIR="$WORK/cache-bg-$round" FASTGEN_COMPILED_DIR="$WORK/cache-bg-$round/fairseq_fastgen"
-  run compiled-background "${PLUGIN[@]}" --step-engine compiled --compile-in-background
-  child=$(grep -o 'in the background (process [0-9]*' "$WORK/compiled-background.err" | grep -o '[0-9]*$' || true)
-  while [ -n "$child" ] && kill -0 "$child" 2> /dev/null; do sleep 1; done  # its compilation ends untimed
+  run compiled-background "${PLUGIN[@]}" "${COMPILED[@]}" --compile-in-background
+  for child in $(grep -o 'in the background (process [0-9]*' "$WORK/compiled-background.err" | grep -o '[0-9]*$'); do
+    while kill -0 "$child" 2> /dev/null; do sleep 1; done  # its compilation ends untimed
+  done
   unset TORCHINDUCTOR_CACHE_DIR FASTGEN_COMPILED_DIR
   echo "round $round: $(for n in stock plugin compiled-cold compiled-warm compiled-background; do printf '%s %.1f s  ' $n "$(tail -1 "$WORK/$n.times")"; done)"
 done
