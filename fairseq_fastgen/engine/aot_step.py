@@ -20,8 +20,8 @@ directory, ``$TORCHINDUCTOR_CACHE_DIR`` or ``/tmp/torchinductor_$USER``).  The
 first process compiles it (tens of seconds), later ones load it (a fraction of
 a second); a process that finds another compiling the same package waits for
 it (a file lock), and a package is written under a temporary name and renamed.
-With ``--compile-in-background`` a forked child compiles the step for many rows
-while the decode runs those steps eager (:class:`BackgroundCompilation`).
+With ``--compile-in-background`` a forked child compiles a package that is not
+on disk while the decode runs those steps eager (:class:`BackgroundCompilation`).
 """
 
 import hashlib
