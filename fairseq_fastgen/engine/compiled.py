@@ -383,15 +383,14 @@ class CompiledRunner(StaticRunner):
         if key != compiling:
             return None
         try:
-            step = compilation.ready()
+            ready = compilation.ready()  # (step, seconds) or None
         except Exception as error:
             self.background = None
             return self.not_compiled(key, what, error)
-        if step is None:
+        if ready is None:
             return None
         self.background = None
-        step, seconds = step
-        return self.keep_packaged_step(key, what + " (in the background)", step, seconds, compiled_now=True)
+        return self.keep_packaged_step(key, what + " (in the background)", *ready, compiled_now=True)
 
     def not_compiled(self, key, what: str, error: Exception):
         self.packaged_steps[key] = None

@@ -18,9 +18,10 @@ buffers instead of a dict of tensors grown with ``torch.cat``.  Three forms:
 * :meth:`DecoderStep.padded`: every shape fixed (rows, buffer capacity, source
   width), each row at its own target position (rows joined at different
   lengths too); attention runs over the whole buffer with the positions a row
-  does not attend (unwritten, or another row's before it took the place) masked.  This is the form ``torch.compile``
-  turns into one compiled unit (``compiled.py``); the longer softmax sums in
-  another order, so scores move in the last bits.
+  does not attend (unwritten, or another row's before it took the place)
+  masked.  This is the form ``torch.compile`` turns into one compiled unit
+  (``compiled.py``); the longer softmax sums in another order, so scores move
+  in the last bits.
 
 :func:`unsupported_reason` says why a decoder cannot run here (the runner then
 keeps fairseq's own step).

@@ -118,10 +118,9 @@ class DecodeContext:
         cum = state.cum_scores[row, :length]  # (length,)
         positional = cum.clone()
         positional[1:] = cum[1:] - cum[:-1]
-        score = cum[-1].clone()  # copies: a streamed row's place is taken by another sentence's row
-        if self.normalize_scores:
-            score = score / (length ** self.lenpen)
-        attention = state.attn[row, :, :length].clone() if state.attn is not None else torch.empty(0)  # (src_len, length)
+        # copies, never views of the state: a streamed row's place is taken by another sentence's row
+        score = cum[-1] / (length ** self.lenpen) if self.normalize_scores else cum[-1].clone()
+        attention = torch.empty(0) if state.attn is None else state.attn[row, :, :length].clone()  # (src_len, length)
         return {
             "tokens": state.tokens[row, 1: 1 + length].clone(),
             "score": score,
