@@ -42,18 +42,19 @@ ENGINE_SOURCES = ("decoder_step.py", "compiled.py", "fused_weights.py", "aot_ste
 
 class PaddedStep(nn.Module):
     """The compiled engine's padded step with its log-softmax (``CompiledRunner.frozen_lprobs``) as a module
-    whose parameters and buffers are the weights it reads, as torch.export wants it."""
+    whose parameters and buffers are the weights it reads, as torch.export wants it; with ``block`` > 1 the
+    padded step of that many positions per row, its base features (``CompiledRunner.padded_block``)."""
 
-    def __init__(self, runner, beams: int = 1):
+    def __init__(self, runner, beams: int = 1, block: int = 1):
         super().__init__()
         self.decoder_step = runner.decoder_step  # the decoder's parameters and the fused weights' buffers
-        self.lprobs_of = runner.padded_lprobs
+        self.outputs_of = runner.padded_lprobs if block == 1 else runner.padded_block
         self.beams = beams  # > 1: encoder-decoder keys/values once per sentence, shared by its beams
 
     def forward(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
                 cross_values, cross_mask):
-        return self.lprobs_of(last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
-                              cross_values, cross_mask, self.decoder_step.fused_buffers.weights(), self.beams)
+        return self.outputs_of(last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
+                               cross_values, cross_mask, self.decoder_step.fused_buffers.weights(), self.beams)
 
 
 def compiled_dir() -> Path:
@@ -65,11 +66,11 @@ def compiled_dir() -> Path:
     return Path(cache_dir()) / "fairseq_fastgen"
 
 
-def package_key(runner, rows: Optional[int], beams: int = 1) -> str:
+def package_key(runner, rows: Optional[int], beams: int = 1, block: int = 1) -> str:
     """SHA-256 of what the compiled unit depends on: torch, the engine's code, the runner's settings, the rows,
-    the beams sharing encoder-decoder keys and the decoder step's weights (the decoder's parameters and the
-    fused copies)."""
-    digest = hashlib.sha256(f"{torch.__version__} rows {rows} beams {beams}".encode())
+    the beams sharing encoder-decoder keys, the positions per row and the decoder step's weights (the decoder's
+    parameters and the fused copies)."""
+    digest = hashlib.sha256(f"{torch.__version__} rows {rows} beams {beams} block {block}".encode())
     here = Path(__file__).parent
     for name in ENGINE_SOURCES:
         digest.update((here / name).read_bytes())
@@ -82,9 +83,10 @@ def package_key(runner, rows: Optional[int], beams: int = 1) -> str:
     return digest.hexdigest()
 
 
-def example_inputs(runner, position_table, rows: Optional[int], beams: int = 1):
+def example_inputs(runner, position_table, rows: Optional[int], beams: int = 1, block: int = 1):
     """Inputs of the step at sizes no other dimension has (so that tracing ties none of them together); with
-    ``beams`` > 1, 7 sentences of ``beams`` rows, the encoder-decoder inputs per sentence."""
+    ``beams`` > 1, 7 sentences of ``beams`` rows, the encoder-decoder inputs per sentence; with ``block`` > 1,
+    that many positions per row (tokens and positions (rows, block))."""
     sentences = 7 if beams > 1 else None
     rows, capacity, width = rows or (sentences * beams if sentences else 5), 40, 24
     sources = sentences or rows
@@ -92,9 +94,10 @@ def example_inputs(runner, position_table, rows: Optional[int], beams: int = 1):
     weight = next(step.parameters())
     buffers = lambda count, length: [weight.new_zeros(count, step.heads, length, step.head_dim)  # noqa: E731
                                      for _ in range(step.num_layers)]
-    tokens = torch.full((rows, 1), runner.model.decoder.dictionary.eos(), dtype=torch.long, device=weight.device)
+    tokens = torch.full((rows, block), runner.model.decoder.dictionary.eos(), dtype=torch.long, device=weight.device)
+    positions = torch.zeros((rows, block) if block > 1 else (rows,), dtype=torch.long, device=weight.device)
     attended = torch.zeros(rows, capacity, dtype=torch.bool, device=weight.device)
-    return (tokens, torch.zeros(rows, dtype=torch.long, device=weight.device), attended, position_table,
+    return (tokens, positions, attended, position_table,
             buffers(rows, capacity), buffers(rows, capacity), buffers(sources, width), buffers(sources, width),
             torch.zeros(sources, width, dtype=torch.bool, device=weight.device))
 
@@ -116,25 +119,28 @@ def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor], row
     return (row or None, row or None, {**row, 1: capacity}, table, keys, keys, sources, sources, {**source, 1: width})
 
 
-def package_path(runner, rows: Optional[int] = None, beams: int = 1) -> Path:
-    """Where the package of ``runner``'s step for ``rows`` rows (and ``beams``) is kept."""
+def package_path(runner, rows: Optional[int] = None, beams: int = 1, block: int = 1) -> Path:
+    """Where the package of ``runner``'s step for ``rows`` rows (and ``beams``, or ``block`` positions per
+    row) is kept."""
     directory = compiled_dir()
     directory.mkdir(parents=True, exist_ok=True)
     what = f"beams{beams}" if beams > 1 else f"{'any' if rows is None else rows}-rows"
-    return directory / f"step-{what}-{package_key(runner, rows, beams)}.pt2"
+    if block > 1:
+        what = f"block{block}-{what}"
+    return directory / f"step-{what}-{package_key(runner, rows, beams, block)}.pt2"
 
 
-def load_or_compile(runner, position_table, rows: Optional[int] = None, beams: int = 1):
+def load_or_compile(runner, position_table, rows: Optional[int] = None, beams: int = 1, block: int = 1):
     """The package of ``runner``'s step for ``rows`` rows (None: any number; with ``beams`` > 1, any number of
-    sentences of that many beams sharing their encoder-decoder keys), loaded from disk or compiled and written
-    there; (callable, seconds, whether it was compiled now)."""
-    path = package_path(runner, rows, beams)
+    sentences of that many beams sharing their encoder-decoder keys; with ``block`` > 1, that many positions per
+    row), loaded from disk or compiled and written there; (callable, seconds, whether it was compiled now)."""
+    path = package_path(runner, rows, beams, block)
     start = time.perf_counter()
-    compiled_now = compile_once(runner, position_table, rows, path, beams)
+    compiled_now = compile_once(runner, position_table, rows, path, beams, block)
     return load_package(path), time.perf_counter() - start, compiled_now
 
 
-def compile_once(runner, position_table, rows: Optional[int], path: Path, beams: int = 1) -> bool:
+def compile_once(runner, position_table, rows: Optional[int], path: Path, beams: int = 1, block: int = 1) -> bool:
     """Compile the package ``path`` unless it is there; a process finding another compiling it waits for it (a
     file lock).  Returns whether this call compiled it."""
     from filelock import FileLock
@@ -142,7 +148,7 @@ def compile_once(runner, position_table, rows: Optional[int], path: Path, beams:
     with FileLock(str(path) + ".lock"):
         if path.exists():
             return False
-        compile_package(runner, position_table, rows, path, beams)
+        compile_package(runner, position_table, rows, path, beams, block)
         return True
 
 
@@ -153,12 +159,12 @@ class BackgroundCompilation:
 
     POLL_SECONDS = 0.5  # the child's state is looked at no more often than this
 
-    def __init__(self, runner, position_table, rows: Optional[int], beams: int, path: Path):
+    def __init__(self, runner, position_table, rows: Optional[int], beams: int, path: Path, block: int = 1):
         self.path = path
         self.started = self.polled = time.perf_counter()
         self.pid = os.fork()
         if self.pid == 0:
-            compile_in_child(runner, position_table, rows, path, beams)  # never returns
+            compile_in_child(runner, position_table, rows, path, beams, block)  # never returns
 
     def ready(self):
         """None while the child compiles; then (the loaded step, seconds since the child started).  Raises
@@ -176,7 +182,7 @@ class BackgroundCompilation:
         return load_package(self.path), time.perf_counter() - self.started
 
 
-def compile_in_child(runner, position_table, rows: Optional[int], path: Path, beams: int):
+def compile_in_child(runner, position_table, rows: Optional[int], path: Path, beams: int, block: int = 1):
     """The forked child of :class:`BackgroundCompilation`: compile the package, then exit (status 0 only when it
     is on disk), without running anything of the parent's (no atexit handlers, no buffered output)."""
     status = 1
@@ -189,25 +195,25 @@ def compile_in_child(runner, position_table, rows: Optional[int], path: Path, be
         import torch._inductor.config as inductor_config
 
         inductor_config.compile_threads = 1  # a compile worker pool of the parent's is not this process's
-        compile_once(runner, position_table, rows, path, beams)
+        compile_once(runner, position_table, rows, path, beams, block)
         status = 0
     finally:
         os._exit(status)
 
 
-def compile_package(runner, position_table, rows: Optional[int], path: Path, beams: int = 1):
+def compile_package(runner, position_table, rows: Optional[int], path: Path, beams: int = 1, block: int = 1):
     """Export the step and compile it into the package ``path``: for any number of rows, frozen weights
     (oneDNN's packed products); for a fixed few rows, also inductor's C++ GEMM template for the products
     (at 1-4 rows it beats both libraries' matrix-vector products: 0.41-0.44 against 0.65-0.69 ms per step
     of the Multi30k model at one row, ``--compiled-freezing`` in docs/benchmarks.md)."""
-    module = PaddedStep(runner, beams).eval()
-    inputs = example_inputs(runner, position_table, rows, beams)
+    module = PaddedStep(runner, beams, block).eval()
+    inputs = example_inputs(runner, position_table, rows, beams, block)
     dynamic = symbolic_dimensions(runner.decoder_step.num_layers, position_table, rows, beams)
     exported = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
     temporary = path.with_name(f".{path.stem}.{os.getpid()}{safe_files.TEMPORARY_SUFFIX}.pt2")
     settings = {"freezing": True}
-    if rows is not None:
-        settings.update(max_autotune=True, max_autotune_gemm_backends="CPP")
+    if rows is not None:  # a block's attention products have no C++ template: ATen's where none serves
+        settings.update(max_autotune=True, max_autotune_gemm_backends="CPP" if block == 1 else "CPP,ATEN")
     import torch._inductor as inductor  # only where a package is compiled (loading needs none of it)
 
     inductor.aoti_compile_and_package(exported, package_path=str(temporary), inductor_configs=settings)

@@ -18,11 +18,13 @@ are oneDNN's prepacked ones, which on the AMD EPYC of docs/benchmarks.md run
 2-3x faster than MKL's from 8 rows up.  Rows joined at different lengths
 (``step_rows``: streaming refills in finished rows' places) and rows holding
 left padding take the same units, each row at its own position and attending
-only its own positions (``StaticCache.attended``).  Where no unit can be built
-(or, with --compile-in-background, while a child process compiles it), and for
-several positions per row (blockwise verification, ``step_block``), the step
-runs eager, in the decoder step's fast form (the exact form for blockwise and
-left padding), its linear layers through oneDNN's prepacked products on the CPU
+only its own positions (``StaticCache.attended``).  Blockwise verification
+(``step_block``: a block of positions per row) runs a unit of its own of the
+same kind, above the buckets and, with ``--compiled-freezing``, per bucket;
+shorter blocks are padded to the widest.  Where no unit can be built (or, with
+--compile-in-background, while a child process compiles it), the step runs
+eager, in the decoder step's fast form (the exact form for blocks and left
+padding), its linear layers through oneDNN's prepacked products on the CPU
 (``ops/onednn_linear.py``).
 
 On CUDA the row buckets go up to ``CUDA_MAX_ROWS`` rows (powers of two), all
@@ -135,6 +137,7 @@ class CompiledRunner(StaticRunner):
         self.eager_linears = OneDNNLinears(model) if on_cpu and onednn_available() else None
         self.qkv_packed_from: Optional[FusedWeights] = None  # the fused weights qkv_packed holds, packed
         self.qkv_packed = []  # per layer: oneDNN's packed fused query/key/value weight (None: torch's product)
+        self.block_width = 1  # positions per row of the widest block step_block ran: shorter ones are padded to it
 
     @property
     def compiled_step(self):
@@ -287,30 +290,39 @@ class CompiledRunner(StaticRunner):
     def padded_step(self, unit, last_tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
         """lprobs (rows, vocab) and attention (rows, src_len) of ``unit``'s step: last_tokens (rows, 1) at
         target ``positions`` (rows,), their keys/values written at the buffers' length."""
-        rows, written = last_tokens.size(0), cache.length
-        if rows > self.max_rows:  # its capacity is symbolic: buffers a little longer than the rows need
-            room = round_up(written + 1, POSITION_STEP)
-            if cache.capacity >= room + 2 * POSITION_STEP:  # positions dropped at the front (streams)
-                cache.shrink_room(room)
-            cache.ensure_room(room, doubling=False)
-        else:
-            cache.ensure_room(bucket_capacity(written + 1), doubling=False)
-        cache.zero_unwritten()  # the padded step reads every position, the unattended ones masked
-        rows_index = padded_index(torch.arange(rows, device=last_tokens.device), self.max_rows)
-        inputs = (last_tokens.index_select(0, rows_index), positions.index_select(0, rows_index),
-                  cache.attended(), self.decoder_step.position_table(cache.capacity), cache.self_keys,
-                  cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask)
-        features_or_lprobs, attn, new_keys, new_values = unit(*inputs)
-        for buffer, new in zip(cache.self_keys + cache.self_values, new_keys + new_values):
-            buffer[:, :, written] = new  # (rows, heads, head_dim) at the buffers' length
-        cache.length = written + 1
-        lprobs = features_or_lprobs[:rows]
-        attn = attn[:rows, : encoder_out["encoder_out"][0].size(0)]
+        lprobs, attn = self.run_padded(unit, last_tokens, positions, cache)
+        attn = attn[:, : encoder_out["encoder_out"][0].size(0)]
         if self.on_cuda:  # the outputs of a CUDA graph live in its memory pool, rewritten by its next replay
             lprobs, attn = lprobs.clone(), attn.clone()
         if self.projection is not None:
             lprobs = self.lprobs(lprobs)
         return lprobs, attn
+
+    def run_padded(self, unit, tokens: Tensor, positions: Tensor, cache: StaticCache):
+        """``unit``'s first two outputs for the real rows, after writing its new keys/values at the buffers'
+        length: tokens (rows, n) at target ``positions`` ((rows,) for one position, else (rows, n))."""
+        rows, written, n = tokens.size(0), cache.length, tokens.size(1)
+        if rows > self.max_rows:  # its capacity is symbolic: buffers a little longer than the rows need
+            room = round_up(written + n, POSITION_STEP)
+            if cache.capacity >= room + 2 * POSITION_STEP:  # positions dropped at the front (streams)
+                cache.shrink_room(room)
+            cache.ensure_room(room, doubling=False)
+        else:
+            cache.ensure_room(bucket_capacity(written + n), doubling=False)
+        cache.zero_unwritten()  # the padded step reads every position, the unattended ones masked
+        cache.attended_padding(n)  # the new positions are no row's padding (a released row's dropped ones were)
+        rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)
+        inputs = (tokens.index_select(0, rows_index), positions.index_select(0, rows_index),
+                  cache.attended(), self.decoder_step.position_table(cache.capacity), cache.self_keys,
+                  cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask)
+        features_or_lprobs, attn, new_keys, new_values = unit(*inputs)
+        for buffer, new in zip(cache.self_keys + cache.self_values, new_keys + new_values):
+            if n == 1:
+                buffer[:, :, written] = new  # (rows, heads, head_dim) at the buffers' length
+            else:
+                buffer[:, :, written: written + n] = new  # (rows, heads, n, head_dim)
+        cache.length = written + n
+        return features_or_lprobs[:rows], attn[:rows]
 
     def eager_step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         """A step of more than ``max_rows`` rows without a compiled unit: the fast form (the exact form over
@@ -342,12 +354,13 @@ class CompiledRunner(StaticRunner):
                        f"source positions compiled in {seconds:.1f} s")
         return outputs
 
-    def packaged_step(self, rows: Optional[int], cache: StaticCache, beams: int = 1):
+    def packaged_step(self, rows: Optional[int], cache: StaticCache, beams: int = 1, block: int = 1):
         """The step compiled ahead of time for ``rows`` rows (None: every row count above ``max_rows``; with
-        ``beams`` > 1, sentences of that many beams sharing their encoder-decoder keys), loaded from disk or
-        compiled the first time a decode needs it (with --compile-in-background: by a child process, None
-        until it is ready); None where it cannot be built (one line says why)."""
-        key = rows if beams == 1 else ("beams", beams)
+        ``beams`` > 1, sentences of that many beams sharing their encoder-decoder keys; with ``block`` > 1,
+        that many positions per row), loaded from disk or compiled the first time a decode needs it (with
+        --compile-in-background: by a child process, None until it is ready); None where it cannot be built
+        (one line says why)."""
+        key = ("block", block, rows) if block > 1 else rows if beams == 1 else ("beams", beams)
         if key in self.packaged_steps:
             return self.packaged_steps[key]
         if self.compile_in_background:
@@ -358,20 +371,22 @@ class CompiledRunner(StaticRunner):
         from fairseq_fastgen.engine import aot_step
 
         what = f"the step above {self.max_rows} rows" if rows is None else f"the step of {rows} rows"
+        if block > 1:
+            what = what.replace("the step", f"the step of {block} positions per row")
         if beams > 1:
             what += f" ({beams} beams a sentence, sharing its encoder-decoder keys)"
         try:
             table = self.decoder_step.position_table(cache.capacity)
             if self.compile_in_background:
-                path = aot_step.package_path(self, rows, beams)
+                path = aot_step.package_path(self, rows, beams, block)
                 if not path.exists():
-                    compilation = aot_step.BackgroundCompilation(self, table, rows, beams, path)
+                    compilation = aot_step.BackgroundCompilation(self, table, rows, beams, path, block)
                     self.background = (key, what, compilation)
                     logger.info(f"--step-engine compiled: {what} is compiled in the background (process "
                                 f"{compilation.pid}, which stores it in {path.parent} even if this decode ends "
                                 f"first); those steps run eager until it is ready")
                     return None
-            step, seconds, compiled_now = aot_step.load_or_compile(self, table, rows, beams)
+            step, seconds, compiled_now = aot_step.load_or_compile(self, table, rows, beams, block)
         except Exception as error:  # export or inductor refusing this model: eager, or torch.compile, serves it
             return self.not_compiled(key, what, error)
         return self.keep_packaged_step(key, what, step, seconds, compiled_now)
@@ -447,11 +462,44 @@ class CompiledRunner(StaticRunner):
         return self.decoder_step.fast(last_tokens, position_rows, cache, qkv_product)
 
     def step_block(self, tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
-        """Several positions per row (blockwise verification): the exact form, eager with oneDNN's products
-        at every row count (the compiled unit is the one-position step)."""
+        """Several positions per row (blockwise verification): base features (rows, n, dim) and attention
+        (rows, n, src_len) from the padded step of a block of positions, a unit compiled ahead of time on
+        the CPU (above ``max_rows`` rows, and with --compiled-freezing each row bucket's); elsewhere the exact
+        form, eager with oneDNN's products.  A shorter block (the bos, a row near its length limit) runs in
+        the widest block's unit, padded at its end: its positions attend none of the padding's, whose keys
+        and values are dropped after the call."""
+        if not cache.started:
+            self.start_cache(cache, encoder_out)
+        (rows, n), src_len = tokens.shape, encoder_out["encoder_out"][0].size(0)
+        width = max(self.block_width, n)
+        unit = self.block_unit(rows, width, cache)
+        if unit is not None:
+            self.block_width = width
+            if width > n:  # the padding repeats the last token at the last position
+                tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, width - n)], dim=1)
+                positions = torch.cat([positions, positions[:, -1:].expand(-1, width - n)], dim=1)
+            features, attn = self.run_padded(unit, tokens, positions, cache)
+            cache.drop_last(width - n)
+            return features[:, :n], attn[:, :n, :src_len]
+        rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)  # the cache's rows
         with self.eager_products():
-            features, attn = super().step_block(tokens, positions, encoder_out, cache)
-        return features, attn[:, :, : encoder_out["encoder_out"][0].size(0)]
+            features, attn = super().step_block(tokens.index_select(0, rows_index),
+                                                positions.index_select(0, rows_index), encoder_out, cache)
+        return features[:rows], attn[:rows, :, :src_len]
+
+    def block_unit(self, rows: int, block: int, cache: StaticCache):
+        """The unit compiled ahead of time for ``block`` positions per row of ``rows`` rows, or None (eager)."""
+        if block == 1 or not self.many_rows_on_cpu or cache.beams > 1:
+            return None
+        if rows > self.max_rows:
+            return self.packaged_step(None, cache, block=block)
+        if self.freezing:
+            return self.packaged_step(cache.self_keys[0].size(0), cache, block=block)
+        return None
+
+    def keep_accepted(self, cache: StaticCache, accepted: Tensor):
+        rows_index = padded_index(torch.arange(accepted.size(0), device=accepted.device), self.max_rows)
+        cache.keep_accepted(accepted.index_select(0, rows_index))
 
     def padded_lprobs(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
                       cross_values, cross_mask, fused: FusedWeights, beams: int = 1):
@@ -470,6 +518,14 @@ class CompiledRunner(StaticRunner):
             logits = logits / self.temperature
         return F.log_softmax(logits.float(), dim=-1)[:, -1, :], attn, new_keys, new_values
 
+    def padded_block(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
+                     cross_values, cross_mask, fused: FusedWeights, beams: int = 1):
+        """The compiled unit of several positions per row: the padded step's base features (no head, no
+        projection: blockwise decoding applies its heads to them), attention and new keys/values."""
+        return self.decoder_step.padded(last_tokens, positions, attended, position_table, self_keys, self_values,
+                                        cross_keys, cross_values, cross_mask, fused.qkv_weights, fused.qkv_biases,
+                                        beams, first_head=False)
+
     def frozen_lprobs(self, *inputs):
         """``padded_lprobs`` reading the fused weights from the buffers of a submodule of the decoder step
         instead of its last input: inductor's freezing then folds them, with the model's parameters, into the
@@ -479,7 +535,8 @@ class CompiledRunner(StaticRunner):
     def statistics(self) -> dict:
         """For the decoder's statistics: the buckets this runner met and the seconds of their first calls
         (their compilation, or its load from inductor's on-disk cache)."""
-        buckets = len(self.compiled_shapes) + (1 if self.many_rows_step is not None else 0)
+        packaged = sum(1 for key, step in self.packaged_steps.items() if step is not None and not isinstance(key, int))
+        buckets = len(self.compiled_shapes) + packaged  # the units above the buckets, and the block units
         return {"compiled_buckets": buckets, "compile_seconds": round(self.compile_seconds, 2)}
 
 

@@ -17,7 +17,8 @@ buffers instead of a dict of tensors grown with ``torch.cat``.  Three forms:
   in place), for the compiled engine's eager rows; scores move in the last bits.
 * :meth:`DecoderStep.padded`: every shape fixed (rows, buffer capacity, source
   width), each row at its own target position (rows joined at different
-  lengths too); attention runs over the whole buffer with the positions a row
+  lengths too), one position per row or a block of them (blockwise
+  verification); attention runs over the whole buffer with the positions a row
   does not attend (unwritten, or another row's before it took the place)
   masked.  This is the form ``torch.compile`` turns into one compiled unit
   (``compiled.py``); the longer softmax sums in another order, so scores move
@@ -271,10 +272,10 @@ class DecoderStep(nn.Module):
         cache.length = position + 1
         return self.finish(x), attn
 
-    # ---- the padded form (fixed shapes, a position per row) ----------------------------------------
+    # ---- the padded form (fixed shapes, a position per row, or a block of them) -----------------------
     def padded(self, last_tokens: Tensor, positions: Tensor, attended: Tensor, position_table: Optional[Tensor],
                self_keys, self_values, cross_keys, cross_values, cross_mask: Tensor, qkv_weights, qkv_biases,
-               beams: int = 1):
+               beams: int = 1, first_head: bool = True):
         """Features (rows, 1, dim), last-layer encoder attention (rows, src_width) and the new self-attention
         keys and values of every layer (rows, heads, head_dim) of one step.
 
@@ -288,22 +289,34 @@ class DecoderStep(nn.Module):
         and value projections as one (``fused_weights.py``).  With ``beams`` > 1 the rows are sentences x
         beams (each sentence's beams together) and the encoder-decoder keys/values and mask hold one entry
         per sentence (sentences, ...), shared by its beams.
+
+        A block (blockwise verification): last_tokens and positions (rows, n), n > 1, each new position
+        attending the ``attended`` ones and the block's positions up to itself; then features (rows, n, dim),
+        attention (rows, n, src_width) and new keys/values (rows, heads, n, head_dim).  ``first_head``: a
+        k-head decoder's output through head 1 (False: the base output, as ``step_block`` returns it).
         """
-        rows = last_tokens.size(0)
+        rows, n = last_tokens.size(0), last_tokens.size(1)
         position_rows = None
         if position_table is not None:
-            position_rows = position_table[positions + (self.decoder.padding_idx + 1)].unsqueeze(1)  # (rows, 1, dim)
-        x = self.embed(last_tokens, position_rows)
+            index = positions if n > 1 else positions.unsqueeze(1)  # (rows, n)
+            position_rows = position_table[index + (self.decoder.padding_idx + 1)]  # (rows, n, dim)
+        x = self.embed(last_tokens, position_rows)  # (n, rows, dim)
         attn, new_keys, new_values = None, [], []
         for index, layer in enumerate(self.layers):
             x, residual = self.sublayer_input(layer, layer.self_attn_layer_norm, x)
             attention = layer.self_attn
-            q, k, v = F.linear(x, qkv_weights[index], qkv_biases[index]).chunk(3, dim=-1)  # (1, rows, dim) each
-            q = (q * attention.scaling).view(rows, self.heads, 1, self.head_dim)
-            k, v = k.view(rows, self.heads, 1, self.head_dim), v.view(rows, self.heads, 1, self.head_dim)
-            new_keys.append(k.view(rows, self.heads, self.head_dim))
-            new_values.append(v.view(rows, self.heads, self.head_dim))
-            x = self.attention_with_new_position(q, self_keys[index], self_values[index], attended, k, v)
+            q, k, v = F.linear(x, qkv_weights[index], qkv_biases[index]).chunk(3, dim=-1)  # (n, rows, dim) each
+            if n == 1:
+                q = (q * attention.scaling).view(rows, self.heads, 1, self.head_dim)
+                k, v = k.view(rows, self.heads, 1, self.head_dim), v.view(rows, self.heads, 1, self.head_dim)
+                new_keys.append(k.view(rows, self.heads, self.head_dim))
+                new_values.append(v.view(rows, self.heads, self.head_dim))
+                x = self.attention_with_new_position(q, self_keys[index], self_values[index], attended, k, v)
+            else:
+                q, k, v = (self.heads_first(t) for t in (q * attention.scaling, k, v))  # (rows, heads, n, hd)
+                new_keys.append(k)
+                new_values.append(v)
+                x = self.attention_with_new_block(q, self_keys[index], self_values[index], attended, k, v)
             x = layer.residual_connection(attention.out_proj(x), residual)
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
@@ -311,9 +324,13 @@ class DecoderStep(nn.Module):
             last = index == self.num_layers - 1  # its attention weights go into the hypotheses
             x, weights = self.encoder_attention(layer, x, cross_keys[index], cross_values[index], cross_mask,
                                                 need_weights=last, beams=beams)
-            attn = weights[:, 0] if last else attn  # (rows, src_width)
+            attn = (weights[:, 0] if n == 1 else weights) if last else attn  # (rows, src_width) / (rows, n, ...)
             x = self.feed_forward(layer, x)
-        return self.finish(x), attn, new_keys, new_values
+        return self.finish(x, first_head), attn, new_keys, new_values
+
+    def heads_first(self, x: Tensor) -> Tensor:
+        """(n, rows, dim) -> (rows, heads, n, head_dim)."""
+        return x.view(x.size(0), x.size(1), self.heads, self.head_dim).permute(1, 2, 0, 3)
 
     def encoder_attention(self, layer, x, keys, values, mask, need_weights: bool, beams: int = 1):
         """The encoder-decoder attention block of the fast and padded forms: x (1, rows, dim) over keys/values
@@ -321,17 +338,22 @@ class DecoderStep(nn.Module):
         ``need_weights``, the attention weights averaged over the heads (rows, 1, src_len), else None.  With
         ``beams`` > 1 the rows are sentences x beams and keys/values/mask hold one entry per sentence: a
         sentence's beams are the queries of one product over its keys."""
-        rows = x.size(1)
+        n, rows = x.size(0), x.size(1)
         residual = x
         if layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
         attention = layer.encoder_attn
-        q = (attention.q_proj(x) * attention.scaling).view(-1, beams, self.heads, self.head_dim).transpose(1, 2)
-        weights = None
-        if need_weights or beams > 1:
+        q = attention.q_proj(x) * attention.scaling
+        if n > 1:  # a block of positions per row (no beams): the row's queries
+            x, weights = self.masked_attention(self.heads_first(q), keys, values, mask)  # (rows, heads, n, ...)
+            x = x.view(rows, n, self.heads * self.head_dim).transpose(0, 1)
+            weights = weights.mean(dim=1) if need_weights else None  # (rows, n, src_len)
+        elif need_weights or beams > 1:
+            q = q.view(-1, beams, self.heads, self.head_dim).transpose(1, 2)
             x, weights = self.masked_attention(q, keys, values, mask)
             weights = weights.mean(dim=1).reshape(rows, 1, -1)  # (rows, 1, src_len)
         else:
+            q, weights = q.view(-1, beams, self.heads, self.head_dim).transpose(1, 2), None
             x = F.scaled_dot_product_attention(q, keys, values, attn_mask=~mask[:, None, None, :], scale=1.0)
             x = x.view(1, rows, self.heads * self.head_dim)
         x = layer.residual_connection(attention.out_proj(x), residual)
@@ -356,6 +378,20 @@ class DecoderStep(nn.Module):
         weights = F.softmax(torch.cat([buffer_scores, new_scores], dim=-1), dim=-1)  # (rows, heads, 1, cap + 1)
         x = torch.matmul(weights[..., :-1], values) + weights[..., -1:] * new_value  # (rows, heads, 1, hd)
         return x.reshape(rows, 1, self.heads * self.head_dim).transpose(0, 1)
+
+    def attention_with_new_block(self, q, keys, values, attended, new_keys, new_values):
+        """``attention_with_new_position`` for a block of n new positions: q, new_keys/values (rows, heads, n,
+        hd), each new position reading the ``attended`` (rows, cap) buffer positions and the block's positions
+        up to itself -> (n, rows, dim)."""
+        rows, n = q.size(0), q.size(2)
+        buffer_scores = torch.matmul(q, keys.transpose(2, 3))  # (rows, heads, n, cap)
+        buffer_scores = buffer_scores.masked_fill(~attended[:, None, None, :], float("-inf"))
+        later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)  # (n, n) a later position of the block
+        block_scores = torch.matmul(q, new_keys.transpose(2, 3)).masked_fill(later, float("-inf"))  # (.., n, n)
+        weights = F.softmax(torch.cat([buffer_scores, block_scores], dim=-1), dim=-1)  # (rows, heads, n, cap + n)
+        capacity = keys.size(2)
+        x = torch.matmul(weights[..., :capacity], values) + torch.matmul(weights[..., capacity:], new_values)
+        return x.permute(2, 0, 1, 3).reshape(n, rows, self.heads * self.head_dim)
 
     def masked_attention(self, q, keys, values, masked):
         """q (n, heads, queries, hd) over keys/values (n, heads, width, hd), ``masked`` (n, width) True where a

@@ -111,3 +111,51 @@ def test_keep_accepted_left_pads_rows_as_fairseqs_rollback():
     cache.length = 8
     cache.keep_accepted(torch.tensor([[True, False], [True, False]]))  # the same count everywhere: the last drops
     assert cache.length == 7 and cache.self_padding[0, :2].tolist() == [True, True]
+
+
+@pytest.mark.parametrize("freezing", [False, True], ids=["compiled", "compiled-freezing"])
+def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, freezing):
+    """--step-engine compiled: every verification of k positions per row runs a unit compiled ahead of time
+    (above the row buckets; with --compiled-freezing each row bucket's too, 3 rows padded to 4), never the
+    eager exact form; fairseq's tokens, scores within 1e-4."""
+    from fairseq_fastgen.engine import compiled
+    from fairseq_fastgen.engine.decoder_step import DecoderStep
+
+    model, task = loaded(4)
+    probe = CompiledRunner(model)
+    if not probe.many_rows_on_cpu:
+        pytest.skip("blocks are compiled ahead of time on the CPU with oneDNN only")
+    expected, _ = blockwise(model, task, 7, "fairseq")
+    eager_blocks, exact = [], DecoderStep.exact
+
+    def counting(step, tokens, *args, **kwargs):
+        eager_blocks.append(tokens.size(1)) if tokens.size(1) > 1 else None
+        return exact(step, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderStep, "exact", counting)
+    block_rows, run_padded = [], CompiledRunner.run_padded
+
+    def logged(runner, unit, tokens, positions, cache):
+        if tokens.size(1) > 1:
+            block_rows.append((tokens.size(0), cache.self_keys[0].size(0)))
+        return run_padded(runner, unit, tokens, positions, cache)
+
+    monkeypatch.setattr(CompiledRunner, "run_padded", logged)
+    config = GenerationConfig(beam=1, decoder="blockwise", step_engine="compiled", compiled_freezing=freezing,
+                              **SOURCE_LENGTH)
+    generator = task.build_generator([model], config)
+    actual = run_generator(generator, model, task, 7)
+    assert {s: o[0] for s, o in actual.items()} == {s: o[0] for s, o in expected.items()}
+    assert all(torch.allclose(actual[s][1], expected[s][1], atol=1e-4, rtol=0) for s in expected)
+
+    runner = generator.runner
+    units = {key[2] for key, step in runner.packaged_steps.items()
+             if isinstance(key, tuple) and key[:2] == ("block", 4) and step is not None}
+    max_rows = compiled.FROZEN_MAX_ROWS if freezing else compiled.COMPILED_MAX_ROWS
+    if freezing:  # every block ran compiled: 7 rows down to 1, the cache's rows padded to the bucket
+        assert eager_blocks == [] and units == {None, 1, 2, 4}
+        assert {cache_rows for rows, cache_rows in block_rows if rows == 3} == {4}
+    else:  # the row buckets' blocks run eager, the others compiled
+        assert eager_blocks and units == {None}
+        assert all(rows > max_rows for rows, _ in block_rows)
+    assert {rows for rows, _ in block_rows} >= set(range(max_rows + 1, 8)) - {5, 6} | {7}

@@ -346,6 +346,36 @@ def test_blockwise_refills_take_finished_rows_places(loaded, engine, monkeypatch
     assert generator.counters.counts["encoder_calls"] <= TEST_SENTENCES // (2 * CAPACITY)
 
 
+def test_blockwise_stream_verifies_joined_rows_in_compiled_block_units(loaded, monkeypatch):
+    """--step-engine compiled --compiled-freezing: rows joined at different lengths verify their blocks (and a
+    refill's row its bos, padded to a block) in the units compiled ahead of time for blocks, each row at its own
+    positions; never the eager exact form.  blockwise's tokens, scores within 1e-4."""
+    from fairseq.dataclass.configs import GenerationConfig
+    from fairseq_fastgen.engine.decoder_step import DecoderStep
+    from fairseq_fastgen.ops.onednn_linear import onednn_available
+
+    if not onednn_available():
+        pytest.skip("blocks are compiled ahead of time on the CPU with oneDNN only")
+    model, task = loaded(4)
+    reference, _ = decode(model, task, 25, decoder="blockwise", step_engine="fairseq", **SOURCE_LENGTH)
+    eager_calls, exact = [], DecoderStep.exact
+    monkeypatch.setattr(DecoderStep, "exact", lambda *args, **kwargs: eager_calls.append(1) or exact(*args, **kwargs))
+    generator = task.build_generator([model], GenerationConfig(
+        beam=1, decoder="blockwise-stream", stream_capacity=CAPACITY, stream_eps=1 / 2, step_engine="compiled",
+        compiled_freezing=True, **SOURCE_LENGTH))
+    log = PositionLog(generator.runner, monkeypatch)
+    sample = task.dataset("test").collater([task.dataset("test")[i] for i in range(TEST_SENTENCES)])
+    results = generator.generate([model], sample)
+    streamed = {s: (h[0]["tokens"].tolist(), h[0]["positional_scores"]) for s, h in zip(sample["id"].tolist(), results)}
+
+    assert streamed.keys() == reference.keys()
+    for sentence, (tokens, scores) in reference.items():
+        assert streamed[sentence][0] == tokens, sentence
+        assert torch.allclose(streamed[sentence][1], scores, atol=1e-4, rtol=0), sentence
+    assert len(log.joined_calls()) >= 5 and log.shared_first_positions()  # bos positions beside running rows
+    assert eager_calls == [1]  # the first bos, before the runner knew the block's width
+
+
 def test_answered_rows_keep_their_hypotheses_when_their_places_are_taken(toy):
     """A finished row's place goes to another sentence: its hypothesis keeps its own score (unnormalized: the
     cumulative score itself) and attention, greedy's within float rounding, the attention on the source positions
