@@ -76,7 +76,7 @@ def package_key(runner, rows: Optional[int], beams: int = 1, block: int = 1) -> 
         digest.update((here / name).read_bytes())
     decoder = runner.model.decoder
     digest.update(repr((type(decoder).__qualname__, runner.temperature, runner.projection is None,
-                        runner.decoder_step.heads, runner.decoder_step.head_dim)).encode())
+                        runner.decoder_step.heads, runner.decoder_step.head_dim, runner.scores_blocks)).encode())
     for name, tensor in runner.decoder_step.state_dict().items():
         digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
         digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())

@@ -138,6 +138,10 @@ class CompiledRunner(StaticRunner):
         self.qkv_packed_from: Optional[FusedWeights] = None  # the fused weights qkv_packed holds, packed
         self.qkv_packed = []  # per layer: oneDNN's packed fused query/key/value weight (None: torch's product)
         self.block_width = 1  # positions per row of the widest block step_block ran: shorter ones are padded to it
+        # a block unit also computes the log-probabilities of its features: those of head 1 where head 1 is the
+        # base output (an identity-first k-head decoder), with the model's own projection
+        heads = getattr(model.decoder, "heads", None)
+        self.scores_blocks = projection is None and bool(getattr(heads, "identity_first", False))
 
     @property
     def compiled_step(self):
@@ -315,14 +319,16 @@ class CompiledRunner(StaticRunner):
         inputs = (tokens.index_select(0, rows_index), positions.index_select(0, rows_index),
                   cache.attended(), self.decoder_step.position_table(cache.capacity), cache.self_keys,
                   cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask)
-        features_or_lprobs, attn, new_keys, new_values = unit(*inputs)
+        outputs, attn, new_keys, new_values = unit(*inputs)  # outputs: a tensor, or a list of them
         for buffer, new in zip(cache.self_keys + cache.self_values, new_keys + new_values):
             if n == 1:
                 buffer[:, :, written] = new  # (rows, heads, head_dim) at the buffers' length
             else:
                 buffer[:, :, written: written + n] = new  # (rows, heads, n, head_dim)
         cache.length = written + n
-        return features_or_lprobs[:rows], attn[:rows]
+        if isinstance(outputs, (list, tuple)):
+            return [output[:rows] for output in outputs], attn[:rows]
+        return outputs[:rows], attn[:rows]
 
     def eager_step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         """A step of more than ``max_rows`` rows without a compiled unit: the fast form (the exact form over
@@ -468,6 +474,17 @@ class CompiledRunner(StaticRunner):
         form, eager with oneDNN's products.  A shorter block (the bos, a row near its length limit) runs in
         the widest block's unit, padded at its end: its positions attend none of the padding's, whose keys
         and values are dropped after the call."""
+        return self.block_pass(tokens, positions, encoder_out, cache)[:2]
+
+    def step_block_scored(self, tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
+        """As ``ModelRunner.step_block_scored``: a block unit computes the log-probabilities in the same call
+        (with the model's own projection)."""
+        features, attn, lprobs = self.block_pass(tokens, positions, encoder_out, cache)
+        return features, attn, self.project(features.contiguous()) if lprobs is None else lprobs
+
+    def block_pass(self, tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
+        """``step_block``'s features and attention, and the log-probabilities of the features where a unit
+        computed them (else None)."""
         if not cache.started:
             self.start_cache(cache, encoder_out)
         (rows, n), src_len = tokens.shape, encoder_out["encoder_out"][0].size(0)
@@ -478,14 +495,15 @@ class CompiledRunner(StaticRunner):
             if width > n:  # the padding repeats the last token at the last position
                 tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, width - n)], dim=1)
                 positions = torch.cat([positions, positions[:, -1:].expand(-1, width - n)], dim=1)
-            features, attn = self.run_padded(unit, tokens, positions, cache)
+            outputs, attn = self.run_padded(unit, tokens, positions, cache)
             cache.drop_last(width - n)
-            return features[:, :n], attn[:, :n, :src_len]
+            features, lprobs = outputs if self.scores_blocks else (outputs, None)
+            return features[:, :n], attn[:, :n, :src_len], None if lprobs is None else lprobs[:, :n]
         rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)  # the cache's rows
         with self.eager_products():
             features, attn = super().step_block(tokens.index_select(0, rows_index),
                                                 positions.index_select(0, rows_index), encoder_out, cache)
-        return features[:rows], attn[:rows, :, :src_len]
+        return features[:rows], attn[:rows, :, :src_len], None
 
     def block_unit(self, rows: int, block: int, cache: StaticCache):
         """The unit compiled ahead of time for ``block`` positions per row of ``rows`` rows, or None (eager)."""
@@ -510,21 +528,31 @@ class CompiledRunner(StaticRunner):
         )
         if self.projection is not None:  # a cluster projection runs eager, after the step
             return features, attn, new_keys, new_values
+        return self.log_softmax(features, fused)[:, -1, :], attn, new_keys, new_values
+
+    def log_softmax(self, features, fused: FusedWeights):
+        """Log-probabilities (rows, n, vocab) of features (rows, n, dim): the model's projection (its weight
+        transposed), the temperature, log-softmax."""
         if fused.output_t is not None:
-            logits = torch.matmul(features, fused.output_t)  # (rows, 1, vocab)
+            logits = torch.matmul(features, fused.output_t)  # (rows, n, vocab)
         else:
             logits = self.model.decoder.output_layer(features)
         if self.temperature != 1.0:
             logits = logits / self.temperature
-        return F.log_softmax(logits.float(), dim=-1)[:, -1, :], attn, new_keys, new_values
+        return F.log_softmax(logits.float(), dim=-1)
 
     def padded_block(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
                      cross_values, cross_mask, fused: FusedWeights, beams: int = 1):
-        """The compiled unit of several positions per row: the padded step's base features (no head, no
-        projection: blockwise decoding applies its heads to them), attention and new keys/values."""
-        return self.decoder_step.padded(last_tokens, positions, attended, position_table, self_keys, self_values,
-                                        cross_keys, cross_values, cross_mask, fused.qkv_weights, fused.qkv_biases,
-                                        beams, first_head=False)
+        """The compiled unit of several positions per row: the padded step's base features (no head: blockwise
+        decoding applies its heads to them) and, where ``scores_blocks``, [features, their log-probabilities]
+        (rows, n, vocab); attention and new keys/values."""
+        features, attn, new_keys, new_values = self.decoder_step.padded(
+            last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys, cross_values,
+            cross_mask, fused.qkv_weights, fused.qkv_biases, beams, first_head=False,
+        )
+        if self.scores_blocks:
+            features = [features, self.log_softmax(features, fused)]
+        return features, attn, new_keys, new_values
 
     def frozen_lprobs(self, *inputs):
         """``padded_lprobs`` reading the fused weights from the buffers of a submodule of the decoder step

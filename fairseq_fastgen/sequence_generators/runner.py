@@ -136,6 +136,12 @@ class ModelRunner:
         ``drop_last_positions`` drops some."""
         return self.model.decoder.forward_block(tokens, positions, encoder_out, cache)
 
+    def step_block_scored(self, tokens: Tensor, positions: Tensor, encoder_out, cache):
+        """``step_block`` and the log-probabilities (rows, n, vocab) of its base output (``project``): head 1's
+        of a k-head decoder whose head 1 is the base output (``--khead-identity-first``)."""
+        features, attn = self.step_block(tokens, positions, encoder_out, cache)
+        return features, attn, self.project(features.contiguous())
+
     def step_rows(self, last_tokens: Tensor, positions: Tensor, encoder_out, cache):
         """One new position per row, each row at its own target position (rows joined at different lengths):
         last_tokens (rows, 1), positions (rows,).  Returns lprobs (rows, vocab) and attn (rows, src_len) or

@@ -113,15 +113,17 @@ def test_keep_accepted_left_pads_rows_as_fairseqs_rollback():
     assert cache.length == 7 and cache.self_padding[0, :2].tolist() == [True, True]
 
 
-@pytest.mark.parametrize("freezing", [False, True], ids=["compiled", "compiled-freezing"])
-def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, freezing):
+@pytest.mark.parametrize("block_size,freezing", [(4, False), (4, True), (2, True)],
+                         ids=["k4-compiled", "k4-compiled-freezing", "k2-identity-first-compiled-freezing"])
+def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, block_size, freezing):
     """--step-engine compiled: every verification of k positions per row runs a unit compiled ahead of time
     (above the row buckets; with --compiled-freezing each row bucket's too, 3 rows padded to 4), never the
-    eager exact form; fairseq's tokens, scores within 1e-4."""
+    eager exact form; with an identity head 1 (k = 2) the unit also gives head 1's log-probabilities (no
+    projection of a block outside it).  fairseq's tokens, scores within 1e-4."""
     from fairseq_fastgen.engine import compiled
     from fairseq_fastgen.engine.decoder_step import DecoderStep
 
-    model, task = loaded(4)
+    model, task = loaded(block_size)
     probe = CompiledRunner(model)
     if not probe.many_rows_on_cpu:
         pytest.skip("blocks are compiled ahead of time on the CPU with oneDNN only")
@@ -141,6 +143,9 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, fr
         return run_padded(runner, unit, tokens, positions, cache)
 
     monkeypatch.setattr(CompiledRunner, "run_padded", logged)
+    projected, project = [], CompiledRunner.project
+    monkeypatch.setattr(CompiledRunner, "project", lambda runner, features, *args: projected.append(
+        features.size(1)) or project(runner, features, *args))
     config = GenerationConfig(beam=1, decoder="blockwise", step_engine="compiled", compiled_freezing=freezing,
                               **SOURCE_LENGTH)
     generator = task.build_generator([model], config)
@@ -150,7 +155,7 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, fr
 
     runner = generator.runner
     units = {key[2] for key, step in runner.packaged_steps.items()
-             if isinstance(key, tuple) and key[:2] == ("block", 4) and step is not None}
+             if isinstance(key, tuple) and key[:2] == ("block", block_size) and step is not None}
     max_rows = compiled.FROZEN_MAX_ROWS if freezing else compiled.COMPILED_MAX_ROWS
     if freezing:  # every block ran compiled: 7 rows down to 1, the cache's rows padded to the bucket
         assert eager_blocks == [] and units == {None, 1, 2, 4}
@@ -159,3 +164,7 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, fr
         assert eager_blocks and units == {None}
         assert all(rows > max_rows for rows, _ in block_rows)
     assert {rows for rows, _ in block_rows} >= set(range(max_rows + 1, 8)) - {5, 6} | {7}
+    identity_first = model.decoder.heads.identity_first
+    assert runner.scores_blocks == identity_first
+    if identity_first and freezing:  # only the later heads' proposals, one position each, projected eager
+        assert projected and set(projected) == {1}

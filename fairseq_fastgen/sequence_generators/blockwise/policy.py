@@ -176,11 +176,14 @@ class BlockwisePolicy(OneRowPath):
         features (rows, n, dim), attention (rows, n, src_len) or None, every head (rows, n, block, dim)
         where computed in full precision (None with an identity head 1: the k-head layer then runs
         only where proposals are read) and head 1's lprobs (rows, n, vocab), not yet processed."""
-        features, attn = self.run_block(state, block, positions, ctx)
         ctx.counters.add("row_iterations", state.rows)
-        all_heads = None if self.decoder.heads.identity_first else ctx.runner.heads(features, self.block_size)
-        lprobs = self.log_probs(features if all_heads is None else all_heads[:, :, 0], ctx)
-        return features, attn, all_heads, lprobs
+        if self.decoder.heads.identity_first:  # head 1 is the base output: scored with the pass, by the runner
+            features, attn, lprobs = state.runner.step_block_scored(block, positions, state.encoder_out, state.cache)
+            ctx.counters.add("model_calls")
+            return features, attn, None, lprobs
+        features, attn = self.run_block(state, block, positions, ctx)
+        all_heads = ctx.runner.heads(features, self.block_size)
+        return features, attn, all_heads, self.log_probs(all_heads[:, :, 0], ctx)
 
     def accepted_prefix(self, block, lprobs, best, eos) -> Tensor:
         """(rows, n) bool: the tokens of each row's block that are accepted (a prefix)."""
