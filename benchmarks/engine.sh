@@ -34,5 +34,7 @@ done
 KHEAD=$M/khead4/checkpoint_last.pt
 if [ -f "$KHEAD" ]; then
   "${BENCH[@]}" --max-sentences 300 --khead-path "$KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 \
-      --reference greedy --no-ctranslate2 "${EACH_ENGINE[@]}" --output-dir "$OUT/blockwise-bs1-t$THREADS"
+      --reference greedy --no-ctranslate2 "${EACH_ENGINE[@]}" \
+      --variant "frozen-int8=--step-engine compiled --compiled-freezing --blockwise-int8-proposals" \
+      --output-dir "$OUT/blockwise-bs1-t$THREADS"
 fi

@@ -22,6 +22,11 @@ a second); a process that finds another compiling the same package waits for
 it (a file lock), and a package is written under a temporary name and renamed.
 With ``--compile-in-background`` a forked child compiles a package that is not
 on disk while the decode runs those steps eager (:class:`BackgroundCompilation`).
+
+A package is described by a :class:`StepPackage` (the padded step, for rows,
+beams or a block of positions per row) or an :class:`EncoderPackage` (the
+encoder, ``encoder_pass.py``, its source length symbolic): its file, the
+program it exports and inductor's settings.
 """
 
 import hashlib
@@ -66,23 +71,6 @@ def compiled_dir() -> Path:
     return Path(cache_dir()) / "fairseq_fastgen"
 
 
-def package_key(runner, rows: Optional[int], beams: int = 1, block: int = 1) -> str:
-    """SHA-256 of what the compiled unit depends on: torch, the engine's code, the runner's settings, the rows,
-    the beams sharing encoder-decoder keys, the positions per row and the decoder step's weights (the decoder's
-    parameters and the fused copies)."""
-    digest = hashlib.sha256(f"{torch.__version__} rows {rows} beams {beams} block {block}".encode())
-    here = Path(__file__).parent
-    for name in ENGINE_SOURCES:
-        digest.update((here / name).read_bytes())
-    decoder = runner.model.decoder
-    digest.update(repr((type(decoder).__qualname__, runner.temperature, runner.projection is None,
-                        runner.decoder_step.heads, runner.decoder_step.head_dim, runner.scores_blocks)).encode())
-    for name, tensor in runner.decoder_step.state_dict().items():
-        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())
-    return digest.hexdigest()
-
-
 def example_inputs(runner, position_table, rows: Optional[int], beams: int = 1, block: int = 1):
     """Inputs of the step at sizes no other dimension has (so that tracing ties none of them together); with
     ``beams`` > 1, 7 sentences of ``beams`` rows, the encoder-decoder inputs per sentence; with ``block`` > 1,
@@ -119,36 +107,118 @@ def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor], row
     return (row or None, row or None, {**row, 1: capacity}, table, keys, keys, sources, sources, {**source, 1: width})
 
 
-def package_path(runner, rows: Optional[int] = None, beams: int = 1, block: int = 1) -> Path:
-    """Where the package of ``runner``'s step for ``rows`` rows (and ``beams``, or ``block`` positions per
-    row) is kept."""
+def digest_of(parts: str, sources, module: nn.Module) -> str:
+    """SHA-256 of what a compiled unit depends on: torch, ``parts`` (its settings), the engine's ``sources`` and
+    the bytes of ``module``'s weights."""
+    digest = hashlib.sha256(f"{torch.__version__} {parts}".encode())
+    here = Path(__file__).parent
+    for name in sources:
+        digest.update((here / name).read_bytes())
+    for name, tensor in module.state_dict().items():
+        digest.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+class StepPackage:
+    """The runner's padded decoder step for ``rows`` rows (None: any number; with ``beams`` > 1, any number of
+    sentences of that many beams sharing their encoder-decoder keys; with ``block`` > 1, that many positions per
+    row), as a package to compile or load: its file, the exported program and inductor's settings."""
+
+    def __init__(self, runner, position_table, rows: Optional[int] = None, beams: int = 1, block: int = 1):
+        self.runner, self.position_table, self.rows, self.beams, self.block = runner, position_table, rows, beams, block
+
+    @property
+    def path(self) -> Path:
+        what = f"beams{self.beams}" if self.beams > 1 else f"{'any' if self.rows is None else self.rows}-rows"
+        if self.block > 1:
+            what = f"block{self.block}-{what}"
+        return package_file(f"step-{what}-{self.key()}")
+
+    def key(self) -> str:
+        """The settings, the engine's code and the decoder step's weights (the decoder's parameters and the fused
+        copies)."""
+        runner = self.runner
+        settings = repr((self.rows, self.beams, self.block, type(runner.model.decoder).__qualname__,
+                         runner.temperature, runner.projection is None, runner.decoder_step.heads,
+                         runner.decoder_step.head_dim, runner.scores_blocks))
+        return digest_of(settings, ENGINE_SOURCES, runner.decoder_step)
+
+    def export(self):
+        module = PaddedStep(self.runner, self.beams, self.block).eval()
+        inputs = example_inputs(self.runner, self.position_table, self.rows, self.beams, self.block)
+        dynamic = symbolic_dimensions(self.runner.decoder_step.num_layers, self.position_table, self.rows, self.beams)
+        return torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+
+    def settings(self) -> dict:
+        """Frozen weights; for a fixed few rows also inductor's C++ GEMM template for the products (at 1-4 rows
+        it beats both libraries' matrix-vector products: 0.41-0.44 against 0.65-0.69 ms per step of the
+        Multi30k model at one row, ``--compiled-freezing`` in docs/benchmarks.md); a block's attention products
+        have no C++ template: ATen's where none serves."""
+        settings = {"freezing": True}
+        if self.rows is not None:
+            settings.update(max_autotune=True, max_autotune_gemm_backends="CPP" if self.block == 1 else "CPP,ATEN")
+        return settings
+
+
+class EncoderPackage:
+    """The runner's encoder (``encoder_pass.EncoderPass``) for one row or (``rows`` None) any number of rows,
+    its source length symbolic, as a package to compile or load."""
+
+    SOURCES = ("encoder_pass.py", "aot_step.py")
+
+    def __init__(self, runner, rows: Optional[int] = None):
+        self.runner, self.rows = runner, rows
+        self.position_table = runner.encoder_pass.position_table(2)
+
+    @property
+    def path(self) -> Path:
+        return package_file(f"encoder-{'any' if self.rows is None else self.rows}-rows-{self.key()}")
+
+    def key(self) -> str:
+        return digest_of(repr((self.rows, type(self.runner.model.encoder).__qualname__)), self.SOURCES,
+                         self.runner.encoder_pass)
+
+    def export(self):
+        from torch.export import Dim
+
+        weight = next(self.runner.encoder_pass.parameters())
+        rows = self.rows or 5
+        tokens = torch.full((rows, 11), self.runner.model.encoder.padding_idx + 1, dtype=torch.long,
+                            device=weight.device)
+        row = {0: Dim("rows", min=2)} if self.rows is None else {}
+        table = {0: Dim("table_positions", min=2)} if self.position_table is not None else None
+        return torch.export.export(self.runner.encoder_pass.eval(), (tokens, self.position_table),
+                                   dynamic_shapes=({**row, 1: Dim("source", min=2)}, table), strict=False)
+
+    def settings(self) -> dict:
+        return {"freezing": True}
+
+
+def package_file(name: str) -> Path:
     directory = compiled_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    what = f"beams{beams}" if beams > 1 else f"{'any' if rows is None else rows}-rows"
-    if block > 1:
-        what = f"block{block}-{what}"
-    return directory / f"step-{what}-{package_key(runner, rows, beams, block)}.pt2"
+    return directory / f"{name}.pt2"
 
 
-def load_or_compile(runner, position_table, rows: Optional[int] = None, beams: int = 1, block: int = 1):
-    """The package of ``runner``'s step for ``rows`` rows (None: any number; with ``beams`` > 1, any number of
-    sentences of that many beams sharing their encoder-decoder keys; with ``block`` > 1, that many positions per
-    row), loaded from disk or compiled and written there; (callable, seconds, whether it was compiled now)."""
-    path = package_path(runner, rows, beams, block)
+def load_or_compile(package):
+    """``package`` (a :class:`StepPackage` or :class:`EncoderPackage`) loaded from disk, or compiled and written
+    there; (callable, seconds, whether it was compiled now)."""
     start = time.perf_counter()
-    compiled_now = compile_once(runner, position_table, rows, path, beams, block)
+    path = package.path
+    compiled_now = compile_once(package, path)
     return load_package(path), time.perf_counter() - start, compiled_now
 
 
-def compile_once(runner, position_table, rows: Optional[int], path: Path, beams: int = 1, block: int = 1) -> bool:
-    """Compile the package ``path`` unless it is there; a process finding another compiling it waits for it (a
-    file lock).  Returns whether this call compiled it."""
+def compile_once(package, path: Path) -> bool:
+    """Compile ``package`` into ``path`` unless it is there; a process finding another compiling it waits for it
+    (a file lock).  Returns whether this call compiled it."""
     from filelock import FileLock
 
     with FileLock(str(path) + ".lock"):
         if path.exists():
             return False
-        compile_package(runner, position_table, rows, path, beams, block)
+        compile_package(package, path)
         return True
 
 
@@ -159,12 +229,12 @@ class BackgroundCompilation:
 
     POLL_SECONDS = 0.5  # the child's state is looked at no more often than this
 
-    def __init__(self, runner, position_table, rows: Optional[int], beams: int, path: Path, block: int = 1):
+    def __init__(self, package, path: Path):
         self.path = path
         self.started = self.polled = time.perf_counter()
         self.pid = os.fork()
         if self.pid == 0:
-            compile_in_child(runner, position_table, rows, path, beams, block)  # never returns
+            compile_in_child(package, path)  # never returns
 
     def ready(self):
         """None while the child compiles; then (the loaded step, seconds since the child started).  Raises
@@ -182,7 +252,7 @@ class BackgroundCompilation:
         return load_package(self.path), time.perf_counter() - self.started
 
 
-def compile_in_child(runner, position_table, rows: Optional[int], path: Path, beams: int, block: int = 1):
+def compile_in_child(package, path: Path):
     """The forked child of :class:`BackgroundCompilation`: compile the package, then exit (status 0 only when it
     is on disk), without running anything of the parent's (no atexit handlers, no buffered output)."""
     status = 1
@@ -195,26 +265,18 @@ def compile_in_child(runner, position_table, rows: Optional[int], path: Path, be
         import torch._inductor.config as inductor_config
 
         inductor_config.compile_threads = 1  # a compile worker pool of the parent's is not this process's
-        compile_once(runner, position_table, rows, path, beams, block)
+        compile_once(package, path)
         status = 0
     finally:
         os._exit(status)
 
 
-def compile_package(runner, position_table, rows: Optional[int], path: Path, beams: int = 1, block: int = 1):
-    """Export the step and compile it into the package ``path``: for any number of rows, frozen weights
-    (oneDNN's packed products); for a fixed few rows, also inductor's C++ GEMM template for the products
-    (at 1-4 rows it beats both libraries' matrix-vector products: 0.41-0.44 against 0.65-0.69 ms per step
-    of the Multi30k model at one row, ``--compiled-freezing`` in docs/benchmarks.md)."""
-    module = PaddedStep(runner, beams, block).eval()
-    inputs = example_inputs(runner, position_table, rows, beams, block)
-    dynamic = symbolic_dimensions(runner.decoder_step.num_layers, position_table, rows, beams)
-    exported = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+def compile_package(package, path: Path):
+    """Export ``package``'s module and compile it into the package file ``path`` (AOTInductor), written under a
+    temporary name and renamed."""
+    exported = package.export()
     temporary = path.with_name(f".{path.stem}.{os.getpid()}{safe_files.TEMPORARY_SUFFIX}.pt2")
-    settings = {"freezing": True}
-    if rows is not None:  # a block's attention products have no C++ template: ATen's where none serves
-        settings.update(max_autotune=True, max_autotune_gemm_backends="CPP" if block == 1 else "CPP,ATEN")
     import torch._inductor as inductor  # only where a package is compiled (loading needs none of it)
 
-    inductor.aoti_compile_and_package(exported, package_path=str(temporary), inductor_configs=settings)
+    inductor.aoti_compile_and_package(exported, package_path=str(temporary), inductor_configs=package.settings())
     os.replace(temporary, path)

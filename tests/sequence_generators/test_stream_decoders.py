@@ -112,24 +112,35 @@ class PositionLog:
         return [c for c in self.calls if min(c) == 0 < max(c)]
 
 
+def stream_blockwise(model, task, monkeypatch, **options):
+    """blockwise-stream over the test set in one pool at CAPACITY: the generator, its PositionLog and
+    {sentence id: (tokens, positional scores)}."""
+    from fairseq.dataclass.configs import GenerationConfig
+
+    generator = task.build_generator([model], GenerationConfig(beam=1, decoder="blockwise-stream",
+                                                               stream_capacity=CAPACITY, **options, **SOURCE_LENGTH))
+    log = PositionLog(generator.runner, monkeypatch)
+    sample = task.dataset("test").collater([task.dataset("test")[i] for i in range(TEST_SENTENCES)])
+    results = generator.generate([model], sample)
+    streamed = {s: (h[0]["tokens"].tolist(), h[0]["positional_scores"]) for s, h in zip(sample["id"].tolist(), results)}
+    return generator, log, streamed
+
+
+def assert_blockwise_tokens(reference, streamed, tolerance):
+    """Sentence by sentence: the reference's tokens, positional scores within ``tolerance``."""
+    assert streamed.keys() == reference.keys()
+    for sentence, (tokens, scores) in reference.items():
+        assert streamed[sentence][0] == tokens, sentence
+        assert torch.allclose(streamed[sentence][1], scores, atol=tolerance, rtol=0), sentence
+
+
 @pytest.mark.parametrize("eps", [1 / 12, 1 / 6, 1 / 2])
 @pytest.mark.parametrize("engine", ["fairseq", "static"])
 def test_blockwise_stream_gives_blockwise_tokens_over_many_refills(loaded, engine, eps, monkeypatch):
     model, task = loaded(4)
     reference, _ = decode(model, task, 25, decoder="blockwise", step_engine=engine, **SOURCE_LENGTH)
-    options = dict(decoder="blockwise-stream", stream_capacity=CAPACITY, stream_eps=eps, step_engine=engine)
-    from fairseq.dataclass.configs import GenerationConfig
-
-    generator = task.build_generator([model], GenerationConfig(beam=1, **options, **SOURCE_LENGTH))
-    log = PositionLog(generator.runner, monkeypatch)
-    sample = task.dataset("test").collater([task.dataset("test")[i] for i in range(TEST_SENTENCES)])
-    results = generator.generate([model], sample)
-    streamed = {s: (h[0]["tokens"].tolist(), h[0]["positional_scores"]) for s, h in zip(sample["id"].tolist(), results)}
-
-    assert streamed.keys() == reference.keys()
-    for sentence, (tokens, scores) in reference.items():
-        assert streamed[sentence][0] == tokens, sentence
-        assert torch.allclose(streamed[sentence][1], scores, atol=1e-5, rtol=0), sentence
+    generator, log, streamed = stream_blockwise(model, task, monkeypatch, stream_eps=eps, step_engine=engine)
+    assert_blockwise_tokens(reference, streamed, tolerance=1e-5)
     assert generator.counters.counts["refills"] >= TEST_SENTENCES / CAPACITY - 1
     if eps * CAPACITY >= 1:  # a refill comes while rows are running: they verify their blocks beside new rows
         assert len(log.joined_calls()) >= 5
@@ -350,7 +361,6 @@ def test_blockwise_stream_verifies_joined_rows_in_compiled_block_units(loaded, m
     """--step-engine compiled --compiled-freezing: rows joined at different lengths verify their blocks (and a
     refill's row its bos, padded to a block) in the units compiled ahead of time for blocks, each row at its own
     positions; never the eager exact form.  blockwise's tokens, scores within 1e-4."""
-    from fairseq.dataclass.configs import GenerationConfig
     from fairseq_fastgen.engine.decoder_step import DecoderStep
     from fairseq_fastgen.ops.onednn_linear import onednn_available
 
@@ -360,18 +370,9 @@ def test_blockwise_stream_verifies_joined_rows_in_compiled_block_units(loaded, m
     reference, _ = decode(model, task, 25, decoder="blockwise", step_engine="fairseq", **SOURCE_LENGTH)
     eager_calls, exact = [], DecoderStep.exact
     monkeypatch.setattr(DecoderStep, "exact", lambda *args, **kwargs: eager_calls.append(1) or exact(*args, **kwargs))
-    generator = task.build_generator([model], GenerationConfig(
-        beam=1, decoder="blockwise-stream", stream_capacity=CAPACITY, stream_eps=1 / 2, step_engine="compiled",
-        compiled_freezing=True, **SOURCE_LENGTH))
-    log = PositionLog(generator.runner, monkeypatch)
-    sample = task.dataset("test").collater([task.dataset("test")[i] for i in range(TEST_SENTENCES)])
-    results = generator.generate([model], sample)
-    streamed = {s: (h[0]["tokens"].tolist(), h[0]["positional_scores"]) for s, h in zip(sample["id"].tolist(), results)}
-
-    assert streamed.keys() == reference.keys()
-    for sentence, (tokens, scores) in reference.items():
-        assert streamed[sentence][0] == tokens, sentence
-        assert torch.allclose(streamed[sentence][1], scores, atol=1e-4, rtol=0), sentence
+    _, log, streamed = stream_blockwise(model, task, monkeypatch, stream_eps=1 / 2, step_engine="compiled",
+                                        compiled_freezing=True)
+    assert_blockwise_tokens(reference, streamed, tolerance=1e-4)
     assert len(log.joined_calls()) >= 5 and log.shared_first_positions()  # bos positions beside running rows
     assert eager_calls == [1]  # the first bos, before the runner knew the block's width
 

@@ -1,0 +1,110 @@
+"""The encoder of a fairseq ``TransformerEncoder`` as one pure function of the source tokens.
+
+:class:`EncoderPass` reads the loaded encoder's own parameters (no conversion) and computes what its
+``forward`` computes for inference (no dropout, no hidden states kept): embeddings and positions, every
+layer's self-attention over the non-padding positions and feed-forward block, the final layer norm.  Written
+as one function of the tokens and the position table, it is what the compiled engine exports and compiles
+ahead of time (``aot_step.py``), so that a source is encoded by one call instead of fairseq's hundred Python-
+dispatched operations (3 ms a sentence at batch 1 on docs/benchmarks.md's machine).  Attention runs through
+``scaled_dot_product_attention`` and the padding positions' outputs are not read by any decoder: the states
+of real positions agree with fairseq's within float rounding.
+
+:func:`unsupported_encoder_reason` says why an encoder cannot run here (fairseq's own then runs).
+"""
+
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fairseq.models.transformer import TransformerEncoderBase
+from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+
+
+def unsupported_encoder_reason(encoder) -> Optional[str]:
+    """None when :class:`EncoderPass` computes what ``encoder`` does at inference, else why not."""
+    if not isinstance(encoder, TransformerEncoderBase):
+        return f"{type(encoder).__name__} is not a fairseq TransformerEncoder"
+    if encoder.quant_noise is not None:
+        return "quant-noise on the embeddings is not supported"
+    if encoder.embed_positions is not None and not isinstance(
+        encoder.embed_positions, (SinusoidalPositionalEmbedding, LearnedPositionalEmbedding)
+    ):
+        return f"positional embedding {type(encoder.embed_positions).__name__} is not supported"
+    for layer in encoder.layers:
+        attention = layer.self_attn
+        if attention.bias_k is not None or attention.add_zero_attn or getattr(attention, "use_xformers", False):
+            return "attention with bias_kv, zero_attn or xformers is not supported"
+        if getattr(layer, "return_fc", False):
+            return "encoder layers returning their feed-forward output are not supported"
+    return None
+
+
+class EncoderPass(nn.Module):
+    """``encoder``'s inference forward (shares its parameters)."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+        attention = encoder.layers[0].self_attn
+        self.heads, self.head_dim = attention.num_heads, attention.head_dim
+
+    def position_table(self, src_len: int) -> Optional[Tensor]:
+        """Embedding of every source position up to ``src_len``, (positions, dim), indexed as fairseq does
+        (from padding_idx + 1); a sinusoidal table grows as fairseq's own forward grows it."""
+        positions = self.encoder.embed_positions
+        if positions is None:
+            return None
+        if isinstance(positions, SinusoidalPositionalEmbedding):
+            needed = positions.padding_idx + 1 + src_len
+            if needed > positions.weights.size(0):
+                positions.weights = SinusoidalPositionalEmbedding.get_embedding(
+                    needed, positions.embedding_dim, positions.padding_idx
+                ).to(positions.weights)
+            return positions.weights
+        return positions.weight
+
+    def forward(self, src_tokens: Tensor, position_table: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """src_tokens (rows, src_len), left- or right-padded -> states (src_len, rows, dim) and the padding
+        mask (rows, src_len), True at padding (fairseq's ``encoder_out`` and ``encoder_padding_mask``)."""
+        encoder = self.encoder
+        padding = src_tokens.eq(encoder.padding_idx)  # (rows, src_len)
+        real = ~padding
+        x = encoder.embed_scale * encoder.embed_tokens(src_tokens)  # (rows, src_len, dim)
+        if position_table is not None:
+            # fairseq's make_positions: the real tokens numbered from padding_idx + 1, padding at padding_idx
+            positions = torch.cumsum(real.long(), dim=1) * real + encoder.padding_idx
+            x = x + position_table[positions]
+        if encoder.layernorm_embedding is not None:
+            x = encoder.layernorm_embedding(x)
+        x = (x * real.unsqueeze(-1).type_as(x)).transpose(0, 1)  # (src_len, rows, dim), padding zeroed
+        attended = real[:, None, None, :]  # (rows, 1, 1, src_len)
+        for layer in encoder.layers:
+            residual = x
+            if layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+            x = self.self_attention(layer.self_attn, x, attended)
+            x = layer.residual_connection(x, residual)
+            if not layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+            residual = x
+            if layer.normalize_before:
+                x = layer.final_layer_norm(x)
+            x = layer.fc2(layer.activation_fn(layer.fc1(x)))
+            x = layer.residual_connection(x, residual)
+            if not layer.normalize_before:
+                x = layer.final_layer_norm(x)
+        if encoder.layer_norm is not None:
+            x = encoder.layer_norm(x)
+        return x, padding
+
+    def self_attention(self, attention, x: Tensor, attended: Tensor) -> Tensor:
+        """x (src_len, rows, dim) attending its ``attended`` (rows, 1, 1, src_len) positions -> (src_len, rows,
+        dim), through the layer's output projection."""
+        src_len, rows, dim = x.shape
+        split = lambda t: t.view(src_len, rows, self.heads, self.head_dim).permute(1, 2, 0, 3)  # noqa: E731
+        q = split(attention.q_proj(x) * attention.scaling)  # (rows, heads, src_len, head_dim)
+        k, v = split(attention.k_proj(x)), split(attention.v_proj(x))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attended, scale=1.0)  # (rows, heads, src_len, hd)
+        return attention.out_proj(y.permute(2, 0, 1, 3).reshape(src_len, rows, dim))
