@@ -45,12 +45,8 @@ def unsupported_reason(decoder) -> Optional[str]:
         return f"{type(decoder).__name__} is not a fairseq TransformerDecoder"
     if decoder.cross_self_attention:
         return "--cross-self-attention is not supported"
-    if decoder.quant_noise is not None:
-        return "quant-noise on the embeddings is not supported"
-    if decoder.embed_positions is not None and not isinstance(
-        decoder.embed_positions, (SinusoidalPositionalEmbedding, LearnedPositionalEmbedding)
-    ):
-        return f"positional embedding {type(decoder.embed_positions).__name__} is not supported"
+    if embeddings_unsupported(decoder):
+        return embeddings_unsupported(decoder)
     for layer in decoder.layers:
         if layer.encoder_attn is None:
             return "a decoder without encoder attention is not supported"
@@ -58,9 +54,43 @@ def unsupported_reason(decoder) -> Optional[str]:
         if any(extra is not None for extra in extras):
             return "NormFormer / head-scale layers are not supported"
         for attention in (layer.self_attn, layer.encoder_attn):
-            if attention.bias_k is not None or attention.add_zero_attn or getattr(attention, "use_xformers", False):
-                return "attention with bias_kv, zero_attn or xformers is not supported"
+            if attention_unsupported(attention):
+                return attention_unsupported(attention)
     return None
+
+
+def embeddings_unsupported(coder) -> Optional[str]:
+    """Why the embeddings of a fairseq encoder or decoder ``coder`` are not re-stated here, or None."""
+    if coder.quant_noise is not None:
+        return "quant-noise on the embeddings is not supported"
+    if coder.embed_positions is not None and not isinstance(
+        coder.embed_positions, (SinusoidalPositionalEmbedding, LearnedPositionalEmbedding)
+    ):
+        return f"positional embedding {type(coder.embed_positions).__name__} is not supported"
+    return None
+
+
+def attention_unsupported(attention) -> Optional[str]:
+    """Why a fairseq ``MultiheadAttention`` is not re-stated here, or None."""
+    if attention.bias_k is not None or attention.add_zero_attn or getattr(attention, "use_xformers", False):
+        return "attention with bias_kv, zero_attn or xformers is not supported"
+    return None
+
+
+def position_table(embed_positions, length: int) -> Optional[Tensor]:
+    """Embedding of every position up to ``length`` of a fairseq positional embedding (None: none), (positions,
+    dim), indexed as fairseq does (from padding_idx + 1); a sinusoidal table grows as fairseq's own forward
+    grows it."""
+    if embed_positions is None:
+        return None
+    if isinstance(embed_positions, SinusoidalPositionalEmbedding):
+        needed = embed_positions.padding_idx + 1 + length
+        if needed > embed_positions.weights.size(0):
+            embed_positions.weights = SinusoidalPositionalEmbedding.get_embedding(
+                needed, embed_positions.embedding_dim, embed_positions.padding_idx
+            ).to(embed_positions.weights)
+        return embed_positions.weights
+    return embed_positions.weight
 
 
 class DecoderStep(nn.Module):
@@ -80,19 +110,8 @@ class DecoderStep(nn.Module):
 
     # ---- inputs -------------------------------------------------------------------------------
     def position_table(self, length: int) -> Optional[Tensor]:
-        """Embedding of every target position up to ``length`` (bos included), (positions, dim), indexed as
-        fairseq does (from padding_idx + 1); a sinusoidal table grows as fairseq's own forward grows it."""
-        positions = self.decoder.embed_positions
-        if positions is None:
-            return None
-        if isinstance(positions, SinusoidalPositionalEmbedding):
-            needed = positions.padding_idx + 1 + length
-            if needed > positions.weights.size(0):
-                positions.weights = SinusoidalPositionalEmbedding.get_embedding(
-                    needed, positions.embedding_dim, positions.padding_idx
-                ).to(positions.weights)
-            return positions.weights
-        return positions.weight
+        """Embedding of every target position up to ``length`` (bos included), (positions, dim)."""
+        return position_table(self.decoder.embed_positions, length)
 
     def embed(self, tokens: Tensor, position_rows: Optional[Tensor]) -> Tensor:
         """tokens (rows, n); position_rows (rows or 1, n, dim) or None -> x (n, rows, dim)."""

@@ -19,23 +19,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fairseq.models.transformer import TransformerEncoderBase
-from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+from fairseq_fastgen.engine.decoder_step import (
+    DecoderStep, attention_unsupported, embeddings_unsupported, position_table,
+)
 
 
 def unsupported_encoder_reason(encoder) -> Optional[str]:
     """None when :class:`EncoderPass` computes what ``encoder`` does at inference, else why not."""
     if not isinstance(encoder, TransformerEncoderBase):
         return f"{type(encoder).__name__} is not a fairseq TransformerEncoder"
-    if encoder.quant_noise is not None:
-        return "quant-noise on the embeddings is not supported"
-    if encoder.embed_positions is not None and not isinstance(
-        encoder.embed_positions, (SinusoidalPositionalEmbedding, LearnedPositionalEmbedding)
-    ):
-        return f"positional embedding {type(encoder.embed_positions).__name__} is not supported"
+    if embeddings_unsupported(encoder):
+        return embeddings_unsupported(encoder)
     for layer in encoder.layers:
-        attention = layer.self_attn
-        if attention.bias_k is not None or attention.add_zero_attn or getattr(attention, "use_xformers", False):
-            return "attention with bias_kv, zero_attn or xformers is not supported"
+        if attention_unsupported(layer.self_attn):
+            return attention_unsupported(layer.self_attn)
         if getattr(layer, "return_fc", False):
             return "encoder layers returning their feed-forward output are not supported"
     return None
@@ -51,19 +48,8 @@ class EncoderPass(nn.Module):
         self.heads, self.head_dim = attention.num_heads, attention.head_dim
 
     def position_table(self, src_len: int) -> Optional[Tensor]:
-        """Embedding of every source position up to ``src_len``, (positions, dim), indexed as fairseq does
-        (from padding_idx + 1); a sinusoidal table grows as fairseq's own forward grows it."""
-        positions = self.encoder.embed_positions
-        if positions is None:
-            return None
-        if isinstance(positions, SinusoidalPositionalEmbedding):
-            needed = positions.padding_idx + 1 + src_len
-            if needed > positions.weights.size(0):
-                positions.weights = SinusoidalPositionalEmbedding.get_embedding(
-                    needed, positions.embedding_dim, positions.padding_idx
-                ).to(positions.weights)
-            return positions.weights
-        return positions.weight
+        """Embedding of every source position up to ``src_len``, (positions, dim)."""
+        return position_table(self.encoder.embed_positions, src_len)
 
     def forward(self, src_tokens: Tensor, position_table: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
         """src_tokens (rows, src_len), left- or right-padded -> states (src_len, rows, dim) and the padding
@@ -81,20 +67,11 @@ class EncoderPass(nn.Module):
         x = (x * real.unsqueeze(-1).type_as(x)).transpose(0, 1)  # (src_len, rows, dim), padding zeroed
         attended = real[:, None, None, :]  # (rows, 1, 1, src_len)
         for layer in encoder.layers:
-            residual = x
-            if layer.normalize_before:
-                x = layer.self_attn_layer_norm(x)
-            x = self.self_attention(layer.self_attn, x, attended)
-            x = layer.residual_connection(x, residual)
+            x, residual = DecoderStep.sublayer_input(layer, layer.self_attn_layer_norm, x)
+            x = layer.residual_connection(self.self_attention(layer.self_attn, x, attended), residual)
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
-            residual = x
-            if layer.normalize_before:
-                x = layer.final_layer_norm(x)
-            x = layer.fc2(layer.activation_fn(layer.fc1(x)))
-            x = layer.residual_connection(x, residual)
-            if not layer.normalize_before:
-                x = layer.final_layer_norm(x)
+            x = DecoderStep.feed_forward(layer, x)  # the same block as a decoder layer's
         if encoder.layer_norm is not None:
             x = encoder.layer_norm(x)
         return x, padding
