@@ -77,8 +77,9 @@ OPTION_PREPARATION = {
 OWN_OBJECTS = {
     ("models/transformer_khead.py", "KHeadTransformerModel.build_model"):
         "the plugin's model gives its own decoder (KHeadTransformerDecoder) its k heads while it is built",
-    ("engine/decoder_step.py", "DecoderStep.position_table"):
-        "grows a sinusoidal position table as fairseq's own forward grows it (the same values, a cache)",
+    ("engine/decoder_step.py", "position_table"):
+        "grows a sinusoidal position table as fairseq's own forward grows it (the same values, a cache); the "
+        "encoder's and decoder's forms of the engine read their tables through it",
 }
 
 
