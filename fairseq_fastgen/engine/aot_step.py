@@ -29,6 +29,7 @@ encoder, ``encoder_pass.py``, its source length symbolic): its file, the
 program it exports and inductor's settings.
 """
 
+import functools
 import hashlib
 import os
 import time
@@ -128,7 +129,7 @@ class StepPackage:
     def __init__(self, runner, position_table, rows: Optional[int] = None, beams: int = 1, block: int = 1):
         self.runner, self.position_table, self.rows, self.beams, self.block = runner, position_table, rows, beams, block
 
-    @property
+    @functools.cached_property  # its key hashes every weight: once
     def path(self) -> Path:
         what = f"beams{self.beams}" if self.beams > 1 else f"{'any' if self.rows is None else self.rows}-rows"
         if self.block > 1:
@@ -171,7 +172,7 @@ class EncoderPackage:
         self.runner, self.rows = runner, rows
         self.position_table = runner.encoder_pass.position_table(2)
 
-    @property
+    @functools.cached_property  # its key hashes every weight: once
     def path(self) -> Path:
         return package_file(f"encoder-{'any' if self.rows is None else self.rows}-rows-{self.key()}")
 

@@ -195,9 +195,11 @@ class CompiledRunner(StaticRunner):
                 self.packaged_steps.pop(unit, None)
         if key in self.packaged_steps:
             return self.packaged_steps[key]
-        if self.compile_in_background and not any(step is not None for unit, step in self.packaged_steps.items()
-                                                  if not is_encoder(unit)):
-            return None  # the steps' units first: a decode spends more on its steps than on its encoder
+        if self.compile_in_background:
+            if self.background is not None:
+                return self.background_step(key)
+            if not any(step is not None for unit, step in self.packaged_steps.items() if not is_encoder(unit)):
+                return None  # the steps' units first: a decode spends more on its steps than on its encoder
         from fairseq_fastgen.engine import aot_step
 
         what = f"the encoder for {'one row' if rows == 1 else 'more rows'}"
@@ -409,8 +411,11 @@ class CompiledRunner(StaticRunner):
         key = ("block", block, rows) if block > 1 else rows if beams == 1 else ("beams", beams)
         if key in self.packaged_steps:
             return self.packaged_steps[key]
-        if self.compile_in_background and self.background is None and key is None and self.beams > self.max_rows:
-            return None  # beam search: only its sentences' unit is compiled; rows not laid out so run eager
+        if self.compile_in_background:
+            if self.background is not None:  # polled at every step while a child compiles: nothing built before
+                return self.background_step(key)
+            if key is None and self.beams > self.max_rows:
+                return None  # beam search: only its sentences' unit is compiled; rows not laid out so run eager
         from fairseq_fastgen.engine import aot_step
 
         what = f"the step above {self.max_rows} rows" if rows is None else f"the step of {rows} rows"
@@ -423,10 +428,8 @@ class CompiledRunner(StaticRunner):
 
     def packaged(self, key, what: str, package):
         """The unit ``package()`` describes (an ``aot_step`` package), loaded or compiled (with
-        --compile-in-background: by a child process, None until it is ready; one child at a time, the other
-        units None meanwhile); None where it cannot be built (one line says why)."""
-        if self.compile_in_background and self.background is not None:
-            return self.background_step(key)
+        --compile-in-background and no child compiling: by a child process, None until it is ready; the callers
+        poll a running child first); None where it cannot be built (one line says why)."""
         from fairseq_fastgen.engine import aot_step
 
         try:
