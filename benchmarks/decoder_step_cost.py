@@ -2,7 +2,7 @@
 
     python benchmarks/decoder_step_cost.py --path CKPT --data DATA_BIN \
         [--rows 1,4,8,16,32,64,128,320] [--engines fairseq,static,compiled[,compiled-frozen,compiled-eager,compiled-exact]] \
-        [--threads 1] [--rounds 5] [--onednn-linear] [--compiled-max-rows N] [--device cuda]
+        [--threads 1] [--rounds 5] [--onednn-linear] [--compiled-max-rows N] [--device cuda] [--flop-rate]
 
 Feeds random source sentences of 16 tokens and decodes 20 greedy steps per row
 count and ``--step-engine`` setting, the engines interleaved round by round;
@@ -10,7 +10,9 @@ prints the median over the rounds in ms per step and each engine's ratio to
 fairseq's.  It tells which engine wins at which row count (the compiled step's
 first call per shape, its compilation, runs before the timed rounds), and
 whether a machine's step cost is mostly per call (what streaming and blockwise
-decoding save) or per row.
+decoding save) or per row.  ``--flop-rate`` adds each engine's rate in GFLOP/s (the step's products, the
+vocabulary projection included, over its time) beside the rate of one plain float32 product of the same rows
+(rows x dim by dim x vocabulary): how near a step is to what this core's products can do.
 """
 
 import argparse
@@ -42,6 +44,32 @@ def run_steps(runner, encoder_out, rows, steps, capacity):
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def step_flops(model, rows: int) -> float:
+    """Floating-point operations of the products of one step of ``rows`` rows (2 per multiply-add): every
+    layer's self-attention (q, k, v, out), encoder-decoder attention (q, out) and feed-forward, and the
+    vocabulary projection; the attention scores themselves (a few positions here) are left out."""
+    decoder = model.decoder
+    layer_weights = sum(p.numel() for layer in decoder.layers for name, p in layer.named_parameters()
+                    if name.endswith("weight") and p.dim() == 2 and "encoder_attn.k_proj" not in name
+                    and "encoder_attn.v_proj" not in name)
+    projection = decoder.output_projection.weight.numel() if decoder.output_projection is not None else 0
+    return 2.0 * rows * (layer_weights + projection)
+
+
+def plain_product_rate(rows: int, dim: int, vocabulary: int, device, rounds: int) -> float:
+    """GFLOP/s of torch's float32 product of (rows, dim) by (dim, vocabulary), the median of ``rounds``."""
+    left, right = torch.randn(rows, dim, device=device), torch.randn(dim, vocabulary, device=device)
+    times = []
+    for _ in range(rounds + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(10):
+            torch.mm(left, right)
+        synchronize(device)
+        times.append((time.perf_counter() - start) / 10)
+    return 2.0 * rows * dim * vocabulary / statistics.median(times[1:]) / 1e9
 
 
 def make_runner(engine, model):
@@ -77,6 +105,9 @@ def main():
                              "with oneDNN's products); default: the engine's COMPILED_MAX_ROWS. Run with 1000 and "
                              "with 0 to time the two forms at every row count")
     parser.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
+    parser.add_argument("--flop-rate", action="store_true",
+                        help="also print each engine's GFLOP/s and that of a plain float32 product of the same "
+                             "rows by the vocabulary projection's shape")
     parser.add_argument("--capacity", type=int, default=202,
                         help="target positions a cache holds (fairseq-generate's default --max-len-b 200, bos, eos)")
     args = parser.parse_args()
@@ -106,6 +137,12 @@ def main():
             same = "  ".join("same" if torch.equal(outputs[e], outputs[engines[0]]) else "tokens differ" for e in engines[1:])
             print(f"{rows:4d}  " + "  ".join(f"{medians[e]:10.2f}" for e in engines) + "  "
                   + "  ".join(f"{medians[engines[0]] / medians[e]:11.2f}x" for e in engines[1:]) + f"  {same}", flush=True)
+            if args.flop_rate:
+                flops = step_flops(model, rows)
+                plain = plain_product_rate(rows, model.decoder.embed_dim, vocabulary, torch.device(args.device),
+                                           args.rounds)
+                print("      GFLOP/s " + "  ".join(f"{e} {flops / medians[e] / 1e6:.1f}" for e in engines)
+                      + f"  (a plain product of the same rows: {plain:.1f})", flush=True)
 
 
 if __name__ == "__main__":

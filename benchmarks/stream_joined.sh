@@ -8,7 +8,9 @@
 #
 # MODEL_DIR is what benchmarks/multi30k.py builds (bin/, base/checkpoint_best.pt, khead4/checkpoint_last.pt).
 # Defaults: bench_out/multi30k, bench_out/stream-joined, 1,000 sentences, --step-engine static; REPEAT=N sets
-# the timed passes per configuration (default 5), FAMILIES="greedy" leaves blockwise out (default "greedy blockwise").
+# the timed passes per configuration (default 5), FAMILIES="greedy" leaves blockwise out (default "greedy blockwise"),
+# CAPACITIES="4 8" the capacities (default "8 16"), ENGINE_OPTIONS="--compiled-freezing" adds engine options to
+# every configuration.
 set -euo pipefail
 M=${1:-bench_out/multi30k}
 OUT=${2:-bench_out/stream-joined}
@@ -16,8 +18,8 @@ SENTENCES=${3:-1000}
 ENGINE=${4:-static}
 BENCH=(.venv/bin/fastgen-bench "$M/bin" --path "$M/base/checkpoint_best.pt" --cpu --threads 1
        --post-process sentencepiece --repeat "${REPEAT:-5}" --no-ctranslate2 --step-engine "$ENGINE"
-       --max-sentences "$SENTENCES" --beam 1)
-for CAPACITY in 8 16; do
+       --max-sentences "$SENTENCES" --beam 1 ${ENGINE_OPTIONS:-})
+for CAPACITY in ${CAPACITIES:-8 16}; do
   EPS=$(python3 -c "print(1 - 1 / $CAPACITY)")
   for FAMILY in ${FAMILIES:-greedy blockwise}; do
     case $FAMILY in

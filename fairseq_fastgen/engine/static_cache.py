@@ -208,8 +208,10 @@ class StaticCache:
             self.widen_source(extra)
         width = self.cross_keys[0].size(2)
         rows = other.cross_keys[0].size(0)
+        narrower = width - other.cross_keys[0].size(2)  # source positions the fresh rows lack
         for mine, theirs in zip(self.cross_keys + self.cross_values, other.cross_keys + other.cross_values):
-            mine[slots] = F.pad(theirs[:slots.numel()], (0, 0, 0, width - theirs.size(2)))  # (n, heads, src, hd)
+            theirs = theirs[:slots.numel()]  # (n, heads, src, hd)
+            mine[slots] = F.pad(theirs, (0, 0, 0, narrower)) if narrower else theirs
         mask = other.cross_mask
         if mask is None:
             mask = slots.new_zeros((rows, other.cross_keys[0].size(2)), dtype=torch.bool)

@@ -74,13 +74,12 @@ class JoinedGreedyPolicy:
 
     def advance(self, state, ctx):
         lengths = state.lengths  # (rows,) tokens so far: the last one (the bos at 0) sits at position lengths
-        rows = torch.arange(state.rows, device=lengths.device)
         alive = state.sentence.ne(PADDING_SENTENCE)  # (rows,) finished rows wait for a refill's row
         last = state.tokens.gather(1, lengths.unsqueeze(1))  # (rows, 1)
         lprobs, attn = state.runner.step_rows(last, lengths, state.encoder_out, state.cache)  # (rows, vocab)
         ctx.counters.add("model_calls")
         rules = ctx.row_processors
-        rules(lprobs, lengths, state.tokens if rules.reads_history else None, rows, state.sentence, state.max_len)
+        rules(lprobs, lengths, state.tokens if rules.reads_history else None, None, state.sentence, state.max_len)
         best_lprob, best = lprobs.topk(1, dim=-1)  # (rows, 1) each
         # every row keeps the position it cached (finished rows' are masked for the row that takes their place)
         state.append_each_row(best, best_lprob, None if attn is None else attn.unsqueeze(2), alive)

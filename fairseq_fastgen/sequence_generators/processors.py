@@ -10,6 +10,8 @@ bos plus the tokens generated so far) and edits ``lprobs`` in place.
 
 import math
 
+import torch
+
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
 
@@ -54,8 +56,9 @@ class LengthLimits:
 
     def at_steps(self, lprobs, steps, max_len):
         """lprobs (N, vocab), each row at its own step: steps, max_len (N,) long."""
-        too_short = (steps >= self.prefix_len) & (steps < self.min_len)
-        lprobs[too_short, self.eos] = NEG_INF
+        if self.min_len > self.prefix_len:  # else no step is too short
+            too_short = (steps >= self.prefix_len) & (steps < self.min_len)  # (N,)
+            lprobs[:, self.eos].masked_fill_(too_short, NEG_INF)  # the eos column, in place: no index of rows
         at_limit = max_len <= steps
         if at_limit.any():
             self.only_eos(lprobs, at_limit)
@@ -152,14 +155,17 @@ class RowStepProcessors:
 
         steps: (N,) the step of each lprobs row; history: (rows, width) bos and
         tokens of each row (up to at least ``steps``; may be None unless
-        ``reads_history``); row_of: (N,) the history row of each lprobs row;
+        ``reads_history``); row_of: (N,) the history row of each lprobs row, or
+        None where lprobs row i is row i (one step per row);
         sentence, max_len: (rows,).
         """
+        if row_of is None and self.reads_history:
+            row_of = torch.arange(lprobs.size(0), device=lprobs.device)
         for processor in self.processors:
             if isinstance(processor, (ForbidPad, UnkPenalty)):  # read nothing but lprobs
                 processor(lprobs, None)
             elif isinstance(processor, LengthLimits):
-                processor.at_steps(lprobs, steps, max_len[row_of])
+                processor.at_steps(lprobs, steps, max_len if row_of is None else max_len[row_of])
             else:
                 for step in steps.unique().tolist():
                     at_step = steps.eq(step).nonzero().squeeze(1)
