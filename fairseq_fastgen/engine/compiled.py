@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
 from fairseq_fastgen.engine.encoder_pass import EncoderPass, unsupported_encoder_reason
 from fairseq_fastgen.engine.runners import StaticRunner
-from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache
+from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache, tensors_signature
 from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear, onednn_serves, pack_weight
 
@@ -188,7 +188,7 @@ class CompiledRunner(StaticRunner):
     def encoder_unit(self, rows: int):
         """The encoder compiled ahead of time for ``rows`` rows (1, or any more), or None."""
         key = ("encoder", 1 if rows == 1 else None)
-        signature = tuple((id(p), p._version) for p in self.model.encoder.parameters())
+        signature = tensors_signature(self.model.encoder.parameters())
         if signature != self.encoder_signature:  # units holding other weights as constants: dropped
             self.encoder_signature = signature
             for unit in [("encoder", 1), ("encoder", None)]:
@@ -250,7 +250,7 @@ class CompiledRunner(StaticRunner):
             return
         self.fused = self.fused_weights.current()
         if self.freezing or self.many_rows_on_cpu:
-            signature = tuple((id(p), p._version) for p in self.model.decoder.parameters())
+            signature = tensors_signature(self.model.decoder.parameters())
             if signature != self.frozen_signature:  # compiled code holding other weights as constants: drop it
                 self.frozen_signature, self.background = signature, None
                 # the encoder's units stay: they follow the encoder's own parameters (encoder_unit)

@@ -45,17 +45,18 @@ def unsupported_reason(decoder) -> Optional[str]:
         return f"{type(decoder).__name__} is not a fairseq TransformerDecoder"
     if decoder.cross_self_attention:
         return "--cross-self-attention is not supported"
-    if embeddings_unsupported(decoder):
-        return embeddings_unsupported(decoder)
+    reason = embeddings_unsupported(decoder)
+    if reason:
+        return reason
     for layer in decoder.layers:
         if layer.encoder_attn is None:
             return "a decoder without encoder attention is not supported"
         extras = [layer.c_attn, layer.attn_ln, layer.ffn_layernorm, layer.w_resid]
         if any(extra is not None for extra in extras):
             return "NormFormer / head-scale layers are not supported"
-        for attention in (layer.self_attn, layer.encoder_attn):
-            if attention_unsupported(attention):
-                return attention_unsupported(attention)
+        reason = attention_unsupported(layer.self_attn) or attention_unsupported(layer.encoder_attn)
+        if reason:
+            return reason
     return None
 
 

@@ -28,11 +28,13 @@ def unsupported_encoder_reason(encoder) -> Optional[str]:
     """None when :class:`EncoderPass` computes what ``encoder`` does at inference, else why not."""
     if not isinstance(encoder, TransformerEncoderBase):
         return f"{type(encoder).__name__} is not a fairseq TransformerEncoder"
-    if embeddings_unsupported(encoder):
-        return embeddings_unsupported(encoder)
+    reason = embeddings_unsupported(encoder)
+    if reason:
+        return reason
     for layer in encoder.layers:
-        if attention_unsupported(layer.self_attn):
-            return attention_unsupported(layer.self_attn)
+        reason = attention_unsupported(layer.self_attn)
+        if reason:
+            return reason
         if getattr(layer, "return_fc", False):
             return "encoder layers returning their feed-forward output are not supported"
     return None

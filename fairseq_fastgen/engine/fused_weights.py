@@ -31,6 +31,11 @@ class FusedWeights(NamedTuple):
     output_t: Optional[Tensor]  # (dim, vocab) the vocabulary projection transposed; None: the decoder's own
 
 
+def tensors_signature(tensors) -> tuple:
+    """(identity, in-place version) of every tensor: it changes when one is replaced or updated in place."""
+    return tuple((id(t), t._version) for t in tensors)
+
+
 class FusedWeightsCache:
     """:class:`FusedWeights` of one decoder, rebuilt when its source parameters change."""
 
@@ -54,7 +59,7 @@ class FusedWeightsCache:
 
     def current(self) -> FusedWeights:
         """The fused weights of the decoder's parameters as they are now."""
-        signature = tuple((id(t), t._version) for t in self.sources())
+        signature = tensors_signature(self.sources())
         if signature != self.signature:
             self.weights, self.signature = self.build(), signature
         return self.weights
