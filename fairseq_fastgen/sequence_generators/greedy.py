@@ -2,6 +2,7 @@
 
 import torch
 
+from fairseq_fastgen.ops.top_token import top_token
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
 from fairseq_fastgen.sequence_generators.registry import register_decoder
@@ -35,7 +36,7 @@ class GreedyPolicy:
 
     def advance(self, state, ctx):
         lprobs, attn = ctx.next_lprobs(state)  # (rows, vocab), (rows, src_len)
-        best_lprob, best = lprobs.topk(1, dim=-1)  # (rows, 1) each; topk breaks ties as stock beam search
+        best_lprob, best = top_token(lprobs)  # (rows, 1) each; ties as topk, as stock beam search
         state.append(best, best_lprob, None if attn is None else attn.unsqueeze(2))
         finished = best.squeeze(1).eq(ctx.eos)  # (rows,)
         real = state.sentence.ne(PADDING_SENTENCE) if self.padded else None  # (rows,) padding rows are ignored
@@ -80,7 +81,7 @@ class JoinedGreedyPolicy:
         ctx.counters.add("model_calls")
         rules = ctx.row_processors
         rules(lprobs, lengths, state.tokens if rules.reads_history else None, None, state.sentence, state.max_len)
-        best_lprob, best = lprobs.topk(1, dim=-1)  # (rows, 1) each
+        best_lprob, best = top_token(lprobs)  # (rows, 1) each
         # every row keeps the position it cached (finished rows' are masked for the row that takes their place)
         state.append_each_row(best, best_lprob, None if attn is None else attn.unsqueeze(2), alive)
         finished = best.squeeze(1).eq(ctx.eos) & alive  # (rows,)

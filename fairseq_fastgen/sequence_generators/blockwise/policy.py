@@ -30,6 +30,7 @@ output of head 1.  ``--blockwise-top-k``, ``--blockwise-epsilon`` and
 import torch
 from torch import Tensor
 
+from fairseq_fastgen.ops.top_token import top_token
 from fairseq_fastgen.sequence_generators.blockwise.int8_proposals import Int8Proposer
 from fairseq_fastgen.sequence_generators.blockwise.one_row import OneRowPath
 from fairseq_fastgen.sequence_generators.blockwise.options import ExactMatch
@@ -130,7 +131,7 @@ class BlockwisePolicy(OneRowPath):
         flat = lprobs.view(-1, lprobs.size(-1))
         row_of = rows.unsqueeze(1).expand(-1, n).reshape(-1)  # (rows * n,)
         rules(flat, steps, history, row_of, state.sentence, state.max_len)
-        best = lprobs.topk(1, dim=-1).indices.squeeze(2)  # (rows, n): greedy's choice after each block token
+        best = top_token(flat)[1].view(block.shape)  # (rows, n): greedy's choice after each block token
         accepted = self.accepted_prefix(block, lprobs, best, ctx.eos)  # (rows, n)
         kept = accepted  # (rows, n) the positions the cache keeps: a fresh row's bos
         fresh = lengths.lt(0)  # (rows,) rows whose block is their bos (streaming: they joined just now)

@@ -1,0 +1,55 @@
+"""top_token gives exactly topk(1)'s values and indices: the greedy decoders' choice of a step's token."""
+
+import pytest
+import torch
+
+from fairseq_fastgen.ops.top_token import MIN_ROWS, block_size, top_token
+
+
+def assert_as_topk(scores):
+    values, indices = top_token(scores)
+    expected = scores.topk(1, dim=-1)
+    assert values.shape == indices.shape == (scores.size(0), 1)
+    assert indices.dtype == torch.long
+    assert torch.equal(indices, expected.indices)
+    assert torch.equal(values, expected.values)
+
+
+@pytest.mark.parametrize("vocab", [8008, 32000, 8009, 131, 50])  # a divisor block, 128, a padded last block
+@pytest.mark.parametrize("rows", [1, MIN_ROWS, 64, 320])
+def test_log_probabilities_of_a_step(rows, vocab):
+    generator = torch.Generator().manual_seed(rows * vocab)
+    assert_as_topk(torch.randn(rows, vocab, generator=generator).log_softmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [8008, 8009])
+def test_ties_take_the_first_index_as_topk(vocab):
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 4, (64, vocab), generator=generator).float()  # many tied maxima per row
+    scores[0] = 0.0  # every score tied
+    scores[1, vocab - 1] = 9.0  # the maximum in the last (padded) block
+    scores[2, [3, vocab - 2]] = 9.0  # tied in the first and the last block
+    assert_as_topk(scores)
+    assert int(top_token(scores)[1][2]) == 3
+
+
+def test_rows_of_minus_infinity_and_eos_only_rows():
+    scores = torch.randn(32, 8008).log_softmax(dim=-1)
+    scores[3] = -torch.inf  # a row where every token is banned
+    scores[4] = -torch.inf
+    scores[4, 2] = -7.5  # only eos allowed, at its score (max length reached)
+    assert_as_topk(scores)
+
+
+def test_a_nan_is_ranked_as_topk_ranks_it():
+    scores = torch.randn(32, 8008).log_softmax(dim=-1)
+    scores[5, 100] = torch.nan
+    values, indices = top_token(scores)
+    assert int(indices[5]) == 100 and torch.isnan(values[5]).item()
+    assert torch.equal(indices, scores.topk(1, dim=-1).indices)
+
+
+def test_a_block_divides_the_vocabulary_where_it_can():
+    assert 8008 % block_size(8008) == 0 and 64 <= block_size(8008) <= 160
+    assert block_size(32000) == 160
+    assert block_size(8009) == 128  # a prime: the last block padded
