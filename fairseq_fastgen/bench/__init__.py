@@ -38,7 +38,7 @@ import torch
 import fairseq_fastgen
 from fairseq_fastgen import checkpoint_safety
 from fairseq_fastgen.bench import options, report, scoring
-from fairseq_fastgen.bench.ctranslate2_peer import CTranslate2Peer
+from fairseq_fastgen.bench.ctranslate2_peer import CTranslate2Peer, shared_threads_note
 from fairseq_fastgen.bench.inputs import BenchInputs
 from fairseq_fastgen.bench.measure import (ConfigResult, FairseqCandidate, PassCounter, WarmRun, time_interleaved,
                                            warm_up)
@@ -115,6 +115,9 @@ def measure_all(bench, cfg):
                      "CTranslate2 is measured only in in-process runs")
     elif not bench.no_ctranslate2:
         peer, note = CTranslate2Peer.create(inputs)
+        if note:
+            notes.append(note)
+        note = shared_threads_note(torch.get_num_threads(), inputs.use_cuda) if peer is not None else None
         if note:
             notes.append(note)
     configs = options.configurations(bench, with_ctranslate2=isinstance(peer, CTranslate2Peer))

@@ -50,6 +50,18 @@ def convert(ctranslate2, checkpoint: str, data_dir: str, source_lang=None, targe
     return cached_build("ctranslate2", key, build)
 
 
+def shared_threads_note(threads: int, use_cuda: bool) -> Optional[str]:
+    """The note a CPU run with more than one thread carries: CTranslate2 measured in the bench's own process runs
+    slower once torch has run on several threads there (its idle thread pool beside CTranslate2's: greedy at batch
+    64 with two threads on a 2-core machine, 222 against 368 sentences/s after one torch product), so its rows
+    understate it; ``benchmarks/peer_alone.py`` runs each in a process of its own."""
+    if use_cuda or threads <= 1:
+        return None
+    return (f"CTranslate2 shares this process with torch's {threads} threads and runs slower than alone (about "
+            f"40% slower with 2 threads on a 2-core machine): compare with benchmarks/peer_alone.py, which runs "
+            f"each in a process of its own")
+
+
 class CTranslate2Peer:
     """A converted model: one Translator shared by every CTranslate2 configuration."""
 

@@ -1,0 +1,145 @@
+"""The plugin and CTranslate2, each in a process of its own (not part of the product).
+
+    python benchmarks/peer_alone.py DATA_BIN CHECKPOINT [--threads 1] [--batch-size 64] [--beam 1]
+        [--engine-options=--compiled-freezing] [--sentences 1000] [--rounds 3]
+
+fastgen-bench measures CTranslate2 in its own process, its passes interleaved with the plugin's. With more than
+one thread that costs CTranslate2 about 40% of its speed on the 2-core machine of docs/benchmarks.md: once torch
+has run on several threads, its idle thread pool slows CTranslate2's (greedy, batch 64, two threads: 222 against
+368 sentences/s after a single torch product), so for ``--threads`` above 1 its rows say little. Here every
+round starts one process for the plugin (``--decoder greedy`` at beam 1, stock beam search above, on
+``--step-engine compiled`` and ``--engine-options``) and one for CTranslate2 (float32, the same batches: fairseq's
+batches of the test split, sorted by source length), one after the other; each decodes the sentences once to warm
+up and three times timed and reports its median. Prints each round's sentences/s, the medians over rounds, their
+ratio and how many sentences got the same tokens from both. Set ``FASTGEN_COMPILED_DIR`` to keep the compiled
+units between processes (the first round's warm-up compiles what is missing).
+"""
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data_bin")
+    parser.add_argument("checkpoint")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--beam", type=int, default=1)
+    parser.add_argument("--engine-options", default="",
+                        help="more generation options for the plugin's process, after an equals sign "
+                             "(--engine-options=--compiled-freezing)")
+    parser.add_argument("--sentences", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--one", choices=["plugin", "ctranslate2"], help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def load_batches(args, with_model: bool):
+    """The checkpoint's model (``with_model``; else None) and task, and fairseq's batches of the first
+    ``--sentences`` test sentences.  CTranslate2's process builds no torch model and runs no torch product."""
+    import fairseq_fastgen  # noqa: F401  (plugin: --decoder, --step-engine)
+    from fairseq import checkpoint_utils, tasks
+
+    if with_model:
+        models, _, task = checkpoint_utils.load_model_ensemble_and_task([args.checkpoint],
+                                                                         arg_overrides={"data": args.data_bin})
+        model = models[0].eval()
+    else:
+        state = checkpoint_utils.load_checkpoint_to_cpu(args.checkpoint, arg_overrides={"data": args.data_bin})
+        task, model = tasks.setup_task(state["cfg"].task), None
+    task.load_dataset("test")
+    batches = list(task.get_batch_iterator(task.dataset("test"), max_sentences=args.batch_size,
+                                           disable_iterator_cache=True).next_epoch_itr(shuffle=False))
+    kept, total = [], 0
+    for sample in batches:
+        if total >= args.sentences:
+            break
+        kept.append(sample)
+        total += sample["id"].numel()
+    return model, task, kept
+
+
+def plugin_decoder(args, model, task):
+    """sample -> {sentence id: best tokens} with the plugin's generator."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    decoder = "greedy" if args.beam == 1 else "beam"
+    argv = [args.data_bin, "--user-dir", "fairseq_fastgen", "--beam", str(args.beam), "--decoder", decoder,
+            "--step-engine", "compiled"] + shlex.split(args.engine_options)
+    cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_generation_parser(), argv))
+    generator = task.build_generator([model], cfg.generation)
+
+    def decode(sample):
+        hypotheses = generator.generate([model], sample)
+        return {int(i): h[0]["tokens"].tolist() for i, h in zip(sample["id"], hypotheses)}
+    return decode
+
+
+def ctranslate2_decoder(args, task):
+    """sample -> {sentence id: best tokens} with CTranslate2 float32 (the converted model cached as fastgen-bench's)."""
+    import ctranslate2
+
+    from fairseq_fastgen.bench.ctranslate2_peer import convert
+
+    translator = ctranslate2.Translator(str(convert(ctranslate2, args.checkpoint, args.data_bin)), device="cpu",
+                                        intra_threads=args.threads)
+    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
+    skipped = {src_dict.pad(), src_dict.eos()}
+
+    def decode(sample):
+        sources = [[src_dict[t] for t in row if t not in skipped] for row in sample["net_input"]["src_tokens"].tolist()]
+        translations = translator.translate_batch(sources, beam_size=args.beam, max_batch_size=0, num_hypotheses=1)
+        return {int(i): [tgt_dict.index(s) for s in t.hypotheses[0]] + [tgt_dict.eos()]
+                for i, t in zip(sample["id"], translations)}
+    return decode
+
+
+def run_one(args):
+    """A child: decode warm once, then three timed passes; print seconds and tokens as JSON."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model, task, batches = load_batches(args, with_model=args.one == "plugin")
+    decode = plugin_decoder(args, model, task) if args.one == "plugin" else ctranslate2_decoder(args, task)
+    seconds, tokens = [], {}
+    with torch.no_grad():
+        for timed in (False, True, True, True):
+            start = time.perf_counter()
+            for sample in batches:
+                tokens.update(decode(sample))
+            if timed:
+                seconds.append(time.perf_counter() - start)
+    print(json.dumps({"seconds": seconds, "sentences": len(tokens), "tokens": tokens}))
+
+
+def main():
+    args = parse_args()
+    if args.one:
+        return run_one(args)
+    rates = {"plugin": [], "ctranslate2": []}
+    tokens = {}
+    for round_ in range(args.rounds):
+        for which in rates:
+            child = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--one", which], check=True,
+                                   stdout=subprocess.PIPE, text=True)
+            result = json.loads(child.stdout.strip().splitlines()[-1])
+            rates[which].append(result["sentences"] / statistics.median(result["seconds"]))
+            tokens[which] = result["tokens"]
+            print(f"round {round_ + 1}, {which}: {rates[which][-1]:.1f} sentences/s", flush=True)
+    medians = {which: statistics.median(values) for which, values in rates.items()}
+    same = sum(tokens["plugin"][i] == tokens["ctranslate2"].get(i) for i in tokens["plugin"])
+    print(f"threads {args.threads}, batch {args.batch_size}, beam {args.beam}, {args.engine_options or 'compiled'}: "
+          f"plugin {medians['plugin']:.1f}, CTranslate2 {medians['ctranslate2']:.1f} sentences/s (median of "
+          f"{args.rounds} processes each), {medians['plugin'] / medians['ctranslate2']:.2f}x; the same tokens for "
+          f"{same} of {len(tokens['plugin'])} sentences")
+
+
+if __name__ == "__main__":
+    main()
