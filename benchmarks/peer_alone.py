@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def parse_args(argv=None):
@@ -70,8 +71,11 @@ def plugin_decoder(args, model, task):
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
+    import fairseq_fastgen
+
     decoder = "greedy" if args.beam == 1 else "beam"
-    argv = [args.data_bin, "--user-dir", "fairseq_fastgen", "--beam", str(args.beam), "--decoder", decoder,
+    user_dir = str(Path(fairseq_fastgen.__file__).parent)  # whatever the working directory
+    argv = [args.data_bin, "--user-dir", user_dir, "--beam", str(args.beam), "--decoder", decoder,
             "--step-engine", "compiled"] + shlex.split(args.engine_options)
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_generation_parser(), argv))
     generator = task.build_generator([model], cfg.generation)
@@ -83,22 +87,16 @@ def plugin_decoder(args, model, task):
 
 
 def ctranslate2_decoder(args, task):
-    """sample -> {sentence id: best tokens} with CTranslate2 float32 (the converted model cached as fastgen-bench's)."""
+    """sample -> {sentence id: best tokens} with CTranslate2 float32 (the converted model cached as fastgen-bench's)
+    and fastgen-bench's translation of a batch."""
     import ctranslate2
 
-    from fairseq_fastgen.bench.ctranslate2_peer import convert
+    from fairseq_fastgen.bench.ctranslate2_peer import convert, translate_sample
 
     translator = ctranslate2.Translator(str(convert(ctranslate2, args.checkpoint, args.data_bin)), device="cpu",
                                         intra_threads=args.threads)
-    src_dict, tgt_dict = task.source_dictionary, task.target_dictionary
-    skipped = {src_dict.pad(), src_dict.eos()}
-
-    def decode(sample):
-        sources = [[src_dict[t] for t in row if t not in skipped] for row in sample["net_input"]["src_tokens"].tolist()]
-        translations = translator.translate_batch(sources, beam_size=args.beam, max_batch_size=0, num_hypotheses=1)
-        return {int(i): [tgt_dict.index(s) for s in t.hypotheses[0]] + [tgt_dict.eos()]
-                for i, t in zip(sample["id"], translations)}
-    return decode
+    return lambda sample: translate_sample(translator, sample, task.source_dictionary, task.target_dictionary,
+                                           beam_size=args.beam)
 
 
 def run_one(args):

@@ -50,6 +50,18 @@ def convert(ctranslate2, checkpoint: str, data_dir: str, source_lang=None, targe
     return cached_build("ctranslate2", key, build)
 
 
+def translate_sample(translator, sample, src_dict, tgt_dict, **search) -> Dict[int, List[int]]:
+    """{sentence id: best tokens, ending in eos as fairseq's hypotheses} of CTranslate2's ``translate_batch`` on
+    one fairseq batch (its source tokens as symbols, pad and eos left out), the whole batch at once, with the
+    search options ``search`` (beam_size, length_penalty, ...)."""
+    skipped_symbols = {src_dict.pad(), src_dict.eos()}
+    src_tokens = sample["net_input"]["src_tokens"].cpu()  # (sentences, src_len), eos included
+    sources = [[src_dict[t] for t in row if t not in skipped_symbols] for row in src_tokens.tolist()]
+    translations = translator.translate_batch(sources, max_batch_size=0, num_hypotheses=1, **search)
+    return {sentence_id: [tgt_dict.index(symbol) for symbol in translation.hypotheses[0]] + [tgt_dict.eos()]
+            for sentence_id, translation in zip(sample["id"].tolist(), translations)}
+
+
 def shared_threads_note(threads: int, use_cuda: bool) -> Optional[str]:
     """The note a CPU run with more than one thread carries: CTranslate2 measured in the bench's own process runs
     slower once torch has run on several threads there (its idle thread pool beside CTranslate2's: greedy at batch
@@ -117,18 +129,13 @@ class CTranslate2Candidate(Candidate):
 
     def decode(self, batches) -> Dict[int, List[int]]:
         best = {}
-        skipped_symbols = {self.src_dict.pad(), self.src_dict.eos()}
         for sample in batches:
-            src_tokens = sample["net_input"]["src_tokens"].cpu()  # (sentences, src_len), eos included
-            sources = [[self.src_dict[t] for t in row if t not in skipped_symbols] for row in src_tokens.tolist()]
-            translations = self.peer.translator.translate_batch(
-                sources, beam_size=self.beam, max_batch_size=0, length_penalty=self.gen_cfg.lenpen,
-                min_decoding_length=self.gen_cfg.min_len, max_decoding_length=self._max_len(src_tokens.size(1)),
-                no_repeat_ngram_size=self.gen_cfg.no_repeat_ngram_size, num_hypotheses=1,
-            )
-            for sentence_id, translation in zip(sample["id"].tolist(), translations):
-                tokens = [self.tgt_dict.index(symbol) for symbol in translation.hypotheses[0]]
-                best[sentence_id] = tokens + [self.tgt_dict.eos()]  # fairseq's hypotheses end in eos
+            best.update(translate_sample(
+                self.peer.translator, sample, self.src_dict, self.tgt_dict, beam_size=self.beam,
+                length_penalty=self.gen_cfg.lenpen, min_decoding_length=self.gen_cfg.min_len,
+                max_decoding_length=self._max_len(sample["net_input"]["src_tokens"].size(1)),
+                no_repeat_ngram_size=self.gen_cfg.no_repeat_ngram_size,
+            ))
         return best
 
     def _max_len(self, src_len: int) -> int:
