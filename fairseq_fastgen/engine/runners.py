@@ -11,6 +11,8 @@ never look inside the cache, so they do not know which engine runs their steps:
   form through ``torch.compile``.
 """
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -40,6 +42,10 @@ class StaticRunner(ModelRunner):
     def reorder_cache(cache: StaticCache, index: Tensor):
         if cache.started:
             cache.select(index)
+
+    @staticmethod
+    def copied_cache(cache: StaticCache) -> StaticCache:
+        return copy.copy(cache)  # reorders replace its buffers, never write into them
 
     @staticmethod
     def concat_caches(caches):

@@ -204,12 +204,13 @@ class StaticCache:
         return selected
 
     def place(self, slots: Tensor, other: "StaticCache"):
-        """Rows ``slots`` (n,) take the n rows of ``other``, a started cache that has run no step (a refill
-        entering the rows finished ones left): their encoder-decoder keys/values and mask are copied in, and
-        every position written so far becomes padding for them, so their first step writes at this cache's
-        length and attends only to its own positions (as ``concat`` right-aligns a shorter cache)."""
-        if other.length or not other.started or not self.started or self.beams > 1 or other.beams > 1:
-            raise ValueError("only a fresh cache's rows take the place of a running one's (a bug)")
+        """Rows ``slots`` (n,) take the n rows of ``other``, another started cache (a refill entering the rows
+        finished ones left): their encoder-decoder keys/values and mask are copied in, every position written so
+        far becomes padding for them, and the positions ``other`` wrote (a refill's bos, run ahead with its
+        group's) are right-aligned to end at this cache's length, as ``concat`` right-aligns a shorter cache;
+        their next step writes at this cache's length."""
+        if other is self or not other.started or not self.started or self.beams > 1 or other.beams > 1:
+            raise ValueError("only another started cache's rows take the place of a running one's (a bug)")
         extra = other.cross_keys[0].size(2) - self.cross_keys[0].size(2)
         if extra > 0:
             self.widen_source(extra)
@@ -227,7 +228,34 @@ class StaticCache:
         self.cross_mask[slots] = F.pad(mask[:slots.numel()], (0, width - mask.size(1)), value=True)
         self.cross_origin = self.cross_origin.clone()  # origins stay distinct: the new rows are their own
         self.cross_origin[slots] = int(self.cross_origin.max()) + 1 + torch.arange(slots.numel(), device=slots.device)
+        if other.length > self.length:
+            self.shift_right(other.length - self.length)
         self.release(slots)
+        if other.length:
+            self._write_right_aligned(slots, other)
+
+    def _write_right_aligned(self, slots: Tensor, other: "StaticCache"):
+        """The written positions of ``other``'s first n rows into rows ``slots`` (n,), ending at this cache's
+        length (its own padding with them)."""
+        first, n = self.length - other.length, slots.numel()
+        for mine, theirs in zip(self.self_keys + self.self_values, other.self_keys + other.self_values):
+            mine[slots, :, first: self.length] = theirs[:n, :, : other.length]  # (n, heads, positions, hd)
+        padding = other.self_padding
+        self.self_padding[slots, first: self.length] = False if padding is None else padding[:n, : other.length]
+
+    def shift_right(self, extra: int):
+        """Move every written position ``extra`` positions right; the ``extra`` first become padding for every
+        row (a cache that takes rows holding more positions than it does)."""
+        self.ensure_room(self.length + extra, doubling=False)
+        if self.self_padding is None:
+            self.self_padding = self.self_keys[0].new_zeros((self.self_keys[0].size(0), self.capacity),
+                                                            dtype=torch.bool)
+        for buffer in self.self_keys + self.self_values:  # (rows, heads, capacity, head_dim)
+            buffer[:, :, extra: extra + self.length] = buffer[:, :, : self.length].clone()
+            buffer[:, :, :extra] = 0
+        self.self_padding[:, extra: extra + self.length] = self.self_padding[:, : self.length].clone()
+        self.self_padding[:, :extra] = True
+        self.length += extra
 
     def release(self, rows: Tensor):
         """No row attends the positions ``rows`` (n,) wrote so far (their rows finished or are taken over): they

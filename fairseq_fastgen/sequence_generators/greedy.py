@@ -67,11 +67,11 @@ class JoinedGreedyPolicy:
     join = staticmethod(join_any_lengths)
 
     def start(self, state, ctx):
+        """The sources encoded ahead (``EncodedAhead``), ready to take finished rows' places before their first
+        step."""
         state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)  # at most max_len tokens and eos
-        state.runner.start_cache(state.cache, state.encoder_out)  # joinable before its first step
+        state.runner.start_cache(state.cache, state.encoder_out)
         return state
-
-    start_joining = start
 
     def advance(self, state, ctx):
         lengths = state.lengths  # (rows,) tokens so far: the last one (the bos at 0) sits at position lengths

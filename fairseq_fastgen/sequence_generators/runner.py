@@ -74,6 +74,12 @@ class ModelRunner:
                     buffers[name] = value.index_select(0, index)
 
     @staticmethod
+    def copied_cache(cache):
+        """A cache holding the same tensors as ``cache``, which ``reorder_cache`` can reorder without touching
+        ``cache`` (streaming takes a refill's rows from a group of sources started ahead)."""
+        return {key: dict(buffers) for key, buffers in cache.items()}
+
+    @staticmethod
     def concat_caches(caches):
         """Concatenate the incremental caches of several cohorts.
 

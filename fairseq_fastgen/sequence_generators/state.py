@@ -34,8 +34,7 @@ class DecodingState:
         self.encoder_out = encoder_out  # fairseq encoder output, batch dimension = rows
         self.cache = cache  # fairseq incremental_state dict, batch dimension = rows
         self.src_len = src_len  # padded source length of every row's encoder output
-        # (rows,) long: tokens each row holds, where rows differ (blockwise); None: every row holds ``width``.
-        # A row at -1 has not run its bos yet (blockwise streaming: it joined running rows before its first step).
+        # (rows,) long: tokens each row holds, where rows differ (blockwise); None: every row holds ``width``
         self.row_lengths: Optional[Tensor] = None
         self.pad: Optional[int] = None  # the symbol in the columns past a row's length (with row_lengths)
         # a policy's own per-row tensors (rows, ...), moved with the rows (blockwise: the proposed next block)
@@ -191,17 +190,17 @@ class DecodingState:
 
     def taken(self, index: Tensor) -> "DecodingState":
         """A new state of the rows ``index``, this one unchanged (streaming takes a refill's rows from sources
-        encoded ahead); only before the first step, while the cache holds no position."""
+        encoded and started ahead)."""
         rows = copy.copy(self)
-        rows.extra, rows.cache = dict(self.extra), copy.copy(self.cache)
+        rows.extra, rows.cache = dict(self.extra), self.runner.copied_cache(self.cache)
         rows.select(index)
         return rows
 
     def place(self, slots: Tensor, fresh: "DecodingState"):
-        """Rows ``slots`` (n,) of this state (finished ones) take the n rows of ``fresh``, a state that has run no
-        step, with per-row lengths as this one and the same source width (streaming: a refill entering the rows
-        finished ones left, without copying the running rows); the runner moves the cache's rows
-        (``place_rows``)."""
+        """Rows ``slots`` (n,) of this state (finished ones) take the n rows of ``fresh``, a state whose rows hold
+        no token yet (their bos may be cached), with per-row lengths as this one and the same source width
+        (streaming: a refill entering the rows finished ones left, without copying the running rows); the runner
+        moves the cache's rows (``place_rows``)."""
         if self.row_lengths is None or fresh.row_lengths is None or fresh.src_len != self.src_len:
             raise ValueError("rows take others' places only with per-row lengths and equal source widths (a bug)")
         width = max(self.cum_scores.size(1), fresh.cum_scores.size(1))  # token columns

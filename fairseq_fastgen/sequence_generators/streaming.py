@@ -20,6 +20,8 @@ policy (variable-width beam, fixed-width beam, greedy, blockwise):
   ``joins_lengths``) keeps one state instead: a refill's rows join the
   running ones whatever their lengths (the runner right-aligns the cached
   positions), so rows at different lengths verify their blocks in one call.
+  Its sources are encoded, and started by the policy's ``start`` (blockwise:
+  their bos run), several capacities at a time (``EncodedAhead``).
 
 Without a capacity every source of the call starts at once: a static batch
 (``var-batch`` uses that).  Any policy with ``start(state, ctx)`` and
@@ -69,7 +71,7 @@ step and one encoder call per distinct source length.
 
 import functools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -204,10 +206,10 @@ class StreamRun:
         self.joins_lengths = getattr(policy, "joins_lengths", False)
         self.layout = CompanionFreeLayout()
         self.width = getattr(policy, "width", 1)  # candidate rows of a source not yet expanded
-        if self.joins_lengths:
-            self.encode = EncodedAhead(ctx, ENCODED_AHEAD * (scheduler.capacity or ENCODED_AHEAD))
-        else:
-            self.encode = functools.partial(self.layout.encode, ctx)
+        if self.joins_lengths:  # the sources encoded and started ahead, in groups
+            self.encode = EncodedAhead(ctx, ENCODED_AHEAD * (scheduler.capacity or ENCODED_AHEAD), policy.start)
+        else:  # each refill encoded, then started
+            self.encode = lambda sentences: [policy.start(self.layout.encode(ctx, sentences), ctx)]
         self.merge = policy.join if self.joins_lengths else functools.partial(_merge_equal_lengths,
                                                                               layout=self.layout)
         if scheduler.streams:
@@ -228,8 +230,7 @@ class StreamRun:
             admitted = self._admit() if self.next_source < ctx.pool.size else 0
             if admitted:
                 sentences = torch.arange(self.next_source, self.next_source + admitted, device=self.source_len.device)
-                start = self.policy.start_joining if self.joins_lengths and self.cohorts else self.policy.start
-                self.cohorts = self.merge(self.cohorts + [start(self.encode(sentences), ctx)])
+                self.cohorts = self.merge(self.cohorts + self.encode(sentences))
                 if self.next_source:
                     ctx.counters.add("refills")
                 self.next_source += admitted
@@ -392,29 +393,40 @@ def drain_waiting_rows(state, multiple: int = 1):
 
 
 class EncodedAhead:
-    """Sources encoded ahead of their admission, ``group`` sentences in one encoder call (and, where the runner
-    takes rows before their first step, one computation of their encoder-decoder keys/values): the refills of a
-    stream that joins lengths take their rows from the group (``DecodingState.taken``) instead of an encoder
-    call each.  fairseq orders a pool by source length, so a group's sources are padded little."""
+    """Sources encoded and started ahead of their admission, ``group`` sentences in one encoder call and one
+    ``start`` of the policy (blockwise: their bos in one model call, where each refill's would otherwise take a
+    row of a running call; where the runner takes rows before their first step, their encoder-decoder
+    keys/values at once): the refills of a stream that joins lengths take their rows from the group
+    (``DecodingState.taken``) instead of an encoder call and a start each.  fairseq orders a pool by source
+    length, so a group's sources are padded little."""
 
-    def __init__(self, ctx, group: int):
-        self.ctx, self.group = ctx, group
+    def __init__(self, ctx, group: int, start):
+        self.ctx, self.group, self.start = ctx, group, start  # start(state, ctx) -> state: the policy's
         self.first = 0  # pool position of the group's first sentence
-        self.state: Optional[DecodingState] = None  # the group, encoded; its rows are never stepped
+        self.state: Optional[DecodingState] = None  # the group, encoded and started
 
-    def __call__(self, sentences: torch.Tensor) -> DecodingState:
-        """The state of ``sentences`` (consecutive pool positions), encoded now or earlier."""
+    def __call__(self, sentences: torch.Tensor) -> List[DecodingState]:
+        """The states of ``sentences`` (consecutive pool positions), encoded and started now or earlier: one,
+        or two where they straddle the end of a group (the next group starts there)."""
         first, end = int(sentences[0]), int(sentences[-1]) + 1
-        if self.state is None or first < self.first or end > self.first + self.state.rows:
-            end = max(end, min(first + self.group, self.ctx.pool.size))
-            self.first = first
-            self.state = self.ctx.start_state(torch.arange(first, end, device=sentences.device))
-            runner = self.state.runner
-            if runner.takes_rows_in_place:
-                self.state.encoder_out = left_justified(self.state.encoder_out)
-            if runner.joins_rows_before_their_first_step:  # the group's encoder-decoder keys/values at once
-                runner.start_cache(self.state.cache, self.state.encoder_out)
-        return self.state.taken(sentences - self.first)
+        parts = []
+        while first < end:
+            if self.state is None or not self.first <= first < self.first + self.state.rows:
+                self._encode_group(first, min(max(end, first + self.group), self.ctx.pool.size))
+            last = min(end, self.first + self.state.rows)
+            parts.append(self.state.taken(torch.arange(first - self.first, last - self.first,
+                                                       device=sentences.device)))
+            first = last
+        return parts
+
+    def _encode_group(self, first: int, end: int):
+        group = self.ctx.start_state(torch.arange(first, end, device=self.ctx.pool.source_len.device))
+        runner = group.runner
+        if runner.takes_rows_in_place:
+            group.encoder_out = left_justified(group.encoder_out)
+        if runner.joins_rows_before_their_first_step:  # the group's encoder-decoder keys/values at once
+            runner.start_cache(group.cache, group.encoder_out)
+        self.first, self.state = first, self.start(group, self.ctx)
 
 
 def _expanded(cohort) -> bool:

@@ -190,8 +190,39 @@ def test_fresh_rows_take_finished_rows_places():
     assert torch.equal(running.self_keys[0][[0, 2]], before_self[[0, 2]])
     assert (running.self_keys[0][[1, 3], :, :length] == 0).all()  # zeroed: released positions hold zeros
     assert len(set(running.cross_origin.tolist())) == 4  # no reorder takes a fresh row for a running one
-    with pytest.raises(ValueError, match="fresh cache"):
-        running.place(torch.tensor([0]), running)  # a cache that ran steps cannot take a place
+    with pytest.raises(ValueError, match="another started cache"):
+        running.place(torch.tensor([0]), running)  # a cache's rows cannot take places in itself
+
+
+@pytest.mark.parametrize("running_length", [5, 0])
+def test_rows_placed_with_their_bos_keep_it_last(running_length):
+    """A refill whose bos ran ahead (blockwise-stream starts its sources in groups) brings that position: it
+    ends at the running cache's length in the rows it takes, everything before it padding for them; a running
+    cache holding no position yet moves right by one, the new first position padding for its own rows."""
+    heads, head_dim = 2, 4
+    running = StaticCache(capacity=8, zeroed=True)
+    running.start([torch.randn(3, heads, 5, head_dim)], [torch.randn(3, heads, 5, head_dim)], None, heads, head_dim)
+    for buffer in running.self_keys + running.self_values:
+        buffer[:, :, :running_length] = torch.randn(3, heads, running_length, head_dim)
+    running.length = running_length
+    before = running.self_values[0][[0, 2], :, :running_length].clone()
+    group = StaticCache(capacity=8)  # three sources started ahead: their bos at position 0
+    group.start([torch.randn(3, heads, 5, head_dim)], [torch.randn(3, heads, 5, head_dim)], None, heads, head_dim)
+    for buffer in group.self_keys + group.self_values:
+        buffer[:, :, :1] = torch.randn(3, heads, 1, head_dim)
+    group.length = 1
+
+    running.place(torch.tensor([1]), group)
+
+    length = max(running_length, 1)
+    assert running.length == length
+    assert torch.equal(running.self_keys[0][1, :, length - 1], group.self_keys[0][0, :, 0])
+    assert torch.equal(running.self_values[0][1, :, length - 1], group.self_values[0][0, :, 0])
+    assert running.self_padding[1, :length].tolist() == [True] * (length - 1) + [False]
+    assert (running.self_keys[0][1, :, : length - 1] == 0).all()  # zeroed: the released positions
+    shift = length - running_length  # the running rows' positions, moved right where the cache held none
+    assert torch.equal(running.self_values[0][[0, 2], :, shift:length], before)
+    assert running.self_padding[[0, 2], :length].tolist() == [[True] * shift + [False] * running_length] * 2
 
 
 def test_released_rows_stop_holding_positions():

@@ -205,10 +205,10 @@ def test_append_with_per_row_lengths_takes_each_rows_accepted_prefix(toy):
     assert not state.cum_scores[0, 2:].any() and not state.attn[0, :, 2:].any()
 
 
-def test_a_row_before_its_bos_scores_zero(toy):
-    """A row at length -1 (it joined running rows before its bos step) or 0 holds no score yet."""
+def test_a_row_without_tokens_scores_zero(toy):
+    """A row at length 0 (its bos only) holds no score yet."""
     state = row_state(toy, [0, 1, 2], 2)
-    state.row_lengths = torch.tensor([-1, 0, 2])
+    state.row_lengths = torch.tensor([0, 0, 2])
     assert state.scores.tolist()[:2] == [0.0, 0.0] and torch.equal(state.scores[2], state.cum_scores[2, 1])
 
 

@@ -111,6 +111,10 @@ class PositionLog:
         """Calls that ran the bos position of some rows beside rows further on."""
         return [c for c in self.calls if min(c) == 0 < max(c)]
 
+    def bos_calls(self):
+        """Calls that ran only bos positions: their row counts."""
+        return [len(c) for c in self.calls if max(c) == 0]
+
 
 def stream_blockwise(model, task, monkeypatch, **options):
     """blockwise-stream over the test set in one pool at CAPACITY: the generator, its PositionLog and
@@ -144,10 +148,13 @@ def test_blockwise_stream_gives_blockwise_tokens_over_many_refills(loaded, engin
     assert generator.counters.counts["refills"] >= TEST_SENTENCES / CAPACITY - 1
     if eps * CAPACITY >= 1:  # a refill comes while rows are running: they verify their blocks beside new rows
         assert len(log.joined_calls()) >= 5
-        # the static cache takes new rows before their first step: their bos runs in the running rows' call
-        assert bool(log.shared_first_positions()) == (engine == "static")
     else:  # a refill only once every row has finished
         assert log.joined_calls() == []
+    # every source's bos ran once, ahead, in its group's call: ENCODED_AHEAD capacities of sources a call
+    assert log.shared_first_positions() == []
+    group = streaming.ENCODED_AHEAD * CAPACITY
+    assert sorted(log.bos_calls(), reverse=True) == [group] * (TEST_SENTENCES // group) + (
+        [TEST_SENTENCES % group] if TEST_SENTENCES % group else [])
 
 
 def test_joined_caches_keep_each_rows_positions():
@@ -353,14 +360,17 @@ def test_blockwise_refills_take_finished_rows_places(loaded, engine, monkeypatch
 
     assert streamed == {s: tokens for s, (tokens, _) in reference.items()}
     assert log.concatenated == []
-    assert max(log.rows) == CAPACITY and log.rows.count(CAPACITY) >= len(log.rows) // 2
+    group = streaming.ENCODED_AHEAD * CAPACITY  # the bos of a group of sources started ahead: one call
+    assert log.rows.count(group) == TEST_SENTENCES // group
+    verifying = [rows for rows in log.rows if rows != group]  # (and the last group's bos, fewer rows)
+    assert max(verifying) == CAPACITY and verifying.count(CAPACITY) >= len(verifying) // 2
     assert generator.counters.counts["encoder_calls"] <= TEST_SENTENCES // (2 * CAPACITY)
 
 
 def test_blockwise_stream_verifies_joined_rows_in_compiled_block_units(loaded, monkeypatch):
     """--step-engine compiled --compiled-freezing: rows joined at different lengths verify their blocks (and a
-    refill's row its bos, padded to a block) in the units compiled ahead of time for blocks, each row at its own
-    positions; never the eager exact form.  blockwise's tokens, scores within 1e-4."""
+    group of sources started ahead its bos positions, padded to a block) in the units compiled ahead of time for
+    blocks, each row at its own positions; never the eager exact form.  blockwise's tokens, scores within 1e-4."""
     from fairseq_fastgen.engine.decoder_step import DecoderStep
     from fairseq_fastgen.ops.onednn_linear import onednn_available
 
@@ -373,7 +383,7 @@ def test_blockwise_stream_verifies_joined_rows_in_compiled_block_units(loaded, m
     _, log, streamed = stream_blockwise(model, task, monkeypatch, stream_eps=1 / 2, step_engine="compiled",
                                         compiled_freezing=True)
     assert_blockwise_tokens(reference, streamed, tolerance=1e-4)
-    assert len(log.joined_calls()) >= 5 and log.shared_first_positions()  # bos positions beside running rows
+    assert len(log.joined_calls()) >= 5 and log.shared_first_positions() == []  # the bos ran ahead
     assert eager_calls == [1]  # the first bos, before the runner knew the block's width
 
 

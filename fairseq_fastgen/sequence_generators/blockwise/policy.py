@@ -60,7 +60,9 @@ class BlockwisePolicy(OneRowPath):
         # integers in place of the small tensors of per-row bookkeeping (batch 1, a batch's last row)
         self.one_row_path = isinstance(acceptance, ExactMatch) and min_block == 1
 
-    joins_lengths = True  # streaming: a refill's rows join the running ones, whatever their lengths
+    # streaming: a refill's rows join the running ones, whatever their lengths, their bos run by ``start`` with
+    # the group of sources encoded ahead (``EncodedAhead``): their first call beside the running rows verifies a block
+    joins_lengths = True
     # blockwise-stream: a finished row stays, as a padding row whose blocks are ignored, until a refill's row
     # takes its place (``finished_rows_wait``)
     streaming = False
@@ -91,31 +93,14 @@ class BlockwisePolicy(OneRowPath):
                      self.later_scores(base, heads, ctx))
         return state
 
-    def start_joining(self, state: DecodingState, ctx) -> DecodingState:
-        """Streaming: rows about to join running ones.  Where the runner takes rows into a cache before
-        their first step, their bos position runs in the running rows' next call (a block of the bos and
-        padding, marked by length -1); else ``start`` runs it in a call of its own."""
-        if not state.runner.joins_rows_before_their_first_step:
-            return self.start(state, ctx)
-        state.source_extras = SOURCE_EXTRAS
-        state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)
-        state.runner.start_cache(state.cache, state.encoder_out)
-        state.row_lengths = state.row_lengths - 1  # the next block starts at the bos position
-        proposals = state.tokens.new_full((state.rows, self.block_size), self.pad)
-        proposals[:, 0] = state.tokens[:, 0]  # (rows, block): the bos, then padding
-        state.extra["proposals"] = proposals
-        state.extra["first_lprob"] = state.cum_scores.new_zeros(state.rows)  # read only for accepted tokens
-        state.extra["first_attn"] = None  # zeros once joined
-        return state
-
     def advance(self, state: DecodingState, ctx):
         rules = ctx.row_processors
-        # a lone row that has run its bos and is not waiting for a refill (streaming)
-        if state.rows == 1 and self.one_row_path and not rules.reads_history and int(state.lengths[0]) >= 0 \
+        # a lone row that is not waiting for a refill (streaming)
+        if state.rows == 1 and self.one_row_path and not rules.reads_history \
                 and int(state.sentence[0]) != PADDING_SENTENCE:
             self.advance_one_row(state, ctx)
             return
-        lengths = state.lengths  # (rows,) accepted tokens; -1: a row that has not run its bos (it just joined)
+        lengths = state.lengths  # (rows,) accepted tokens
         rows = torch.arange(state.rows, device=state.tokens.device)
         remaining = int((state.max_len + 1 - lengths).max())  # tokens a row may still take, eos included
         block = state.extra["proposals"][:, : min(self.block_size, remaining)]  # (rows, n)
@@ -133,16 +118,11 @@ class BlockwisePolicy(OneRowPath):
         rules(flat, steps, history, row_of, state.sentence, state.max_len)
         best = top_token(flat)[1].view(block.shape)  # (rows, n): greedy's choice after each block token
         accepted = self.accepted_prefix(block, lprobs, best, ctx.eos)  # (rows, n)
-        kept = accepted  # (rows, n) the positions the cache keeps: a fresh row's bos
-        fresh = lengths.lt(0)  # (rows,) rows whose block is their bos (streaming: they joined just now)
+        kept = accepted  # (rows, n) the positions the cache keeps
         waiting = state.sentence.eq(PADDING_SENTENCE)  # (rows,) finished rows waiting for a refill's row
-        has_fresh = bool(fresh.any())
-        if has_fresh or bool(waiting.any()):  # they accept no token; the cache keeps their first position
-            idle = fresh | waiting
-            kept = torch.where(idle.unsqueeze(1), offsets.eq(0).unsqueeze(0), accepted)
-            accepted = accepted & ~idle.unsqueeze(1)
-        if has_fresh:
-            state.row_lengths = lengths.clamp(min=0)  # a fresh row now holds its bos: no token yet
+        if bool(waiting.any()):  # they accept no token; the cache keeps their first position
+            kept = torch.where(waiting.unsqueeze(1), offsets.eq(0).unsqueeze(0), accepted)
+            accepted = accepted & ~waiting.unsqueeze(1)
         count = kept.sum(dim=1)  # (rows,) >= 1
 
         token_lprobs = torch.cat(
@@ -155,10 +135,8 @@ class BlockwisePolicy(OneRowPath):
         state.append(block, token_lprobs, token_attn, accepted)
         state.runner.keep_accepted(state.cache, kept)
 
-        last = count - 1  # the last accepted position proposes the next block (a fresh row's bos, its first)
+        last = count - 1  # the last accepted position proposes the next block
         finished = block[rows, last].eq(ctx.eos) & ~waiting
-        if has_fresh:
-            finished &= ~fresh
         for row in finished.nonzero().squeeze(1).tolist():
             ctx.finish(int(state.sentence[row]), [ctx.hypothesis(state, row)])
         alive = finished_rows_wait(state, finished, self.streaming)  # (rows,) the rows that go on
