@@ -65,7 +65,6 @@ class StaticRunner(ModelRunner):
         if cache.started:
             cache.narrow_source(width)
 
-    joins_rows_before_their_first_step = True  # start_cache takes their encoder keys/values at once
     takes_rows_in_place = True  # place_rows, release_rows
 
     def start_cache(self, cache: StaticCache, encoder_out):

@@ -245,17 +245,14 @@ class StaticCache:
 
     def shift_right(self, extra: int):
         """Move every written position ``extra`` positions right; the ``extra`` first become padding for every
-        row (a cache that takes rows holding more positions than it does)."""
-        self.ensure_room(self.length + extra, doubling=False)
-        if self.self_padding is None:
-            self.self_padding = self.self_keys[0].new_zeros((self.self_keys[0].size(0), self.capacity),
-                                                            dtype=torch.bool)
-        for buffer in self.self_keys + self.self_values:  # (rows, heads, capacity, head_dim)
-            buffer[:, :, extra: extra + self.length] = buffer[:, :, : self.length].clone()
-            buffer[:, :, :extra] = 0
-        self.self_padding[:, extra: extra + self.length] = self.self_padding[:, : self.length].clone()
-        self.self_padding[:, :extra] = True
-        self.length += extra
+        row (a cache that takes rows holding more positions than it does): the cache right-aligned to its length
+        plus ``extra``, as ``concat`` right-aligns a shorter cache."""
+        length = self.length + extra
+        capacity = max(self.capacity, length)
+        self.self_padding = self.right_aligned_padding(length, capacity)
+        self.self_keys = [self.right_aligned(b, length, capacity) for b in self.self_keys]
+        self.self_values = [self.right_aligned(b, length, capacity) for b in self.self_values]
+        self.length, self.capacity = length, capacity
 
     def release(self, rows: Tensor):
         """No row attends the positions ``rows`` (n,) wrote so far (their rows finished or are taken over): they

@@ -164,9 +164,6 @@ class ModelRunner:
         ``Int8Proposer`` (an identity-first k-head layer)."""
         return self.model.decoder.heads.learned(features, proposer.fc1, proposer.fc2)
 
-    # whether rows can join a cache before their first step (``start_cache``): fairseq's cache fills at a step
-    joins_rows_before_their_first_step = False
-
     # whether a running cache's rows can be taken over by a fresh cache's rows (``place_rows``, a refill entering
     # the rows finished ones left) and finished rows stop being attended (``release_rows``): the step engines
     takes_rows_in_place = False

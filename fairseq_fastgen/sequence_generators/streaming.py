@@ -395,8 +395,7 @@ def drain_waiting_rows(state, multiple: int = 1):
 class EncodedAhead:
     """Sources encoded and started ahead of their admission, ``group`` sentences in one encoder call and one
     ``start`` of the policy (blockwise: their bos in one model call, where each refill's would otherwise take a
-    row of a running call; where the runner takes rows before their first step, their encoder-decoder
-    keys/values at once): the refills of a stream that joins lengths take their rows from the group
+    row of a running call; their encoder-decoder keys/values at once): the refills of a stream that joins lengths take their rows from the group
     (``DecodingState.taken``) instead of an encoder call and a start each.  fairseq orders a pool by source
     length, so a group's sources are padded little."""
 
@@ -421,12 +420,9 @@ class EncodedAhead:
 
     def _encode_group(self, first: int, end: int):
         group = self.ctx.start_state(torch.arange(first, end, device=self.ctx.pool.source_len.device))
-        runner = group.runner
-        if runner.takes_rows_in_place:
+        if group.runner.takes_rows_in_place:
             group.encoder_out = left_justified(group.encoder_out)
-        if runner.joins_rows_before_their_first_step:  # the group's encoder-decoder keys/values at once
-            runner.start_cache(group.cache, group.encoder_out)
-        self.first, self.state = first, self.start(group, self.ctx)
+        self.first, self.state = first, self.start(group, self.ctx)  # (the cache's encoder keys/values at once)
 
 
 def _expanded(cohort) -> bool:
