@@ -67,10 +67,13 @@ class JoinedGreedyPolicy:
     join = staticmethod(join_any_lengths)
 
     def start(self, state, ctx):
-        """The sources encoded ahead (``EncodedAhead``), ready to take finished rows' places before their first
-        step."""
+        """The sources encoded ahead (``EncodedAhead``) take their first step, at their bos, together in one
+        model call (a refill's row would otherwise spend a running call's row on it): each row then takes a
+        finished row's place with its first token.  A row whose first token is eos is answered now and waits
+        as a padding row, which no refill takes."""
         state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)  # at most max_len tokens and eos
         state.runner.start_cache(state.cache, state.encoder_out)
+        self.advance(state, ctx)
         return state
 
     def advance(self, state, ctx):

@@ -197,10 +197,10 @@ class DecodingState:
         return rows
 
     def place(self, slots: Tensor, fresh: "DecodingState"):
-        """Rows ``slots`` (n,) of this state (finished ones) take the n rows of ``fresh``, a state whose rows hold
-        no token yet (their bos may be cached), with per-row lengths as this one and the same source width
-        (streaming: a refill entering the rows finished ones left, without copying the running rows); the runner
-        moves the cache's rows (``place_rows``)."""
+        """Rows ``slots`` (n,) of this state (finished ones) take the n rows of ``fresh``, a state of rows just
+        started (their bos cached, greedy's first token taken), with per-row lengths as this one and the same
+        source width (streaming: a refill entering the rows finished ones left, without copying the running
+        rows); the runner moves the cache's rows (``place_rows``)."""
         if self.row_lengths is None or fresh.row_lengths is None or fresh.src_len != self.src_len:
             raise ValueError("rows take others' places only with per-row lengths and equal source widths (a bug)")
         width = max(self.cum_scores.size(1), fresh.cum_scores.size(1))  # token columns
@@ -208,9 +208,11 @@ class DecodingState:
         self.cum_scores = _pad_last(self.cum_scores, width)
         self.tokens[slots] = _pad_last(fresh.tokens, 1 + width, self.pad)
         self.cum_scores[slots] = _pad_last(fresh.cum_scores, width)
-        if self.attn is not None:  # (rows, src_len, width); a fresh state has attended nothing yet
+        if self.attn is None and fresh.attn is not None:
+            self._attention_buffer(fresh.attn, self.src_len)
+        if self.attn is not None:  # (rows, src_len, width)
             self.attn = _pad_last(self.attn, width)
-            self.attn[slots] = 0
+            self.attn[slots] = 0 if fresh.attn is None else _pad_last(fresh.attn, width)
         for name, value in (("sentence", fresh.sentence), ("max_len", fresh.max_len),
                             ("row_lengths", fresh.row_lengths)):
             setattr(self, name, getattr(self, name).clone())  # (rows,) never shared with another state

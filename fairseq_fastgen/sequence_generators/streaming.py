@@ -235,8 +235,8 @@ class StreamRun:
                     ctx.counters.add("refills")
                 self.next_source += admitted
                 ctx.pool.admitted(admitted)
-        if not self.cohorts:
-            return False
+        if not self.cohorts:  # (sources answered at their start, greedy's at a first eos, leave no row)
+            return self.next_source < ctx.pool.size
         drain = getattr(self.policy, "drain", None)
         if drain is not None and self.next_source >= ctx.pool.size:  # no source waits for a finished row's place
             self.cohorts = [c for c in (drain(c, ctx) for c in self.cohorts) if c.rows > 0]
@@ -406,15 +406,18 @@ class EncodedAhead:
 
     def __call__(self, sentences: torch.Tensor) -> List[DecodingState]:
         """The states of ``sentences`` (consecutive pool positions), encoded and started now or earlier: one,
-        or two where they straddle the end of a group (the next group starts there)."""
+        or two where they straddle the end of a group (the next group starts there); none for sentences the
+        policy's start answered (greedy's whose first token is eos)."""
         first, end = int(sentences[0]), int(sentences[-1]) + 1
         parts = []
         while first < end:
             if self.state is None or not self.first <= first < self.first + self.state.rows:
                 self._encode_group(first, min(max(end, first + self.group), self.ctx.pool.size))
             last = min(end, self.first + self.state.rows)
-            parts.append(self.state.taken(torch.arange(first - self.first, last - self.first,
-                                                       device=sentences.device)))
+            rows = torch.arange(first - self.first, last - self.first, device=sentences.device)  # (sentences,)
+            rows = rows[self.state.sentence.index_select(0, rows).ne(PADDING_SENTENCE)]  # not answered at start
+            if rows.numel():
+                parts.append(self.state.taken(rows))
             first = last
         return parts
 

@@ -287,22 +287,58 @@ class RowLog:
 def test_greedy_refills_take_finished_rows_places(toy, monkeypatch):
     """--stream-join-lengths with refills at 7/8: a refill's rows take the places finished rows left (no copy
     of the running rows), every call runs the capacity's rows until no source waits and then a multiple of
-    ROW_MULTIPLE, the sources are encoded ahead in groups; greedy's tokens."""
+    ROW_MULTIPLE, the sources are encoded ahead in groups and take their first step there, at their bos, in one
+    call a group; greedy's tokens."""
     ids = list(range(TEST_SENTENCES))
     greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
     generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=7 / 8,
                               stream_join_lengths=True, **SOURCE_LENGTH)
-    log = RowLog(generator.runner, monkeypatch)
+    log, positions = RowLog(generator.runner, monkeypatch), PositionLog(generator.runner, monkeypatch)
     streamed = toy.translate(generator, ids)
 
     assert_same_tokens_close_scores(greedy, streamed)
     assert log.concatenated == []  # every refill entered finished rows' places
-    assert set(log.rows) == {CAPACITY, streaming.ROW_MULTIPLE}
-    assert log.rows[: len(log.rows) // 2] == [CAPACITY] * (len(log.rows) // 2)
+    group = streaming.ENCODED_AHEAD * CAPACITY
+    assert positions.shared_first_positions() == []  # no bos beside running rows
+    assert positions.bos_calls() == [group] * (TEST_SENTENCES // group) + [TEST_SENTENCES % group]
+    running = [rows for rows, first in zip(log.rows, positions.calls) if max(first) > 0]
+    assert len(running) == len(log.rows) - len(positions.bos_calls())
+    assert set(running) == {CAPACITY, streaming.ROW_MULTIPLE}
+    assert running[: len(running) // 2] == [CAPACITY] * (len(running) // 2)
     counts = generator.counters.counts
     assert counts["refills"] >= TEST_SENTENCES // 2  # a refill at every step where rows finished
     assert counts["encoder_calls"] <= TEST_SENTENCES // (2 * CAPACITY)  # encoded ahead: 4 capacities a call
     assert counts["model_calls"] < 1.3 * sum(h[0]["tokens"].numel() for h in greedy.values()) / CAPACITY
+
+
+ANSWERED_AT_START = {  # sources whose first token is eos (a limit of no token)
+    "some": {"max_len_a": 0.15, "max_len_b": 0, "min_len": 0},  # sources of at most 6 tokens; others 1-5 tokens
+    "every": {"max_len_a": 0, "max_len_b": 0, "min_len": 0},
+}
+
+
+@pytest.mark.parametrize("limits", ANSWERED_AT_START.values(), ids=ANSWERED_AT_START.keys())
+def test_joined_rows_answered_at_their_first_step_take_no_place(toy, limits, monkeypatch):
+    """A source whose first token is eos is answered in its group's first step and never takes a finished row's
+    place: greedy's outputs, every sentence once, the running calls hold the capacity's rows until no source
+    waits; where every source is answered so, no other call runs."""
+    ids = list(range(TEST_SENTENCES))
+    greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **limits), ids, 25)
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=7 / 8,
+                              stream_join_lengths=True, **limits)
+    log = PositionLog(generator.runner, monkeypatch)
+    streamed = toy.translate(generator, ids)
+
+    assert_same_tokens_close_scores(greedy, streamed)
+    at_start = [s for s in ids if greedy[s][0]["tokens"].tolist() == [toy.task.target_dictionary.eos()]]
+    assert 0 < len(at_start) < TEST_SENTENCES if limits["max_len_a"] else len(at_start) == TEST_SENTENCES
+    assert generator.counters.counts["sentences"] == TEST_SENTENCES
+    running = [len(first) for first in log.calls if max(first) > 0]
+    assert len(running) + len(log.bos_calls()) == len(log.calls) == generator.counters.counts["model_calls"]
+    if len(at_start) == TEST_SENTENCES:
+        assert running == []
+    else:
+        assert running[: len(running) // 2] == [CAPACITY] * (len(running) // 2)
 
 
 def test_compiled_engine_steps_joined_rows_in_its_compiled_unit(toy, monkeypatch):
@@ -336,7 +372,8 @@ def test_compiled_engine_steps_joined_rows_in_its_compiled_unit(toy, monkeypatch
         assert torch.equal(got["tokens"], want["tokens"]), sentence
         assert torch.allclose(got["positional_scores"], want["positional_scores"], atol=1e-4, rtol=0), sentence
     assert eager.rows == [] and eager.concatenated == []
-    assert set(compiled_rows) == {CAPACITY, streaming.ROW_MULTIPLE}
+    group = streaming.ENCODED_AHEAD * CAPACITY  # a group of sources started ahead: their first step, at the bos
+    assert set(compiled_rows) == {CAPACITY, streaming.ROW_MULTIPLE, group}
     assert len(compiled_rows) == generator.counters.counts["model_calls"]
     # the buffers follow the rows' positions: the first ones, which no row attends any more, went (the step reads
     # every position of its buffers)
