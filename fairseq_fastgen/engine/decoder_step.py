@@ -185,11 +185,12 @@ class DecoderStep(nn.Module):
             key_buffer, value_buffer = cache.self_keys[index], cache.self_values[index]  # (rows, heads, cap, hd)
             key_buffer[:, :, start:end] = k.view(n, rows, self.heads, self.head_dim).permute(1, 2, 0, 3)
             value_buffer[:, :, start:end] = v.view(n, rows, self.heads, self.head_dim).permute(1, 2, 0, 3)
-            # contiguous, as fairseq's concatenated cache is: the products then take fairseq's kernels
-            # whatever the CPU's library does with strided batches
+            # the written positions read in place, a batch of (end, head_dim) matrices a row capacity apart: the
+            # same bits as a contiguous copy's products (tests/engine/test_static_engine.py, on the CPUs seen
+            # here) without copying every cached position at every step
             written = (rows * self.heads, end, self.head_dim)
-            keys = key_buffer[:, :, :end].reshape(written).contiguous()
-            values = value_buffer[:, :, :end].reshape(written).contiguous()
+            keys = key_buffer[:, :, :end].reshape(written)  # a view: rows and heads merge
+            values = value_buffer[:, :, :end].reshape(written)
             weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, n, end)
             if causal is not None:
                 weights += causal.unsqueeze(0)
