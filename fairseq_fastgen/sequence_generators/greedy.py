@@ -72,8 +72,7 @@ class JoinedGreedyPolicy:
         finished row's place with its first token.  A row whose first token is eos is answered now and waits
         as a padding row, which no refill takes."""
         state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)  # at most max_len tokens and eos
-        state.runner.start_cache(state.cache, state.encoder_out)
-        self.advance(state, ctx)
+        self.advance(state, ctx)  # (the step starts the cache: the group's encoder keys/values at once)
         return state
 
     def advance(self, state, ctx):

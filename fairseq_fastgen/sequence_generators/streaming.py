@@ -21,7 +21,8 @@ policy (variable-width beam, fixed-width beam, greedy, blockwise):
   running ones whatever their lengths (the runner right-aligns the cached
   positions), so rows at different lengths verify their blocks in one call.
   Its sources are encoded, and started by the policy's ``start`` (blockwise:
-  their bos run), several capacities at a time (``EncodedAhead``).
+  their bos run; greedy: their first step), several capacities at a time
+  (``EncodedAhead``).
 
 Without a capacity every source of the call starts at once: a static batch
 (``var-batch`` uses that).  Any policy with ``start(state, ctx)`` and
@@ -394,15 +395,17 @@ def drain_waiting_rows(state, multiple: int = 1):
 
 class EncodedAhead:
     """Sources encoded and started ahead of their admission, ``group`` sentences in one encoder call and one
-    ``start`` of the policy (blockwise: their bos in one model call, where each refill's would otherwise take a
-    row of a running call; their encoder-decoder keys/values at once): the refills of a stream that joins lengths take their rows from the group
-    (``DecodingState.taken``) instead of an encoder call and a start each.  fairseq orders a pool by source
-    length, so a group's sources are padded little."""
+    ``start`` of the policy (blockwise: their bos in one model call, greedy: their first step, where each
+    refill's would otherwise take a row of a running call; their encoder-decoder keys/values at once): the
+    refills of a stream that joins lengths take their rows from the group (``DecodingState.taken``) instead of an
+    encoder call and a start each.  fairseq orders a pool by source length, so a group's sources are padded
+    little."""
 
     def __init__(self, ctx, group: int, start):
         self.ctx, self.group, self.start = ctx, group, start  # start(state, ctx) -> state: the policy's
         self.first = 0  # pool position of the group's first sentence
         self.state: Optional[DecodingState] = None  # the group, encoded and started
+        self.answered = False  # whether the start answered some of the group's sources (padding rows now)
 
     def __call__(self, sentences: torch.Tensor) -> List[DecodingState]:
         """The states of ``sentences`` (consecutive pool positions), encoded and started now or earlier: one,
@@ -415,7 +418,8 @@ class EncodedAhead:
                 self._encode_group(first, min(max(end, first + self.group), self.ctx.pool.size))
             last = min(end, self.first + self.state.rows)
             rows = torch.arange(first - self.first, last - self.first, device=sentences.device)  # (sentences,)
-            rows = rows[self.state.sentence.index_select(0, rows).ne(PADDING_SENTENCE)]  # not answered at start
+            if self.answered:
+                rows = rows[self.state.sentence.index_select(0, rows).ne(PADDING_SENTENCE)]
             if rows.numel():
                 parts.append(self.state.taken(rows))
             first = last
@@ -426,6 +430,7 @@ class EncodedAhead:
         if group.runner.takes_rows_in_place:
             group.encoder_out = left_justified(group.encoder_out)
         self.first, self.state = first, self.start(group, self.ctx)  # (the cache's encoder keys/values at once)
+        self.answered = bool(self.state.sentence.eq(PADDING_SENTENCE).any())
 
 
 def _expanded(cohort) -> bool:
