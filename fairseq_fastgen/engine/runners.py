@@ -115,8 +115,8 @@ class StaticRunner(ModelRunner):
         cache.keep_accepted(accepted)
 
     @staticmethod
-    def place_rows(cache: StaticCache, slots: Tensor, fresh: StaticCache):
-        cache.place(slots, fresh)
+    def place_rows(cache: StaticCache, slots: Tensor, fresh: StaticCache, rows: Tensor):
+        cache.place(slots, fresh, rows)
 
     @staticmethod
     def release_rows(cache: StaticCache, rows: Tensor):

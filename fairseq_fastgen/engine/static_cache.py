@@ -203,45 +203,47 @@ class StaticCache:
             selected[:, :, self.length:] = 0
         return selected
 
-    def place(self, slots: Tensor, other: "StaticCache"):
-        """Rows ``slots`` (n,) take the n rows of ``other``, another started cache (a refill entering the rows
-        finished ones left): their encoder-decoder keys/values and mask are copied in, every position written so
-        far becomes padding for them, and the positions ``other`` wrote (a refill's bos, run ahead with its
-        group's) are right-aligned to end at this cache's length, as ``concat`` right-aligns a shorter cache;
-        their next step writes at this cache's length."""
+    def place(self, slots: Tensor, other: "StaticCache", rows: Optional[Tensor] = None):
+        """Rows ``slots`` (n,) take the rows ``rows`` (n,) of ``other`` (default: its first n), another started
+        cache (a refill entering the rows finished ones left, straight from its group's cache): their
+        encoder-decoder keys/values and mask are copied in, every position written so far becomes padding for
+        them, and the positions ``other`` wrote (a refill's bos, run ahead with its group's) are right-aligned to
+        end at this cache's length, as ``concat`` right-aligns a shorter cache; their next step writes at this
+        cache's length."""
         if other is self or not other.started or not self.started or self.beams > 1 or other.beams > 1:
             raise ValueError("only another started cache's rows take the place of a running one's (a bug)")
         extra = other.cross_keys[0].size(2) - self.cross_keys[0].size(2)
         if extra > 0:
             self.widen_source(extra)
+        if rows is None:
+            rows = torch.arange(slots.numel(), device=slots.device)
         width = self.cross_keys[0].size(2)
-        rows = other.cross_keys[0].size(0)
         narrower = width - other.cross_keys[0].size(2)  # source positions the fresh rows lack
         for mine, theirs in zip(self.cross_keys + self.cross_values, other.cross_keys + other.cross_values):
-            theirs = theirs[:slots.numel()]  # (n, heads, src, hd)
+            theirs = theirs.index_select(0, rows)  # (n, heads, src, hd)
             mine[slots] = F.pad(theirs, (0, 0, 0, narrower)) if narrower else theirs
         mask = other.cross_mask
         if mask is None:
-            mask = slots.new_zeros((rows, other.cross_keys[0].size(2)), dtype=torch.bool)
+            mask = slots.new_zeros((other.cross_keys[0].size(0), other.cross_keys[0].size(2)), dtype=torch.bool)
         if self.cross_mask is None:
             self.cross_mask = slots.new_zeros((self.cross_keys[0].size(0), width), dtype=torch.bool)
-        self.cross_mask[slots] = F.pad(mask[:slots.numel()], (0, width - mask.size(1)), value=True)
+        self.cross_mask[slots] = F.pad(mask.index_select(0, rows), (0, width - mask.size(1)), value=True)
         self.cross_origin = self.cross_origin.clone()  # origins stay distinct: the new rows are their own
         self.cross_origin[slots] = int(self.cross_origin.max()) + 1 + torch.arange(slots.numel(), device=slots.device)
         if other.length > self.length:
             self.shift_right(other.length - self.length)
         self.release(slots)
         if other.length:
-            self._write_right_aligned(slots, other)
+            self._write_right_aligned(slots, other, rows)
 
-    def _write_right_aligned(self, slots: Tensor, other: "StaticCache"):
-        """The written positions of ``other``'s first n rows into rows ``slots`` (n,), ending at this cache's
-        length (its own padding with them)."""
-        first, n = self.length - other.length, slots.numel()
+    def _write_right_aligned(self, slots: Tensor, other: "StaticCache", rows: Tensor):
+        """The written positions of ``other``'s rows ``rows`` (n,) into rows ``slots`` (n,), ending at this
+        cache's length (its own padding with them)."""
+        first = self.length - other.length
         for mine, theirs in zip(self.self_keys + self.self_values, other.self_keys + other.self_values):
-            mine[slots, :, first: self.length] = theirs[:n, :, : other.length]  # (n, heads, positions, hd)
+            mine[slots, :, first: self.length] = theirs[rows, :, : other.length]  # (n, heads, positions, hd)
         padding = other.self_padding
-        self.self_padding[slots, first: self.length] = False if padding is None else padding[:n, : other.length]
+        self.self_padding[slots, first: self.length] = False if padding is None else padding[rows, : other.length]
 
     def shift_right(self, extra: int):
         """Move every written position ``extra`` positions right; the ``extra`` first become padding for every

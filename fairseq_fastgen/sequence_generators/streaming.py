@@ -72,7 +72,7 @@ step and one encoder call per distinct source length.
 
 import functools
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -300,28 +300,32 @@ class StreamRun:
         return admitted
 
 
-def join_any_lengths(states):
-    """Every state's rows in one (a list of at most one state), whatever their lengths: the runner right-aligns
-    their cached positions; sources are right-padded to the widest.  Where the first (running) state keeps
-    finished rows as padding rows (``JoinedGreedyPolicy``) and the runner can, the later (fresh) states' rows
-    take their places (``DecodingState.place``) and only the rows left over are appended (a copy of every row)."""
-    if len(states) < 2:
-        return states
-    width = max(s.src_len for s in states)
-    running, *fresh_states = [CompanionFreeLayout.widen(state, width) for state in states]
+def join_any_lengths(parts):
+    """The rows of every part in one state (a list of at most one): the first part is the running state (or, where
+    none runs, a refill's ``GroupRows``), the others a refill's ``GroupRows``, whatever their lengths: the runner
+    right-aligns their cached positions; sources are right-padded to the widest.  Where the running state keeps
+    finished rows as padding rows (``finished_rows_wait``) and the runner can, the refill's rows take their
+    places straight from their group (``DecodingState.place``) and only the rows left over are copied out of it
+    and appended (a copy of every row)."""
+    if not parts:
+        return []
+    first, *refills = parts
+    running = first.taken() if isinstance(first, GroupRows) else first
+    if not refills:
+        return [running]
+    width = max([running.src_len] + [part.group.src_len for part in refills])
+    running = CompanionFreeLayout.widen(running, width)
     free = running.sentence.eq(PADDING_SENTENCE).nonzero().squeeze(1)  # (free rows,)
     if not running.runner.takes_rows_in_place:
         free = free[:0]
     left_over = []
-    for fresh in fresh_states:
-        placed = min(free.numel(), fresh.rows)
+    for part in refills:
+        placed = min(free.numel(), part.index.numel())
         if placed:
-            rows = torch.arange(fresh.rows, device=free.device)
-            running.place(free[:placed], fresh if placed == fresh.rows else fresh.taken(rows[:placed]))
+            running.place(free[:placed], part.group, part.index[:placed])
             free = free[placed:]
-            fresh = fresh.taken(rows[placed:]) if placed < fresh.rows else None
-        if fresh is not None:
-            left_over.append(fresh)
+        if placed < part.index.numel():
+            left_over.append(CompanionFreeLayout.widen(part.group.taken(part.index[placed:]), width))
     joined = DecodingState.concat([running] + left_over) if left_over else running
     if joined.runner.takes_rows_in_place:
         narrow_sources(joined)
@@ -393,12 +397,23 @@ def drain_waiting_rows(state, multiple: int = 1):
     return state
 
 
+class GroupRows(NamedTuple):
+    """Rows ``index`` (n,) of ``group``, the state of sources encoded and started ahead (``EncodedAhead``), not
+    copied out of it yet: a refill's rows take finished rows' places straight from it (``join_any_lengths``)."""
+
+    group: DecodingState
+    index: torch.Tensor
+
+    def taken(self) -> DecodingState:
+        return self.group.taken(self.index)
+
+
 class EncodedAhead:
     """Sources encoded and started ahead of their admission, ``group`` sentences in one encoder call and one
     ``start`` of the policy (blockwise: their bos in one model call, greedy: their first step, where each
     refill's would otherwise take a row of a running call; their encoder-decoder keys/values at once): the
-    refills of a stream that joins lengths take their rows from the group (``DecodingState.taken``) instead of an
-    encoder call and a start each.  fairseq orders a pool by source length, so a group's sources are padded
+    refills of a stream that joins lengths take their rows from the group (``GroupRows``) instead of an encoder
+    call and a start each.  fairseq orders a pool by source length, so a group's sources are padded
     little."""
 
     def __init__(self, ctx, group: int, start):
@@ -407,10 +422,10 @@ class EncodedAhead:
         self.state: Optional[DecodingState] = None  # the group, encoded and started
         self.answered = False  # whether the start answered some of the group's sources (padding rows now)
 
-    def __call__(self, sentences: torch.Tensor) -> List[DecodingState]:
-        """The states of ``sentences`` (consecutive pool positions), encoded and started now or earlier: one,
-        or two where they straddle the end of a group (the next group starts there); none for sentences the
-        policy's start answered (greedy's whose first token is eos)."""
+    def __call__(self, sentences: torch.Tensor) -> List[GroupRows]:
+        """The rows of ``sentences`` (consecutive pool positions) in their groups, encoded and started now or
+        earlier: one part, or two where they straddle the end of a group (the next group starts there); none for
+        sentences the policy's start answered (greedy's whose first token is eos)."""
         first, end = int(sentences[0]), int(sentences[-1]) + 1
         parts = []
         while first < end:
@@ -421,7 +436,7 @@ class EncodedAhead:
             if self.answered:
                 rows = rows[self.state.sentence.index_select(0, rows).ne(PADDING_SENTENCE)]
             if rows.numel():
-                parts.append(self.state.taken(rows))
+                parts.append(GroupRows(self.state, rows))
             first = last
         return parts
 

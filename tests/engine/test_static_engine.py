@@ -196,8 +196,9 @@ def test_fresh_rows_take_finished_rows_places():
 
 @pytest.mark.parametrize("running_length", [5, 0])
 def test_rows_placed_with_their_bos_keep_it_last(running_length):
-    """A refill whose bos ran ahead (blockwise-stream starts its sources in groups) brings that position: it
-    ends at the running cache's length in the rows it takes, everything before it padding for them; a running
+    """A refill whose bos ran ahead (the streams that join lengths start their sources in groups) brings that
+    position, taken straight from any row of its group's cache: it ends at the running cache's length in the rows
+    it takes, everything before it padding for them; a running
     cache holding no position yet moves right by one, the new first position padding for its own rows."""
     heads, head_dim = 2, 4
     running = StaticCache(capacity=8, zeroed=True)
@@ -212,12 +213,13 @@ def test_rows_placed_with_their_bos_keep_it_last(running_length):
         buffer[:, :, :1] = torch.randn(3, heads, 1, head_dim)
     group.length = 1
 
-    running.place(torch.tensor([1]), group)
+    running.place(torch.tensor([1]), group, torch.tensor([2]))  # the group's third row, straight from the group
 
     length = max(running_length, 1)
     assert running.length == length
-    assert torch.equal(running.self_keys[0][1, :, length - 1], group.self_keys[0][0, :, 0])
-    assert torch.equal(running.self_values[0][1, :, length - 1], group.self_values[0][0, :, 0])
+    assert torch.equal(running.self_keys[0][1, :, length - 1], group.self_keys[0][2, :, 0])
+    assert torch.equal(running.self_values[0][1, :, length - 1], group.self_values[0][2, :, 0])
+    assert torch.equal(running.cross_keys[0][1], group.cross_keys[0][2])
     assert running.self_padding[1, :length].tolist() == [True] * (length - 1) + [False]
     assert (running.self_keys[0][1, :, : length - 1] == 0).all()  # zeroed: the released positions
     shift = length - running_length  # the running rows' positions, moved right where the cache held none
