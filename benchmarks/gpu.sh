@@ -16,7 +16,8 @@
 #    per row count, then greedy at batch 1 (200 sentences) and 64, stock beam 5 at batch 64, blockwise beside
 #    greedy at batch 1 on the static and compiled engines;
 # 7. streaming at capacity 64: greedy and blockwise beside their streamed forms, var-batch beside var-stream
-#    (min-length, fifo, a budget of rows) at beam 20, 300 sentences, on the static and fairseq engines.
+#    (min-length, fifo, a budget of rows) at beam 20, 300 sentences, on the static and fairseq engines; greedy beside
+#    greedy-stream --stream-join-lengths (refills as rows finish) on the static and compiled engines.
 # STEPS="6 7" runs only those steps (default: all); KHEAD may be "-" where no k-head student travelled (the
 # blockwise rows are left out).
 set -u -o pipefail
@@ -94,4 +95,8 @@ for ENGINE in static fairseq; do
       --beam 1 --batch-size 64 --repeat 3 --reference blockwise --step-engine $ENGINE --no-ctranslate2
   fi
 done
+# refills as rows finish, a refill's rows in finished rows' places, each row at its own position (static, compiled)
+bench stream-greedy-joined --path "$STOCK" --decoders greedy,greedy-stream --beam 1 --batch-size 64 --repeat 3 \
+  --reference greedy --step-engine static --no-ctranslate2 --stream-join-lengths --stream-eps 0.984375 \
+  --variant "compiled=--step-engine compiled"
 fi
