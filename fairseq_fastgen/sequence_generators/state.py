@@ -235,10 +235,10 @@ class DecodingState:
                 mine = mine.clone()
                 mine[slots] = 0 if theirs is None else theirs
             self.extra[name] = mine
-        extra = self.src_len - fresh.src_len  # source positions the fresh rows lack, padding at their end
+        narrower = self.src_len - fresh.src_len  # source positions the fresh rows lack, padding at their end
         states, mask = self.encoder_out["encoder_out"][0].clone(), self.encoder_out["encoder_padding_mask"][0].clone()
-        states[:, slots] = F.pad(fresh.encoder_out["encoder_out"][0].index_select(1, rows), (0, 0, 0, 0, 0, extra))
-        mask[slots] = F.pad(take(fresh.encoder_out["encoder_padding_mask"][0]), (0, extra), value=True)
+        states[:, slots] = F.pad(fresh.encoder_out["encoder_out"][0].index_select(1, rows), (0, 0, 0, 0, 0, narrower))
+        mask[slots] = F.pad(take(fresh.encoder_out["encoder_padding_mask"][0]), (0, narrower), value=True)
         self.encoder_out = dict(self.encoder_out, encoder_out=[states], encoder_padding_mask=[mask])
         self.runner.place_rows(self.cache, slots, fresh.cache, rows)
 

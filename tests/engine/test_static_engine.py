@@ -198,8 +198,8 @@ def test_fresh_rows_take_finished_rows_places():
 def test_rows_placed_with_their_bos_keep_it_last(running_length):
     """A refill whose bos ran ahead (the streams that join lengths start their sources in groups) brings that
     position, taken straight from any row of its group's cache: it ends at the running cache's length in the rows
-    it takes, everything before it padding for them; a running
-    cache holding no position yet moves right by one, the new first position padding for its own rows."""
+    it takes, everything before it padding for them; a running cache holding no position yet moves right by one,
+    the new first position padding for its own rows."""
     heads, head_dim = 2, 4
     running = StaticCache(capacity=8, zeroed=True)
     running.start([torch.randn(3, heads, 5, head_dim)], [torch.randn(3, heads, 5, head_dim)], None, heads, head_dim)
