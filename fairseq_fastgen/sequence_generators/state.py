@@ -196,17 +196,14 @@ class DecodingState:
         rows.select(index)
         return rows
 
-    def place(self, slots: Tensor, fresh: "DecodingState", rows: Optional[Tensor] = None):
-        """Rows ``slots`` (n,) of this state (finished ones) take the rows ``rows`` (n,) of ``fresh`` (default: its
-        first n), a state of rows just started (their bos cached, greedy's first token taken), with per-row
-        lengths as this one and a source no wider, its positions first (``streaming.left_justified``: right-padded
-        to this state's width here).  Streaming: a refill's rows enter the rows finished ones left straight from
-        the group of sources encoded ahead, copying neither the running rows nor the group's; the runner moves
-        the cache's rows (``place_rows``)."""
-        if self.row_lengths is None or fresh.row_lengths is None or fresh.src_len > self.src_len:
-            raise ValueError("rows take others' places only with per-row lengths and a source no wider (a bug)")
-        if rows is None:
-            rows = torch.arange(slots.numel(), device=slots.device)
+    def place(self, slots: Tensor, fresh: "DecodingState", rows: Tensor):
+        """Rows ``slots`` (n,) of this state (finished ones) take the rows ``rows`` (n,) of ``fresh``, a state of
+        rows just started (their bos cached, greedy's first token taken), with per-row lengths as this one and the
+        same source width.  Streaming: a refill's rows enter the rows finished ones left straight from the group
+        of sources encoded ahead, copying neither the running rows nor the group's; the runner moves the cache's
+        rows (``place_rows``)."""
+        if self.row_lengths is None or fresh.row_lengths is None or fresh.src_len != self.src_len:
+            raise ValueError("rows take others' places only with per-row lengths and equal source widths (a bug)")
         take = lambda tensor: tensor.index_select(0, rows)  # noqa: E731 (n, ...) fresh's rows
         width = max(self.cum_scores.size(1), fresh.cum_scores.size(1))  # token columns
         self.tokens = _pad_last(self.tokens, 1 + width, self.pad)
@@ -217,28 +214,23 @@ class DecodingState:
             self._attention_buffer(fresh.attn, self.src_len)
         if self.attn is not None:  # (rows, src_len, width)
             self.attn = _pad_last(self.attn, width)
-            self.attn[slots] = 0 if fresh.attn is None else _pad_last(
-                F.pad(take(fresh.attn), (0, 0, 0, self.src_len - fresh.src_len)), width)
+            self.attn[slots] = 0 if fresh.attn is None else _pad_last(take(fresh.attn), width)
         for name in ("sentence", "max_len", "row_lengths"):
             setattr(self, name, getattr(self, name).clone())  # (rows,) never shared with another state
             getattr(self, name)[slots] = take(getattr(fresh, name))
         self.source_extras |= fresh.source_extras
         for name in {name for name in self.extra} | set(fresh.extra):
             mine, theirs = self.extra.get(name), fresh.extra.get(name)
-            if theirs is not None:
-                theirs = take(theirs)
-                if name in fresh.source_extras:  # (n, ..., src_len)
-                    theirs = _pad_last(theirs, self.src_len)
+            theirs = None if theirs is None else take(theirs)
             if mine is None and theirs is not None:
                 mine = theirs.new_zeros((self.rows,) + theirs.shape[1:])
             if mine is not None:
                 mine = mine.clone()
                 mine[slots] = 0 if theirs is None else theirs
             self.extra[name] = mine
-        narrower = self.src_len - fresh.src_len  # source positions the fresh rows lack, padding at their end
         states, mask = self.encoder_out["encoder_out"][0].clone(), self.encoder_out["encoder_padding_mask"][0].clone()
-        states[:, slots] = F.pad(fresh.encoder_out["encoder_out"][0].index_select(1, rows), (0, 0, 0, 0, 0, narrower))
-        mask[slots] = F.pad(take(fresh.encoder_out["encoder_padding_mask"][0]), (0, narrower), value=True)
+        states[:, slots] = fresh.encoder_out["encoder_out"][0].index_select(1, rows)  # (src_len, n, dim)
+        mask[slots] = take(fresh.encoder_out["encoder_padding_mask"][0])  # (n, src_len)
         self.encoder_out = dict(self.encoder_out, encoder_out=[states], encoder_padding_mask=[mask])
         self.runner.place_rows(self.cache, slots, fresh.cache, rows)
 

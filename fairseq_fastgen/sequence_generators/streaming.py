@@ -303,10 +303,10 @@ class StreamRun:
 def join_any_lengths(parts):
     """The rows of every part in one state (a list of at most one): the first part is the running state (or, where
     none runs, a refill's ``GroupRows``), the others a refill's ``GroupRows``, whatever their lengths: the runner
-    right-aligns their cached positions; sources are right-padded to the widest.  Where the running state keeps
-    finished rows as padding rows (``finished_rows_wait``) and the runner can, the refill's rows take their
-    places straight from their group (``DecodingState.place``) and only the rows left over are copied out of it
-    and appended (a copy of every row)."""
+    right-aligns their cached positions; sources are right-padded to the widest (a group's once, in place, for all
+    its refills).  Where the running state keeps finished rows as padding rows (``finished_rows_wait``) and the
+    runner can, the refill's rows take their places straight from their group (``DecodingState.place``) and only
+    the rows left over are copied out of it and appended (a copy of every row)."""
     if not parts:
         return []
     first, *refills = parts
@@ -320,12 +320,13 @@ def join_any_lengths(parts):
         free = free[:0]
     left_over = []
     for part in refills:
+        group = CompanionFreeLayout.widen(part.group, width)
         placed = min(free.numel(), part.index.numel())
         if placed:
-            running.place(free[:placed], part.group, part.index[:placed])
+            running.place(free[:placed], group, part.index[:placed])
             free = free[placed:]
         if placed < part.index.numel():
-            left_over.append(CompanionFreeLayout.widen(part.group.taken(part.index[placed:]), width))
+            left_over.append(group.taken(part.index[placed:]))
     joined = DecodingState.concat([running] + left_over) if left_over else running
     if joined.runner.takes_rows_in_place:
         narrow_sources(joined)
