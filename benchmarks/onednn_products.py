@@ -1,14 +1,12 @@
 """torch's default CPU product (MKL) against oneDNN's packed one (``--onednn-linear``) at decoding shapes.
 
-    python benchmarks/onednn_products.py [--repeat 200] [--shapes] [--transposed]
+    python benchmarks/onednn_products.py [--repeat 200] [--shapes]
 
 For each weight of the Multi30k transformer (dim 256, ffn 1024, 8k vocabulary)
 and each number of rows (one decoder step of greedy decoding at batch 1 is 1
 row, a blockwise pass at batch 1 is 4, beam 5 at batch 64 is 320), prints the
 median milliseconds of ``F.linear`` and of :func:`onednn_linear` on one thread,
-and the largest difference between their outputs.  ``--transposed`` compares MKL's
-product by the transposed copy of the weight (``--transposed-linear``) instead of
-oneDNN's: the difference is 0 where the two sum in the same order.  ``--shapes`` measures instead
+and the largest difference between their outputs.  ``--shapes`` measures instead
 what each new row count costs oneDNN (it builds one primitive per shape): the
 resident memory added and the first call's extra time, over row counts 1..320.
 Not part of the product: a measuring aid for docs/benchmarks.md.
@@ -22,7 +20,6 @@ import torch.nn.functional as F
 
 from fairseq_fastgen.bench.memory import rss_mib
 from fairseq_fastgen.ops.onednn_linear import onednn_linear, pack_weight
-from fairseq_fastgen.ops.transposed_linear import transpose_weight, transposed_linear
 
 WEIGHTS = {"attention 256x256": (256, 256), "fc1 1024x256": (1024, 256), "fc2 256x1024": (256, 1024),
            "vocabulary 8008x256": (8008, 256)}
@@ -59,8 +56,6 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=200)
     parser.add_argument("--shapes", action="store_true", help="the cost of new row counts instead")
-    parser.add_argument("--transposed", action="store_true",
-                        help="MKL's product by the transposed weight (--transposed-linear) instead of oneDNN's")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -70,15 +65,14 @@ def main():
     print("|---" * (len(ROWS) + 1) + "|")
     for name, (out_features, in_features) in WEIGHTS.items():
         weight, bias = torch.randn(out_features, in_features) * 0.05, torch.randn(out_features) * 0.01
-        copy, product = (transpose_weight(weight), transposed_linear) if args.transposed else (pack_weight(weight),
-                                                                                              onednn_linear)
+        packed = pack_weight(weight)
         cells = []
         for rows in ROWS:
             x = torch.randn(rows, in_features)
             mkl = median_ms(lambda: F.linear(x, weight, bias), args.repeat)
-            other = median_ms(lambda: product(x, copy, bias), args.repeat)
-            diff = float((F.linear(x, weight, bias) - product(x, copy, bias)).abs().max())
-            cells.append(f"{mkl:.3f} / {other:.3f} ({mkl / other:.1f}x, {diff:.0e})")
+            onednn = median_ms(lambda: onednn_linear(x, packed, bias), args.repeat)
+            diff = float((F.linear(x, weight, bias) - onednn_linear(x, packed, bias)).abs().max())
+            cells.append(f"{mkl:.3f} / {onednn:.3f} ({mkl / onednn:.1f}x, {diff:.0e})")
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
 
 

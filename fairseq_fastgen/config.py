@@ -85,16 +85,6 @@ class PluginOptions(FairseqDataclass):
                           "differ in the last bits and a token can change where two candidates are that close "
                           "(every decoder)"},
     )
-    transposed_linear: bool = field(
-        default=False,
-        metadata={"help": "CPU: compute the model's linear layers (vocabulary projection included) by a transposed "
-                          "copy of each weight, made once, for products of 4 rows or more: MKL's product in that "
-                          "layout takes about half the time at 4-8 rows on Intel Xeon CPUs (the steps of greedy "
-                          "decoding at batch 8-16, blockwise verification, streams); fp32 still, but below 12 rows "
-                          "summed in another order, so scores differ in the last bits and a token can change where "
-                          "two candidates are that close; adds the layers' weights once more to memory; "
-                          "--step-engine fairseq and static, every decoder; not with --onednn-linear"},
-    )
     reuse_large_allocations: bool = field(
         default=False,
         metadata={"help": "keep buffers up to 1 GiB in the process's heap (glibc mallopt) instead of fresh pages "

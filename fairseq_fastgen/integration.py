@@ -23,8 +23,7 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    (:func:`fairseq_fastgen.fastseq.optimize_stock_generator`: encoder cache
    shared by the beams unless ``--no-shared-encoder-cache``, n-gram banning
    that works on CPU).  For every decoder, ``--onednn-linear`` routes the
-   model's linear layers through oneDNN while that generator generates, and
-   ``--transposed-linear`` through transposed copies of their weights
+   model's linear layers through oneDNN while that generator generates
    (:mod:`fairseq_fastgen.adapters.linear_forwards`), and ``--reuse-large-allocations``
    sets the process's malloc thresholds (:mod:`fairseq_fastgen.ops.heap`).
    Every generator generates under ``torch.inference_mode`` unless
@@ -80,7 +79,7 @@ from fairseq.tasks.fairseq_task import FairseqTask
 from fairseq_fastgen import checkpoint_safety
 from fairseq_fastgen.adapters.ensemble import restore_ensemble
 from fairseq_fastgen.adapters.generate import give_attributes, take_back_attributes, unwrap_generate
-from fairseq_fastgen.adapters.linear_forwards import use_linear_stand_ins
+from fairseq_fastgen.adapters.linear_forwards import use_onednn_linears
 from fairseq_fastgen.adapters.output_layer import attach_to_stock_generator
 from fairseq_fastgen.cli.live_lines import LiveLines
 from fairseq_fastgen.cluster.directory import run_direction
@@ -194,7 +193,8 @@ def _install_build_generator():
             extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn
             extra["direction"] = direction
             generator = entry.builder(models, self.target_dictionary, args, options=options, **extra)
-        use_linear_stand_ins(generator, models, common)  # --onednn-linear, --transposed-linear: every decoder
+        if common.onednn_linear:
+            use_onednn_linears(generator, models)  # every decoder
         if common.reuse_large_allocations:
             heap.reuse_large_allocations()  # the process's malloc settings
         if not common.no_inference_mode:

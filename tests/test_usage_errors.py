@@ -21,8 +21,6 @@ MISUSES = {
     "engine background": (["--decoder", "greedy", "--beam", "1", "--compile-in-background"],
                           "--compile-in-background applies to --step-engine compiled; got --step-engine static"),
     "streaming option": (["--decoder", "var-stream", "--beam", "4", "--stream-eps", "2"], "--stream-eps"),
-    "two products": (["--decoder", "greedy", "--beam", "1", "--onednn-linear", "--transposed-linear"],
-                     "--onednn-linear and --transposed-linear each choose the linear layers' product: give one"),
     # issue 30 item 2: 0 was read as "every head"; refused before the model loads, whatever the model
     "block size 0": (["--decoder", "blockwise", "--beam", "1", "--blockwise-block-size", "0"],
                      "--blockwise-block-size must be an integer >= 1, got 0"),

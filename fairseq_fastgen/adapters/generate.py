@@ -8,8 +8,8 @@ all, :func:`take_back_attributes` what :func:`give_attributes` set.
 import functools
 
 # what the plugin sets on a generator it built and reads back: the --decoder name, a stock generator's
-# cluster projection and its statistics, the layers' stand-ins of --onednn-linear or --transposed-linear
-GIVEN_ATTRIBUTES = ("fastgen_decoder", "projection", "counters", "linear_stand_ins")
+# cluster projection and its statistics, --onednn-linear's packed layers
+GIVEN_ATTRIBUTES = ("fastgen_decoder", "projection", "counters", "onednn_linears")
 
 
 def wrap_generate(generator, wrapper):

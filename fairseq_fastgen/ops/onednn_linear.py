@@ -29,8 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fairseq_fastgen.ops.derived_weight import DerivedWeightForward
-
 # oneDNN chooses the packed layout for an expected number of rows; measured
 # (8008 x 256, one thread): a hint of 64 rows packs a layout as fast at 1 and 4
 # rows as a hint of 4, and faster at 64-256 rows than a hint of 1 or 4.
@@ -101,17 +99,28 @@ def linear_like(linear: nn.Linear, x: Tensor, weight: Tensor, bias: Optional[Ten
     return F.linear(x, weight, bias)
 
 
-class PackedForward(DerivedWeightForward):
-    """Stands in for ``linear.forward``: the product through the packed weight (``copy``), for products
-    of at least MIN_MULTIPLY_ADDS multiply-adds (below, MKL's call costs less)."""
+class PackedForward:
+    """Stands in for ``linear.forward``: the product through the packed weight."""
 
-    option = "--onednn-linear"
-    derive = staticmethod(pack_weight)
-    product = staticmethod(onednn_linear)
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+        self.source: Optional[Tensor] = None
+        self.version = -1
+        self.packed: Optional[Tensor] = None
 
-    @property
-    def packed(self) -> Optional[Tensor]:
-        return self.copy
+    def is_current(self) -> bool:
+        weight = self.linear.weight
+        return weight is self.source and weight._version == self.version
 
-    def serves(self, x: Tensor, weight: Tensor) -> bool:
-        return onednn_serves(x, weight)
+    def __call__(self, x: Tensor) -> Tensor:
+        linear = self.linear
+        weight = linear.weight
+        if x.device.type != "cpu" or weight.device.type != "cpu":
+            raise ValueError(f"--onednn-linear runs on the CPU; this layer's input is on {x.device} and its weight "
+                             f"on {weight.device}: leave the option out")
+        if not onednn_serves(x, weight):  # gradients, other dtypes, and small products (MKL's call costs less)
+            return F.linear(x, weight, linear.bias)
+        if not self.is_current():
+            self.packed = pack_weight(weight)
+            self.source, self.version = weight, weight._version
+        return onednn_linear(x, self.packed, linear.bias)
