@@ -81,9 +81,9 @@ class PluginOptions(FairseqDataclass):
         default=False,
         metadata={"help": "CPU: compute the model's linear layers (vocabulary projection included) with oneDNN's "
                           "prepacked fp32 product instead of torch's default (MKL), 2-4x faster on CPUs where MKL "
-                          "takes a generic path, such as AMD's (slower on Intel Xeons: leave it off there); fp32 still, but summed in another order, so scores "
-                          "differ in the last bits and a token can change where two candidates are that close "
-                          "(every decoder)"},
+                          "takes a generic path, such as AMD's (slower on Intel Xeons: leave it off there); fp32 "
+                          "still, but summed in another order, so scores differ in the last bits and a token can "
+                          "change where two candidates are that close (every decoder)"},
     )
     reuse_large_allocations: bool = field(
         default=False,
