@@ -209,31 +209,27 @@ class StaticCache:
             selected[:, :, self.length:] = 0
         return selected
 
-    def place(self, slots: Tensor, other: "StaticCache", rows: Optional[Tensor] = None):
-        """Rows ``slots`` (n,) take the rows ``rows`` (n,) of ``other`` (default: its first n), another started
-        cache (a refill entering the rows finished ones left, straight from its group's cache): their
-        encoder-decoder keys/values and mask are copied in, every position written so far becomes padding for
-        them, and the positions ``other`` wrote (a refill's bos, run ahead with its group's) are right-aligned to
-        end at this cache's length, as ``concat`` right-aligns a shorter cache; their next step writes at this
-        cache's length."""
+    def place(self, slots: Tensor, other: "StaticCache", rows: Tensor):
+        """Rows ``slots`` (n,) take the rows ``rows`` (n,) of ``other``, another started cache of the same source
+        width (a refill entering the rows finished ones left, straight from its group's cache, both widened to
+        the widest source first): their encoder-decoder keys/values and mask are copied in, every position
+        written so far becomes padding for them, and the positions ``other`` wrote (a refill's bos, run ahead
+        with its group's) are right-aligned to end at this cache's length, as ``concat`` right-aligns a shorter
+        cache; their next step writes at this cache's length."""
         if other is self or not other.started or not self.started or self.beams > 1 or other.beams > 1:
             raise ValueError("only another started cache's rows take the place of a running one's (a bug)")
-        extra = other.cross_keys[0].size(2) - self.cross_keys[0].size(2)
-        if extra > 0:
-            self.widen_source(extra)
-        if rows is None:
-            rows = torch.arange(slots.numel(), device=slots.device)
         width = self.cross_keys[0].size(2)
-        narrower = width - other.cross_keys[0].size(2)  # source positions the fresh rows lack
+        if other.cross_keys[0].size(2) != width:
+            raise ValueError(f"rows of a {other.cross_keys[0].size(2)}-wide source cannot take places in a "
+                             f"{width}-wide one: widen both to the widest first (a bug)")
         for mine, theirs in zip(self.cross_keys + self.cross_values, other.cross_keys + other.cross_values):
-            theirs = theirs.index_select(0, rows)  # (n, heads, src, hd)
-            mine[slots] = F.pad(theirs, (0, 0, 0, narrower)) if narrower else theirs
+            mine[slots] = theirs.index_select(0, rows)  # (n, heads, src, hd)
         mask = other.cross_mask
         if mask is None:
             mask = slots.new_zeros((other.cross_keys[0].size(0), other.cross_keys[0].size(2)), dtype=torch.bool)
         if self.cross_mask is None:
             self.cross_mask = slots.new_zeros((self.cross_keys[0].size(0), width), dtype=torch.bool)
-        self.cross_mask[slots] = F.pad(mask.index_select(0, rows), (0, width - mask.size(1)), value=True)
+        self.cross_mask[slots] = mask.index_select(0, rows)
         self.cross_origin = self.cross_origin.clone()  # origins stay distinct: the new rows are their own
         self.cross_origin[slots] = int(self.cross_origin.max()) + 1 + torch.arange(slots.numel(), device=slots.device)
         if other.length > self.length:

@@ -162,28 +162,30 @@ def test_positions_no_row_attends_are_dropped_from_the_front():
 
 
 def test_fresh_rows_take_finished_rows_places():
-    """A refill's rows enter the rows finished ones left (streaming with --stream-join-lengths): their
-    encoder-decoder keys/values and mask are copied in (the running rows' own stay), the narrower source is
-    right-padded, the positions written so far become padding for them only, and a zeroed cache keeps them zero."""
-    heads, head_dim, length = 2, 4, 7
+    """A refill's rows enter the rows finished ones left (streaming with --stream-join-lengths): the rows of the
+    fresh cache named take the slots, their encoder-decoder keys/values and mask are copied in (the running rows'
+    own stay), the positions written so far become padding for them only, and a zeroed cache keeps them zero.
+    Both caches hold sources of one width (the stream widens both first); another width is refused."""
+    heads, head_dim, length, width = 2, 4, 7, 6
     running = StaticCache(capacity=12, zeroed=True)
-    running.start([torch.randn(4, heads, 5, head_dim)], [torch.randn(4, heads, 5, head_dim)], None, heads, head_dim)
+    running.start([torch.randn(4, heads, width, head_dim)], [torch.randn(4, heads, width, head_dim)], None, heads,
+                  head_dim)
     for buffer in running.self_keys + running.self_values:
         buffer[:, :, :length] = torch.randn(4, heads, length, head_dim)
     running.length = length
     fresh = StaticCache(capacity=12)
-    fresh_mask = torch.tensor([[False] * 6, [True, False, False, False, False, False]])
-    fresh.start([torch.randn(2, heads, 6, head_dim)], [torch.randn(2, heads, 6, head_dim)], fresh_mask, heads, head_dim)
+    fresh_mask = torch.tensor([[False] * 6, [True, False, False, False, False, False], [False] * 4 + [True] * 2])
+    fresh.start([torch.randn(3, heads, width, head_dim)], [torch.randn(3, heads, width, head_dim)], fresh_mask, heads,
+                head_dim)
     before_keys, before_self = running.cross_keys[0].clone(), running.self_keys[0].clone()
 
-    running.place(torch.tensor([3, 1]), fresh)
+    running.place(torch.tensor([3, 1]), fresh, torch.tensor([2, 0]))  # fresh row 2 into slot 3, row 0 into 1
 
-    assert running.cross_keys[0].shape == (4, heads, 6, head_dim)  # widened to the fresh rows' source
-    assert torch.equal(running.cross_keys[0][[3, 1]], fresh.cross_keys[0])
-    assert torch.equal(running.cross_values[0][[3, 1]], fresh.cross_values[0])
-    assert torch.equal(running.cross_keys[0][[0, 2], :, :5], before_keys[[0, 2]])  # the running rows' own keys
-    assert running.cross_mask.tolist() == [[False] * 5 + [True], fresh_mask[1].tolist(), [False] * 5 + [True],
-                                           fresh_mask[0].tolist()]
+    assert running.cross_keys[0].shape == (4, heads, width, head_dim)
+    assert torch.equal(running.cross_keys[0][[3, 1]], fresh.cross_keys[0][[2, 0]])
+    assert torch.equal(running.cross_values[0][[3, 1]], fresh.cross_values[0][[2, 0]])
+    assert torch.equal(running.cross_keys[0][[0, 2]], before_keys[[0, 2]])  # the running rows' own keys
+    assert running.cross_mask.tolist() == [[False] * 6, fresh_mask[0].tolist(), [False] * 6, fresh_mask[2].tolist()]
     assert running.self_padding[:, :length].tolist() == [[False] * length, [True] * length, [False] * length,
                                                          [True] * length]
     assert not running.self_padding[:, length:].any()  # the fresh rows' first step writes at position 7
@@ -191,7 +193,11 @@ def test_fresh_rows_take_finished_rows_places():
     assert (running.self_keys[0][[1, 3], :, :length] == 0).all()  # zeroed: released positions hold zeros
     assert len(set(running.cross_origin.tolist())) == 4  # no reorder takes a fresh row for a running one
     with pytest.raises(ValueError, match="another started cache"):
-        running.place(torch.tensor([0]), running)  # a cache's rows cannot take places in itself
+        running.place(torch.tensor([0]), running, torch.tensor([1]))  # a cache's rows cannot take places in itself
+    narrower = StaticCache(capacity=12)
+    narrower.start([torch.randn(1, heads, 5, head_dim)], [torch.randn(1, heads, 5, head_dim)], None, heads, head_dim)
+    with pytest.raises(ValueError, match="widen both to the widest first"):
+        running.place(torch.tensor([0]), narrower, torch.tensor([0]))
 
 
 @pytest.mark.parametrize("running_length", [5, 0])
