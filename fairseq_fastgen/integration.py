@@ -90,7 +90,7 @@ from fairseq_fastgen.fastseq import restore_stock_generator as restore_fastseq
 from fairseq_fastgen.ops import heap
 from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
 from fairseq_fastgen.option_checks import UsageError, check_generation_options
-from fairseq_fastgen.options import FastgenOptions, parse_options
+from fairseq_fastgen.options import FastgenOptions, options_not_read, parse_options
 from fairseq_fastgen.sequence_generators.live_stream import LiveStream
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.streaming import prepare_streaming_cli
@@ -166,6 +166,17 @@ def selected_decoder(options: FastgenOptions):
     return entry
 
 
+_options_not_read_named = set()  # (decoder, flags) already named in a warning: once per process
+
+
+def warn_options_not_read(entry, options: FastgenOptions):
+    """One warning line naming the options of other decoders set for this one, which it does not read."""
+    flags = tuple(options_not_read(entry, options))
+    if flags and (entry.name, flags) not in _options_not_read_named:
+        _options_not_read_named.add((entry.name, flags))
+        logger.warning(f"--decoder {entry.name} does not read {', '.join(flags)}: not used")
+
+
 def _install_build_generator():
     original = FairseqTask.build_generator
 
@@ -178,6 +189,7 @@ def _install_build_generator():
         options = parse_options(args)  # the plugin's options, read once: every step below takes them typed
         entry = selected_decoder(options)
         check_generation_options(options)  # every numeric plugin option finite and in range (hub interface too)
+        warn_options_not_read(entry, options)  # another decoder's option set here: named once, not silently dropped
         common = options.common
         direction = run_direction(self)  # the run's (source, target) languages: the file --cluster-projection DIR gives
         if entry.builder is None:

@@ -13,7 +13,7 @@ the option checks take these typed values, never the raw config.
 
 import dataclasses
 import enum
-from typing import Any, Dict, Type, TypeVar
+from typing import Any, Dict, List, Type, TypeVar
 
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.sequence_generators.registry import DECODERS
@@ -57,9 +57,24 @@ def read_options(options_class: Type[Options], gen_cfg) -> Options:
     for f in option_fields(options_class):
         value = getattr(gen_cfg, f.name, _MISSING)
         if value is _MISSING:
-            value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            value = _default(f)
         values[f.name] = value.value if isinstance(value, enum.Enum) else value
     return options_class(**values)
+
+
+def options_not_read(entry, options: FastgenOptions) -> List[str]:
+    """The decoder options set away from their defaults that the decoder of registry ``entry`` does not read
+    (``--stream-join-lengths`` with ``--decoder greedy``), as their command-line flags."""
+    flags = []
+    for options_class, values in options.decoders.items():
+        for f in option_fields(options_class):
+            if not entry.reads_option(options_class, f) and getattr(values, f.name) != _default(f):
+                flags.append("--" + f.name.replace("_", "-"))
+    return flags
+
+
+def _default(f):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def option_fields(options_class):

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 import fairseq_fastgen  # noqa: F401  (registers the decoders and their options)
 from fairseq_fastgen.config import PluginOptions
-from fairseq_fastgen.options import FastgenOptions, parse_options, read_options
+from fairseq_fastgen.options import FastgenOptions, options_not_read, parse_options, read_options
 from fairseq_fastgen.sequence_generators.blockwise.options import BlockwiseOptions
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.streaming import StreamOptions
@@ -78,3 +78,22 @@ def test_by_name_lists_every_plugin_option_once():
 def test_read_options_takes_one_dataclass():
     assert read_options(VarBeamOptions, Namespace(var_beam_max_cands=2)) == VarBeamOptions(var_beam_max_cands=2)
     assert isinstance(parse_options(Namespace()), FastgenOptions)
+
+
+def test_options_not_read_are_those_of_other_decoders():
+    """Each decoder reads its own options and the streaming ones where it streams; --stream-join-lengths is
+    greedy-stream's alone.  Options left at their defaults are never named."""
+    given = Namespace(stream_eps=0.5, stream_join_lengths=True, blockwise_top_k=3, var_beam_delta=0.5)
+    not_read = {name: set(options_not_read(entry, parse_options(given))) for name, entry in DECODERS.items()}
+    stream, join, top_k, delta = "--stream-eps", "--stream-join-lengths", "--blockwise-top-k", "--var-beam-delta"
+    assert not_read == {
+        "beam": {stream, join, top_k, delta},
+        "greedy": {stream, join, top_k, delta},
+        "greedy-stream": {top_k, delta},
+        "blockwise": {stream, join, delta},
+        "blockwise-stream": {join, delta},
+        "var-batch": {stream, join, top_k},
+        "var-stream": {join, top_k},
+        "fixed-stream": {join, top_k, delta},
+    }
+    assert all(options_not_read(entry, parse_options(Namespace())) == [] for entry in DECODERS.values())

@@ -112,7 +112,7 @@ class GreedyGenerator(FastgenGenerator):
         return cls(model, tgt_dict, gen_cfg, options.common, GreedyPolicy(), projection=projection)
 
 
-@register_decoder("greedy-stream", prepare_cli=prepare_streaming_cli,
+@register_decoder("greedy-stream", prepare_cli=prepare_streaming_cli, reads=(StreamOptions,),
                   guarantee="greedy decoding streamed with refills (continuous batching); greedy's tokens")
 class GreedyStreamGenerator(FastgenGenerator):
     """Greedy decoding with streaming refills: the tokens of ``greedy``, and scores that do not depend on

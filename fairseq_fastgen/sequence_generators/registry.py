@@ -15,7 +15,7 @@ A builder of ``None`` means "use fairseq's own ``build_generator``".
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Type
+from typing import Callable, Dict, Optional, Tuple, Type
 
 
 @dataclass(frozen=True)
@@ -27,29 +27,41 @@ class DecoderEntry:
     # prepare_cli(cfg, tool) adjusts the full fairseq config before fairseq-generate
     # ("generate") or fairseq-interactive ("interactive") runs (e.g. streaming pools)
     prepare_cli: Optional[Callable] = None
+    # the decoder-options dataclasses it reads (its own ``options`` too); a field may narrow this to the decoders
+    # named in its metadata's "decoders"; an option it does not read, set on its command line, is named in a warning
+    reads: Tuple[Type, ...] = ()
+
+    def reads_option(self, options_class: Type, field) -> bool:
+        """Whether this decoder reads ``field`` of ``options_class`` (a decoder-options dataclass)."""
+        readers = field.metadata.get("decoders")
+        if readers is not None:
+            return self.name in readers
+        return options_class is self.options or options_class in self.reads
 
 
 DECODERS: Dict[str, DecoderEntry] = {}
 
 
-def register_decoder(name: str, options: Optional[Type] = None, guarantee: str = "", prepare_cli=None):
-    """Class decorator: ``@register_decoder("greedy", options=GreedyOptions)``.
+def register_decoder(name: str, options: Optional[Type] = None, guarantee: str = "", prepare_cli=None,
+                     reads: Tuple[Type, ...] = ()):
+    """Class decorator: ``@register_decoder("greedy", options=GreedyOptions)``; ``reads``: the other decoders'
+    options dataclasses this one reads as well (``StreamOptions`` for a streamed decoder).
 
     The decorated class must provide ``from_config(models, tgt_dict, gen_cfg, options=None, **extra)``.
     """
 
     def wrap(cls):
         summary = guarantee or (cls.__doc__ or "").strip().split("\n")[0]
-        register_builder(name, cls.from_config, options, summary, prepare_cli)
+        register_builder(name, cls.from_config, options, summary, prepare_cli, reads)
         return cls
 
     return wrap
 
 
-def register_builder(name, builder, options=None, guarantee="", prepare_cli=None):
+def register_builder(name, builder, options=None, guarantee="", prepare_cli=None, reads=()):
     if name in DECODERS:
         raise ValueError(f"decoder {name!r} is already registered")
-    DECODERS[name] = DecoderEntry(name, builder, options, guarantee, prepare_cli)
+    DECODERS[name] = DecoderEntry(name, builder, options, guarantee, prepare_cli, tuple(reads))
 
 
 def decoder_names():

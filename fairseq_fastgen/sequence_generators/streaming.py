@@ -125,7 +125,9 @@ class StreamOptions(FairseqDataclass):
         metadata={"help": "greedy-stream: a refill's rows join the running ones whatever their lengths, all rows "
                           "in one model call at their own positions (--step-engine static or compiled); greedy's "
                           "tokens, scores within float rounding. Default: cohorts of equal length, scores that do "
-                          "not depend on the sentences beside each one"},
+                          "not depend on the sentences beside each one",
+                  # read by greedy-stream alone (blockwise-stream always joins lengths; the beam streams never do)
+                  "decoders": ("greedy-stream",)},
     )
     stream_pool: int = field(
         default=1024,

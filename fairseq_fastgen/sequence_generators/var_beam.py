@@ -281,7 +281,7 @@ class VarBatchGenerator(BeamGenerator):
         return StreamingScheduler()
 
 
-@register_decoder("var-stream", options=StreamOptions, prepare_cli=prepare_streaming_cli,
+@register_decoder("var-stream", options=StreamOptions, prepare_cli=prepare_streaming_cli, reads=(VarBeamOptions,),
                   guarantee="variable-width beam search, streamed with refills; identical to var-batch")
 class VarStreamGenerator(BeamGenerator):
     """Variable-width beam search with streaming refills; token- and score-identical to var-batch."""
@@ -290,7 +290,7 @@ class VarStreamGenerator(BeamGenerator):
     policy_for = staticmethod(variable_beam_policy)
 
 
-@register_decoder("fixed-stream", prepare_cli=prepare_streaming_cli,
+@register_decoder("fixed-stream", prepare_cli=prepare_streaming_cli, reads=(StreamOptions,),
                   guarantee="fixed-width beam search, streamed with refills")
 class FixedStreamGenerator(BeamGenerator):
     """Fixed-width beam search with streaming refills; token- and score-identical to it on static batches."""

@@ -63,7 +63,7 @@ class BlockwiseGenerator(FastgenGenerator):
 
 
 @register_decoder(
-    "blockwise-stream", prepare_cli=prepare_streaming_cli,
+    "blockwise-stream", prepare_cli=prepare_streaming_cli, reads=(BlockwiseOptions, StreamOptions),
     guarantee="blockwise decoding streamed with refills (continuous batching): rows at different lengths verify "
               "their blocks in one call; blockwise's tokens",
 )
