@@ -107,14 +107,16 @@ class PluginOptions(FairseqDataclass):
     )
     no_shared_encoder_cache: bool = field(
         default=False,
-        metadata={"help": "keep one copy of the encoder-decoder attention keys/values per beam, as stock "
-                          "fairseq does, instead of one per sentence shared by its beams; for language models "
-                          "(transformer_lm), also decode and cache the prompt per beam"},
+        metadata={"help": "--decoder beam: keep one copy of the encoder-decoder attention keys/values per beam, "
+                          "as stock fairseq does, instead of one per sentence shared by its beams; for language "
+                          "models (transformer_lm), also decode and cache the prompt per beam",
+                  "decoders": ("beam",)},  # the plugin's own decoders share them in their step engine's cache
     )
     no_lean_beam_loop: bool = field(
         default=False,
         metadata={"help": "--decoder beam: run fairseq's own beam search loop instead of the plugin's, which "
-                          "gives the same output with fewer passes over the vocabulary per step"},
+                          "gives the same output with fewer passes over the vocabulary per step",
+                  "decoders": ("beam",)},
     )
 
 

@@ -63,11 +63,14 @@ def read_options(options_class: Type[Options], gen_cfg) -> Options:
 
 
 def options_not_read(entry, options: FastgenOptions) -> List[str]:
-    """The decoder options set away from their defaults that the decoder of registry ``entry`` does not read
-    (``--stream-join-lengths`` with ``--decoder greedy``), as their command-line flags."""
+    """The options set away from their defaults that the decoder of registry ``entry`` does not read
+    (``--stream-join-lengths`` with ``--decoder greedy``), as their command-line flags: of the decoder-options
+    dataclasses, and the common options whose metadata names their decoders (``--no-lean-beam-loop``)."""
     flags = []
-    for options_class, values in options.decoders.items():
+    for options_class, values in [(PluginOptions, options.common), *options.decoders.items()]:
         for f in option_fields(options_class):
+            if options_class is PluginOptions and "decoders" not in f.metadata:
+                continue  # read by every decoder
             if not entry.reads_option(options_class, f) and getattr(values, f.name) != _default(f):
                 flags.append("--" + f.name.replace("_", "-"))
     return flags

@@ -32,7 +32,8 @@ class DecoderEntry:
     reads: Tuple[Type, ...] = ()
 
     def reads_option(self, options_class: Type, field) -> bool:
-        """Whether this decoder reads ``field`` of ``options_class`` (a decoder-options dataclass)."""
+        """Whether this decoder reads ``field`` of ``options_class`` (a decoder-options dataclass, or the common
+        options where the field's metadata names its decoders)."""
         readers = field.metadata.get("decoders")
         if readers is not None:
             return self.name in readers
