@@ -16,6 +16,7 @@ import enum
 from typing import Any, Dict, List, Type, TypeVar
 
 from fairseq_fastgen.config import PluginOptions
+from fairseq_fastgen.option_checks import flag
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 
 Options = TypeVar("Options")
@@ -72,7 +73,7 @@ def options_not_read(entry, options: FastgenOptions) -> List[str]:
             if options_class is PluginOptions and "decoders" not in f.metadata:
                 continue  # read by every decoder
             if not entry.reads_option(options_class, f) and getattr(values, f.name) != _default(f):
-                flags.append("--" + f.name.replace("_", "-"))
+                flags.append(flag(f.name))
     return flags
 
 

@@ -224,12 +224,9 @@ class StaticCache:
                              f"{width}-wide one: widen both to the widest first (a bug)")
         for mine, theirs in zip(self.cross_keys + self.cross_values, other.cross_keys + other.cross_values):
             mine[slots] = theirs.index_select(0, rows)  # (n, heads, src, hd)
-        mask = other.cross_mask
-        if mask is None:
-            mask = slots.new_zeros((other.cross_keys[0].size(0), other.cross_keys[0].size(2)), dtype=torch.bool)
         if self.cross_mask is None:
             self.cross_mask = slots.new_zeros((self.cross_keys[0].size(0), width), dtype=torch.bool)
-        self.cross_mask[slots] = mask.index_select(0, rows)
+        self.cross_mask[slots] = False if other.cross_mask is None else other.cross_mask.index_select(0, rows)
         self.cross_origin = self.cross_origin.clone()  # origins stay distinct: the new rows are their own
         self.cross_origin[slots] = int(self.cross_origin.max()) + 1 + torch.arange(slots.numel(), device=slots.device)
         if other.length > self.length:
