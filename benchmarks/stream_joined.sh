@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Streaming that joins lengths beside fixed batches (docs/benchmarks.md, "Streaming that joins lengths"):
 # greedy beside greedy-stream --stream-join-lengths, blockwise (the frozen k = 4 student) beside
-# blockwise-stream, at capacities 8 and 16 with a refill as soon as a row finishes (--stream-eps 1 - 1/capacity).
+# blockwise-stream, at capacities 8 and 16 with a refill as soon as a row finishes (their default --stream-eps).
 # One fastgen-bench run per decoder family and capacity, passes interleaved.
 #
 #   bash benchmarks/stream_joined.sh [MODEL_DIR] [OUT_DIR] [SENTENCES] [ENGINE]
@@ -20,13 +20,12 @@ BENCH=(.venv/bin/fastgen-bench "$M/bin" --path "$M/base/checkpoint_best.pt" --cp
        --post-process sentencepiece --repeat "${REPEAT:-5}" --no-ctranslate2 --step-engine "$ENGINE"
        --max-sentences "$SENTENCES" --beam 1 ${ENGINE_OPTIONS:-})
 for CAPACITY in ${CAPACITIES:-8 16}; do
-  EPS=$(python3 -c "print(1 - 1 / $CAPACITY)")
   for FAMILY in ${FAMILIES:-greedy blockwise}; do
     case $FAMILY in
       greedy) FAMILY_OPTIONS=(--stream-join-lengths) ;;
       *) FAMILY_OPTIONS=(--khead-path "$M/khead4/checkpoint_last.pt") ;;
     esac
     "${BENCH[@]}" --batch-size "$CAPACITY" --decoders "$FAMILY,$FAMILY-stream" --reference "$FAMILY" \
-        "${FAMILY_OPTIONS[@]}" --stream-eps "$EPS" --output-dir "$OUT/$FAMILY-$CAPACITY"
+        "${FAMILY_OPTIONS[@]}" --output-dir "$OUT/$FAMILY-$CAPACITY"
   done
 done

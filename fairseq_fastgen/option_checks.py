@@ -96,7 +96,7 @@ GENERATION_OPTIONS = {
     "postprocess_workers": Check("int", 0),
     "var_beam_delta": Check("real", 0, allow_inf=True),  # inf: no threshold
     "var_beam_max_cands": Check("int", 1),
-    "stream_eps": Check("real", 0, 1),
+    "stream_eps": Check("real", 0, 1, optional=True),  # None: the decoder's own (streaming.py)
     "stream_capacity": Check("int", 1, optional=True),
     "stream_capacity_tokens": Check("int", 1, optional=True),
     "stream_capacity_rows": Check("int", 1, optional=True),

@@ -124,7 +124,7 @@ class GreedyStreamGenerator(FastgenGenerator):
     def build(cls, model, tgt_dict, gen_cfg, options, projection=None):
         one_hypothesis_per_sentence(cls.name, gen_cfg)
         stream_options = options.of(StreamOptions)
-        scheduler = StreamingScheduler.from_options(stream_options)
+        scheduler = StreamingScheduler.from_options(stream_options, joins_lengths=stream_options.stream_join_lengths)
         policy = GreedyPolicy(padded=True)
         if stream_options.stream_join_lengths:
             if options.common.step_engine == "fairseq":

@@ -88,15 +88,20 @@ KEY_BLOCK = 4  # q·Kᵀ columns computed together
 MIN_KEY_WIDTH = 16  # narrower encoder outputs take another q·Kᵀ kernel
 PADDING_SENTENCE = -1  # sentence index of padding rows
 ENCODED_AHEAD = 4  # a stream that joins lengths encodes this many capacities of sources in one call
+COHORT_EPS = 1 / 6  # default refill point of a stream whose refills start cohorts of their own (the paper's)
+JOINED_EPS = 1.0  # ... and of one whose refills take finished rows' places: as soon as a source fits
 SELECTIONS = ["min-length", "fifo"]  # which cohort a streaming iteration expands
 
 
 @dataclass
 class StreamOptions(FairseqDataclass):
-    stream_eps: float = field(
-        default=1 / 6,
+    stream_eps: Optional[float] = field(
+        default=None,
         metadata={"help": "streaming decoders: encode and add new sources when the active ones fall to this "
-                          "fraction of the capacity (epsilon of Yang et al. 2020)"},
+                          "fraction of the capacity (epsilon of Yang et al. 2020). Default: 1 (a refill as soon as "
+                          "a row finishes and a source fits) for blockwise-stream and greedy-stream "
+                          "--stream-join-lengths, whose refills take finished rows' places; 1/6 for var-stream, "
+                          "fixed-stream and greedy-stream's cohorts"},
     )
     stream_capacity: Optional[int] = field(
         default=None,
@@ -165,7 +170,7 @@ def prepare_streaming_cli(cfg, tool):
 class StreamingScheduler:
     """Refill-on-demand streaming over cohorts of sources (see the module doc)."""
 
-    def __init__(self, capacity: Optional[int] = None, capacity_tokens: Optional[int] = None, eps: float = 1 / 6,
+    def __init__(self, capacity: Optional[int] = None, capacity_tokens: Optional[int] = None, eps: float = COHORT_EPS,
                  capacity_rows: Optional[int] = None, selection: str = "min-length"):
         for option, value in (("--stream-capacity", capacity), ("--stream-capacity-tokens", capacity_tokens),
                               ("--stream-capacity-rows", capacity_rows)):
@@ -181,9 +186,14 @@ class StreamingScheduler:
         self.selection = selection
 
     @classmethod
-    def from_options(cls, options: StreamOptions):
-        return cls(options.stream_capacity, options.stream_capacity_tokens, options.stream_eps,
-                   options.stream_capacity_rows, str(options.stream_selection))
+    def from_options(cls, options: StreamOptions, joins_lengths: bool = False):
+        """The scheduler of ``options``; ``joins_lengths``: the policy's refills take finished rows' places (its
+        default ``--stream-eps`` is then ``JOINED_EPS``, else ``COHORT_EPS``)."""
+        eps = options.stream_eps
+        if eps is None:
+            eps = JOINED_EPS if joins_lengths else COHORT_EPS
+        return cls(options.stream_capacity, options.stream_capacity_tokens, eps, options.stream_capacity_rows,
+                   str(options.stream_selection))
 
     @property
     def streams(self) -> bool:
@@ -288,9 +298,13 @@ class StreamRun:
 
     def _admit(self):
         """How many sources, from ``next_source`` on, fit beside the active ones (at least one if none is)."""
-        pending = self.source_len[self.next_source:].tolist()
-        if not self.scheduler.streams:
-            return len(pending)
+        scheduler = self.scheduler
+        if not scheduler.streams:
+            return self.ctx.pool.size - self.next_source
+        # a source counts at least one sentence, token and row: no more than the smallest capacity enter at once
+        room = max(1, min(c for c in (scheduler.capacity, scheduler.capacity_tokens, scheduler.capacity_rows)
+                          if c is not None))
+        pending = self.source_len[self.next_source:self.next_source + room].tolist()
         sentences, tokens, rows = self._load() if self.cohorts else (0, 0, 0)
         admitted = 0
         for length in pending:

@@ -404,6 +404,49 @@ def test_blockwise_refills_take_finished_rows_places(loaded, engine, monkeypatch
     assert generator.counters.counts["encoder_calls"] <= TEST_SENTENCES // (2 * CAPACITY)
 
 
+REFILL_DEFAULTS = {  # a streaming decoder's options -> the --stream-eps its default acts as at CAPACITY, and another
+    "greedy-stream --stream-join-lengths": (dict(decoder="greedy-stream", stream_join_lengths=True), 7 / 8, 1 / 6),
+    "greedy-stream cohorts": (dict(decoder="greedy-stream"), 1 / 6, 7 / 8),
+    "var-stream": (dict(decoder="var-stream", beam=5), 1 / 6, 7 / 8),
+}
+
+
+def refills_and_calls(generator):
+    counts = generator.counters.counts
+    return counts["refills"], counts["model_calls"]
+
+
+@pytest.mark.parametrize("options, acts_as, other", REFILL_DEFAULTS.values(), ids=REFILL_DEFAULTS.keys())
+def test_default_refill_point_is_the_decoders_own(toy, options, acts_as, other):
+    """Without --stream-eps a stream whose refills take finished rows' places refills as soon as a row finishes
+    and a source fits (at CAPACITY what 7/8 does, a row below it); one whose refills start cohorts of their own
+    at 1/6 of the capacity, the paper's.  The same outputs and the same refills and calls as that setting, other
+    ones than the other setting's."""
+    ids = list(range(0, TEST_SENTENCES, 2))
+    runs = {}
+    for eps in (None, acts_as, other):
+        given = {} if eps is None else {"stream_eps": eps}
+        generator = toy.generator(stream_capacity=CAPACITY, **options, **given, **SOURCE_LENGTH)
+        runs[eps] = toy.translate(generator, ids), refills_and_calls(generator)
+    assert_identical(runs[acts_as][0], runs[None][0], across_batches=True)
+    assert runs[None][1] == runs[acts_as][1] != runs[other][1]
+
+
+def test_blockwise_stream_refills_as_rows_finish_by_default(loaded, monkeypatch):
+    """blockwise-stream's refills take finished rows' places: without --stream-eps it refills as soon as a row
+    finishes (at CAPACITY the refills and calls of 7/8, more refills and fewer calls than at 1/6); blockwise's
+    tokens."""
+    model, task = loaded(4)
+    reference, _ = decode(model, task, 25, decoder="blockwise", **SOURCE_LENGTH)
+    runs = {}
+    for eps in (None, 7 / 8, 1 / 6):
+        generator, _, streamed = stream_blockwise(model, task, monkeypatch, **({} if eps is None else {"stream_eps": eps}))
+        assert_blockwise_tokens(reference, streamed, tolerance=1e-5)
+        runs[eps] = refills_and_calls(generator)
+    assert runs[None] == runs[7 / 8]
+    assert runs[None][0] > runs[1 / 6][0] and runs[None][1] < runs[1 / 6][1]
+
+
 def test_blockwise_stream_verifies_joined_rows_in_compiled_block_units(loaded, monkeypatch):
     """--step-engine compiled --compiled-freezing: rows joined at different lengths verify their blocks (and a
     group of sources started ahead its bos positions, padded to a block) in the units compiled ahead of time for

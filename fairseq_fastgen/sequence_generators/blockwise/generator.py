@@ -74,7 +74,7 @@ class BlockwiseStreamGenerator(BlockwiseGenerator):
 
     @staticmethod
     def scheduler_for(options):
-        scheduler = StreamingScheduler.from_options(options.of(StreamOptions))
+        scheduler = StreamingScheduler.from_options(options.of(StreamOptions), joins_lengths=True)
         if scheduler.selection != "min-length":
             raise UsageError(f"--stream-selection {scheduler.selection}: --decoder blockwise-stream expands every "
                              f"active row at every iteration; the selection applies to the cohorts of greedy-stream, "
