@@ -21,7 +21,8 @@ ENGINES=${6:-fairseq static}
 BENCH=(.venv/bin/fastgen-bench "$M/bin" --path "$M/base/checkpoint_best.pt" --cpu --threads "$THREADS"
        --post-process sentencepiece --repeat "${REPEAT:-3}" --no-ctranslate2)
 FAMILIES=${FAMILIES:-greedy blockwise var-beam}
-# refills at 1/2 and 7/8 of the capacity beside the default 1/6
+# refills at 1/6 of the capacity (the cohort streams' default), 1/2 and 7/8
+SIXTH=(--stream-eps 0.16666666666666666)
 EPS=(--variant "eps-half=--stream-eps 0.5" --variant "eps-7of8=--stream-eps 0.875")
 KHEAD=$M/khead4/checkpoint_last.pt
 
@@ -29,11 +30,11 @@ runs() { [[ " $FAMILIES " == *" $1 "* ]]; }
 
 for ENGINE in $ENGINES; do
   runs greedy && "${BENCH[@]}" --step-engine "$ENGINE" --max-sentences "$SENTENCES" --batch-size 8,16,64 \
-      --decoders greedy,greedy-stream --beam 1 --reference greedy "${EPS[@]}" \
+      --decoders greedy,greedy-stream --stream-cohorts --beam 1 --reference greedy "${SIXTH[@]}" "${EPS[@]}" \
       --output-dir "$OUT/greedy-$ENGINE-t$THREADS"
   if runs blockwise && [ -f "$KHEAD" ]; then
     "${BENCH[@]}" --step-engine "$ENGINE" --max-sentences "$SENTENCES" --batch-size 8,16,64 --khead-path "$KHEAD" \
-        --decoders blockwise,blockwise-stream --beam 1 --reference blockwise "${EPS[@]}" \
+        --decoders blockwise,blockwise-stream --beam 1 --reference blockwise "${SIXTH[@]}" "${EPS[@]}" \
         --output-dir "$OUT/blockwise-$ENGINE-t$THREADS"
   fi
   # var-batch beside var-stream: the default selection (least expanded first), fifo, and a budget of

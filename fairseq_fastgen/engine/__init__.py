@@ -63,6 +63,14 @@ def serve_stock_search(generator, models, options: PluginOptions) -> bool:
                                       options.compile_in_background)
 
 
+def engine_serves(model, options: PluginOptions) -> bool:
+    """Whether a step engine (``static`` or ``compiled``), not fairseq's incremental decoder, runs ``model``'s
+    steps under ``options`` (``build_runner`` falls back to fairseq's where the engine cannot serve it)."""
+    from fairseq_fastgen.engine.decoder_step import unsupported_reason
+
+    return engine_setting(options) != "fairseq" and unsupported_reason(model.decoder) is None
+
+
 def build_runner(model, options: PluginOptions, temperature: float, projection):
     """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not
     (``temperature``: fairseq's ``--temperature``)."""

@@ -2,6 +2,7 @@
 
 import torch
 
+from fairseq_fastgen.engine import engine_serves
 from fairseq_fastgen.ops.top_token import top_token
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
@@ -115,8 +116,10 @@ class GreedyGenerator(FastgenGenerator):
 @register_decoder("greedy-stream", prepare_cli=prepare_streaming_cli, reads=(StreamOptions,),
                   guarantee="greedy decoding streamed with refills (continuous batching); greedy's tokens")
 class GreedyStreamGenerator(FastgenGenerator):
-    """Greedy decoding with streaming refills: the tokens of ``greedy``, and scores that do not depend on
-    the sentences decoded beside each one (bitwise those of ``greedy-stream`` on static batches)."""
+    """Greedy decoding with streaming refills, the tokens of ``greedy``: on a step engine a refill's rows take
+    finished rows' places (``JoinedGreedyPolicy``, scores within float rounding); with ``--stream-cohorts`` or
+    on fairseq's decoder cohorts of equal length, whose scores do not depend on the sentences decoded beside
+    each one (bitwise those of ``greedy-stream`` on static batches)."""
 
     name = "greedy-stream"
 
@@ -124,11 +127,18 @@ class GreedyStreamGenerator(FastgenGenerator):
     def build(cls, model, tgt_dict, gen_cfg, options, projection=None):
         one_hypothesis_per_sentence(cls.name, gen_cfg)
         stream_options = options.of(StreamOptions)
-        scheduler = StreamingScheduler.from_options(stream_options, joins_lengths=stream_options.stream_join_lengths)
-        policy = GreedyPolicy(padded=True)
-        if stream_options.stream_join_lengths:
-            if options.common.step_engine == "fairseq":
-                raise UsageError("--stream-join-lengths runs rows at different lengths in one call, which "
-                                 "--step-engine fairseq cannot; use --step-engine static or compiled")
-            policy = JoinedGreedyPolicy(tgt_dict.pad())
+        joins = joins_lengths(stream_options, engine_serves(model, options.common))
+        scheduler = StreamingScheduler.from_options(stream_options, joins_lengths=joins)
+        policy = JoinedGreedyPolicy(tgt_dict.pad()) if joins else GreedyPolicy(padded=True)
         return cls(model, tgt_dict, gen_cfg, options.common, policy, scheduler, projection=projection)
+
+
+def joins_lengths(stream_options: StreamOptions, on_engine: bool) -> bool:
+    """Whether greedy-stream joins lengths (``JoinedGreedyPolicy``) or decodes cohorts of equal length: joined
+    wherever a step engine runs the model (``on_engine``) unless ``--stream-cohorts``."""
+    if stream_options.stream_join_lengths and stream_options.stream_cohorts:
+        raise UsageError("--stream-join-lengths and --stream-cohorts are the two forms of greedy-stream: give one")
+    if stream_options.stream_join_lengths and not on_engine:
+        raise UsageError("--stream-join-lengths runs rows at different lengths in one call, which fairseq's "
+                         "incremental decoder cannot: use --step-engine static or compiled (on a model they serve)")
+    return on_engine and not stream_options.stream_cohorts

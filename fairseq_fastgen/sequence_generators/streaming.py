@@ -128,10 +128,17 @@ class StreamOptions(FairseqDataclass):
     stream_join_lengths: bool = field(
         default=False,
         metadata={"help": "greedy-stream: a refill's rows join the running ones whatever their lengths, all rows "
-                          "in one model call at their own positions (--step-engine static or compiled); greedy's "
-                          "tokens, scores within float rounding. Default: cohorts of equal length, scores that do "
-                          "not depend on the sentences beside each one",
+                          "in one model call at their own positions; greedy's tokens, scores within float "
+                          "rounding. greedy-stream's form wherever a step engine (--step-engine static or "
+                          "compiled) runs the model; this flag refuses to run without one",
                   # read by greedy-stream alone (blockwise-stream always joins lengths; the beam streams never do)
+                  "decoders": ("greedy-stream",)},
+    )
+    stream_cohorts: bool = field(
+        default=False,
+        metadata={"help": "greedy-stream: decode in cohorts of equal length instead, each sentence's scores "
+                          "bitwise those of its own static batch whatever streams beside it; slower. The form "
+                          "greedy-stream takes on --step-engine fairseq",
                   "decoders": ("greedy-stream",)},
     )
     stream_pool: int = field(

@@ -34,17 +34,25 @@ def assert_same_tokens_close_scores(expected, actual):
 
 
 # ---- greedy-stream ------------------------------------------------------------------------------
+GREEDY_STREAM_FORMS = {  # greedy-stream's two forms: its default on a step engine, and --stream-cohorts
+    "joined": {},
+    "cohorts": {"stream_cohorts": True},
+}
+
+
+@pytest.mark.parametrize("form", GREEDY_STREAM_FORMS.values(), ids=GREEDY_STREAM_FORMS.keys())
 @pytest.mark.parametrize("limits", LENGTH_LIMITS.values(), ids=LENGTH_LIMITS.keys())
 @pytest.mark.parametrize("eps", [1 / 12, 1 / 6, 1 / 2])
-def test_greedy_stream_gives_greedys_tokens_over_many_refills(toy, eps, limits):
+def test_greedy_stream_gives_greedys_tokens_over_many_refills(toy, eps, limits, form):
     ids = list(range(TEST_SENTENCES))
     greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **limits), ids, 25)
-    static = toy.translate(toy.generator(decoder="greedy-stream", **limits), ids)  # one batch, no refill
-    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=eps, **limits)
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=eps, **form, **limits)
     streamed = toy.translate(generator, ids)
 
     assert_same_tokens_close_scores(greedy, streamed)
-    assert_identical(static, streamed, across_batches=True)  # bitwise where this CPU is companion-free
+    if form:  # cohorts: bitwise a static batch's scores where this CPU is companion-free
+        static = toy.translate(toy.generator(decoder="greedy-stream", **form, **limits), ids)  # one batch
+        assert_identical(static, streamed, across_batches=True)
     assert generator.counters.counts["refills"] >= TEST_SENTENCES / CAPACITY - 1
     sample = toy.sample(ids)
     source_len = sample["net_input"]["src_lengths"] - 1  # without the eos
@@ -53,11 +61,13 @@ def test_greedy_stream_gives_greedys_tokens_over_many_refills(toy, eps, limits):
     assert len(cut) >= 20  # sentences cut at the length limit are among them
 
 
+@pytest.mark.parametrize("form", GREEDY_STREAM_FORMS.values(), ids=GREEDY_STREAM_FORMS.keys())
 @pytest.mark.parametrize("engine", ["static", "compiled"])
-def test_greedy_stream_on_the_engine(toy, engine):
+def test_greedy_stream_on_the_engine(toy, engine, form):
     ids = list(range(0, TEST_SENTENCES, 2))
     greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
-    generator = toy.generator(decoder="greedy-stream", stream_capacity=6, step_engine=engine, **SOURCE_LENGTH)
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=6, step_engine=engine, **form,
+                              **SOURCE_LENGTH)
     streamed = toy.translate(generator, ids)
     if engine == "static":
         assert_same_tokens_close_scores(greedy, streamed)
@@ -67,13 +77,14 @@ def test_greedy_stream_on_the_engine(toy, engine):
 
 @pytest.mark.parametrize("eps", [1 / 12, 1 / 2, 7 / 8])
 def test_greedy_stream_joining_lengths_gives_greedys_tokens(toy, eps):
-    """--stream-join-lengths: refills join the running rows at their own positions, one call for every row."""
+    """greedy-stream on a step engine: refills join the running rows at their own positions, one call for every
+    row, fewer calls than its cohorts make."""
     ids = list(range(TEST_SENTENCES))
     greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
-    cohorts = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=eps, **SOURCE_LENGTH)
+    cohorts = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=eps, stream_cohorts=True,
+                            **SOURCE_LENGTH)
     toy.translate(cohorts, ids)
-    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=eps,
-                              stream_join_lengths=True, **SOURCE_LENGTH)
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=eps, **SOURCE_LENGTH)
     streamed = toy.translate(generator, ids)
 
     assert_same_tokens_close_scores(greedy, streamed)
@@ -86,6 +97,33 @@ def test_greedy_stream_joining_lengths_gives_greedys_tokens(toy, eps):
 def test_joining_lengths_needs_a_step_engine(toy):
     with pytest.raises(Exception, match="--stream-join-lengths runs rows at different lengths in one call"):
         toy.generator(decoder="greedy-stream", stream_capacity=4, stream_join_lengths=True, step_engine="fairseq")
+    with pytest.raises(Exception, match="--stream-join-lengths and --stream-cohorts are the two forms of greedy-"):
+        toy.generator(decoder="greedy-stream", stream_capacity=4, stream_join_lengths=True, stream_cohorts=True)
+
+
+@pytest.mark.parametrize("step_engine, unsupported, joins", [
+    ("static", False, True), ("compiled", False, True),
+    ("fairseq", False, False),  # fairseq's incremental decoder cannot run rows at different lengths in one call
+    ("static", True, False),  # a model the engine does not serve runs on fairseq's decoder (one warning line)
+])
+def test_greedy_stream_joins_lengths_wherever_a_step_engine_runs_the_model(toy, monkeypatch, step_engine,
+                                                                           unsupported, joins):
+    """greedy-stream's form: refills in finished rows' places on a step engine, cohorts of equal length on
+    fairseq's decoder (a model the engine does not serve included), never an error there; greedy's tokens."""
+    from fairseq_fastgen.engine import decoder_step
+    from fairseq_fastgen.sequence_generators.greedy import JoinedGreedyPolicy
+
+    if unsupported:
+        monkeypatch.setattr(decoder_step, "unsupported_reason", lambda decoder: "a decoder this test refuses")
+    ids = list(range(0, TEST_SENTENCES, 4))
+    greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
+    generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, step_engine=step_engine,
+                              **SOURCE_LENGTH)
+    streamed = toy.translate(generator, ids)
+
+    assert isinstance(generator.policy, JoinedGreedyPolicy) == joins
+    assert generator.runner.takes_rows_in_place == joins
+    assert all(torch.equal(streamed[s][0]["tokens"], greedy[s][0]["tokens"]) for s in ids)
 
 
 # ---- blockwise-stream ---------------------------------------------------------------------------
@@ -405,8 +443,8 @@ def test_blockwise_refills_take_finished_rows_places(loaded, engine, monkeypatch
 
 
 REFILL_DEFAULTS = {  # a streaming decoder's options -> the --stream-eps its default acts as at CAPACITY, and another
-    "greedy-stream --stream-join-lengths": (dict(decoder="greedy-stream", stream_join_lengths=True), 7 / 8, 1 / 6),
-    "greedy-stream cohorts": (dict(decoder="greedy-stream"), 1 / 6, 7 / 8),
+    "greedy-stream": (dict(decoder="greedy-stream"), 7 / 8, 1 / 6),  # joined: a step engine runs the toy model
+    "greedy-stream --stream-cohorts": (dict(decoder="greedy-stream", stream_cohorts=True), 1 / 6, 7 / 8),
     "var-stream": (dict(decoder="var-stream", beam=5), 1 / 6, 7 / 8),
 }
 
