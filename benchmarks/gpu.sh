@@ -15,7 +15,8 @@
 # 6. the decoder-step engines on CUDA (--step-engine fairseq / static / compiled, CUDA graphs): the cost of one step
 #    per row count, then greedy at batch 1 (200 sentences) and 64, stock beam 5 at batch 64, blockwise beside
 #    greedy at batch 1 on the static and compiled engines;
-# 7. streaming at capacity 64: greedy and blockwise beside their streamed forms, var-batch beside var-stream
+# 7. streaming at capacity 64: greedy and blockwise beside their streamed forms (at their defaults: refills in
+#    finished rows' places as rows finish on static, greedy-stream's cohorts on fairseq), var-batch beside var-stream
 #    (min-length, fifo, a budget of rows) at beam 20, 300 sentences, on the static and fairseq engines; greedy beside
 #    greedy-stream --stream-join-lengths (refills as rows finish) on the static and compiled engines.
 # STEPS="6 7" runs only those steps (default: all); KHEAD may be "-" where no k-head student travelled (the
