@@ -141,4 +141,9 @@ def joins_lengths(stream_options: StreamOptions, on_engine: bool) -> bool:
     if stream_options.stream_join_lengths and not on_engine:
         raise UsageError("--stream-join-lengths runs rows at different lengths in one call, which fairseq's "
                          "incremental decoder cannot: use --step-engine static or compiled (on a model they serve)")
-    return on_engine and not stream_options.stream_cohorts
+    joins = on_engine and not stream_options.stream_cohorts
+    selection = str(stream_options.stream_selection)
+    if joins and selection != "min-length":
+        raise UsageError(f"--stream-selection {selection} orders greedy-stream's cohorts: add --stream-cohorts (on a "
+                         f"step engine its rows join lengths, every row expanding at every iteration)")
+    return joins

@@ -99,9 +99,9 @@ class StreamOptions(FairseqDataclass):
         default=None,
         metadata={"help": "streaming decoders: encode and add new sources when the active ones fall to this "
                           "fraction of the capacity (epsilon of Yang et al. 2020). Default: 1 (a refill as soon as "
-                          "a row finishes and a source fits) for blockwise-stream and greedy-stream "
-                          "--stream-join-lengths, whose refills take finished rows' places; 1/6 for var-stream, "
-                          "fixed-stream and greedy-stream's cohorts"},
+                          "a row finishes and a source fits) for blockwise-stream and greedy-stream on a step engine, "
+                          "whose refills take finished rows' places; 1/6 for var-stream, fixed-stream and "
+                          "greedy-stream --stream-cohorts"},
     )
     stream_capacity: Optional[int] = field(
         default=None,
@@ -123,7 +123,8 @@ class StreamOptions(FairseqDataclass):
         default="min-length",
         metadata={"help": "streaming decoders: which sources expand at each iteration: min-length, those expanded "
                           "least (Yang et al. 2020); fifo, those admitted first (VAR-STR-FIFO, longest first). "
-                          "blockwise-stream expands every row at every iteration"},
+                          "blockwise-stream, and greedy-stream on a step engine, expand every row at every "
+                          "iteration"},
     )
     stream_join_lengths: bool = field(
         default=False,

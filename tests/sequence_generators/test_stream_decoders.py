@@ -94,11 +94,16 @@ def test_greedy_stream_joining_lengths_gives_greedys_tokens(toy, eps):
     assert calls < cohort_calls if eps >= 1 / 2 else calls <= cohort_calls  # no refill catches up alone
 
 
-def test_joining_lengths_needs_a_step_engine(toy):
+def test_greedy_stream_form_misuse_is_refused(toy):
+    """--stream-join-lengths without a step engine, with --stream-cohorts, or --stream-selection fifo without
+    cohorts: a one-line error each."""
     with pytest.raises(Exception, match="--stream-join-lengths runs rows at different lengths in one call"):
         toy.generator(decoder="greedy-stream", stream_capacity=4, stream_join_lengths=True, step_engine="fairseq")
     with pytest.raises(Exception, match="--stream-join-lengths and --stream-cohorts are the two forms of greedy-"):
         toy.generator(decoder="greedy-stream", stream_capacity=4, stream_join_lengths=True, stream_cohorts=True)
+    with pytest.raises(Exception, match="--stream-selection fifo orders greedy-stream's cohorts: add --stream-coh"):
+        toy.generator(decoder="greedy-stream", stream_capacity=4, stream_selection="fifo")
+    toy.generator(decoder="greedy-stream", stream_capacity=4, stream_selection="fifo", stream_cohorts=True)
 
 
 @pytest.mark.parametrize("step_engine, unsupported, joins", [
