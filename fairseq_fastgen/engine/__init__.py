@@ -16,6 +16,7 @@ keeps fairseq's step over the shared encoder cache.
 """
 
 import logging
+from typing import Optional
 
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.sequence_generators.runner import ModelRunner
@@ -63,21 +64,25 @@ def serve_stock_search(generator, models, options: PluginOptions) -> bool:
                                       options.compile_in_background)
 
 
-def engine_serves(model, options: PluginOptions) -> bool:
-    """Whether a step engine (``static`` or ``compiled``), not fairseq's incremental decoder, runs ``model``'s
-    steps under ``options`` (``build_runner`` falls back to fairseq's where the engine cannot serve it)."""
+def engine_refusal(model, options: PluginOptions) -> Optional[str]:
+    """Why the step engine ``--step-engine`` asks for cannot run ``model``'s steps (``build_runner`` then falls
+    back to fairseq's incremental decoder), or None where it can or fairseq's was asked for."""
     from fairseq_fastgen.engine.decoder_step import unsupported_reason
 
-    return engine_setting(options) != "fairseq" and unsupported_reason(model.decoder) is None
+    return unsupported_reason(model.decoder) if engine_setting(options) != "fairseq" else None
+
+
+def engine_serves(model, options: PluginOptions) -> bool:
+    """Whether a step engine (``static`` or ``compiled``), not fairseq's incremental decoder, runs ``model``'s
+    steps under ``options``: the runner ``build_runner`` gives."""
+    return engine_setting(options) != "fairseq" and engine_refusal(model, options) is None
 
 
 def build_runner(model, options: PluginOptions, temperature: float, projection):
     """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not
     (``temperature``: fairseq's ``--temperature``)."""
-    from fairseq_fastgen.engine.decoder_step import unsupported_reason
-
     engine = engine_setting(options)
-    refusal = unsupported_reason(model.decoder) if engine != "fairseq" else None
+    refusal = engine_refusal(model, options)
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         engine = "fairseq"
