@@ -19,12 +19,20 @@
 #    finished rows' places as rows finish on static, greedy-stream's cohorts on fairseq), var-batch beside var-stream
 #    (min-length, fifo, a budget of rows) at beam 20, 300 sentences, on the static and fairseq engines; greedy beside
 #    greedy-stream --stream-join-lengths (refills as rows finish) on the static and compiled engines.
-# STEPS="6 7" runs only those steps (default: all); KHEAD may be "-" where no k-head student travelled (the
-# blockwise rows are left out).
+# 8. the base-size models (benchmarks/multi30k.py --size base: transformer_wmt_en_de shapes, 32k BPE), built on the
+#    GPU where missing (its data-bin travels from the CPU machine, SIZES_DIR, default bench_out/multi30k-base): the
+#    base trained with --amp, rounded to int8 rows (benchmarks/int8_transport.py, so that the CPU machine gets it back
+#    in parts of 16 MiB under SIZES_DIR/transport), a frozen-base k = 4 student trained on the rounded base, its heads
+#    packed too; the base's BLEU on test_2016_flickr (beam 5);
+# 9. the base-size models on CUDA: greedy and blockwise at batch 1 (300 sentences) on the static and compiled engines,
+#    greedy at batch 64 and stock beam 5 at batch 64 on fairseq's step and the compiled engine.
+# STEPS="6 7" runs only those steps (default: 1-7); KHEAD may be "-" where no k-head student travelled (the
+# blockwise rows are left out). Steps 8 and 9 read only SIZES_DIR: `STEPS="8 9" bash benchmarks/gpu.sh - - - OUT`.
 set -u -o pipefail
 DATA=$1 KHEAD=$2 STOCK=$3 OUT=$4
 PYTHON=${PYTHON:-python3}
 STEPS=" ${STEPS:-1 2 3 4 5 6 7} "
+SIZES_DIR=${SIZES_DIR:-bench_out/multi30k-base}
 mkdir -p "$OUT"
 step() { [[ "$STEPS" == *" $1 "* ]]; }
 # one fastgen-bench run: its table rows and, if it failed, the end of its log
@@ -100,4 +108,33 @@ done
 bench stream-greedy-joined --path "$STOCK" --decoders greedy,greedy-stream --beam 1 --batch-size 64 --repeat 3 \
   --reference greedy --step-engine static --no-ctranslate2 --stream-join-lengths --stream-eps 0.984375 \
   --variant "compiled=--step-engine compiled"
+fi
+if step 8; then
+echo "== 8. the base-size models, built where missing"
+M=$SIZES_DIR
+$PYTHON benchmarks/multi30k.py --size base --out "$M" --stop-after base --device cuda > "$OUT/size-base-train.log" 2>&1 \
+  || tail -20 "$OUT/size-base-train.log"
+grep -E "valid \| epoch|done in" "$OUT/size-base-train.log" | tail -4
+if [ ! -e "$M/transport/base.meta.pt" ]; then  # the base from here on is its int8 rounding, as the CPU gets it
+  $PYTHON benchmarks/int8_transport.py pack "$M/base/checkpoint_best.pt" "$M/transport" base
+  mv "$M/base/checkpoint_best.pt" "$M/base/checkpoint_trained.pt"
+  $PYTHON benchmarks/int8_transport.py unpack "$M/transport" base "$M/base/checkpoint_best.pt"
+fi
+$PYTHON -m fairseq_cli.generate "$M/bin" --user-dir fairseq_fastgen --path "$M/base/checkpoint_best.pt" --beam 5 \
+  --batch-size 128 --post-process sentencepiece --quiet 2>&1 | grep "BLEU" | sed "s/^/base (int8-rounded) /"
+$PYTHON benchmarks/multi30k.py --size base --out "$M" --stop-after khead --khead-k 4 --khead-updates 800 \
+  --device cuda > "$OUT/size-khead-train.log" 2>&1 || tail -20 "$OUT/size-khead-train.log"
+[ -e "$M/transport/khead4.meta.pt" ] || $PYTHON benchmarks/int8_transport.py pack "$M/khead4/checkpoint_last.pt" \
+  "$M/transport" khead4 --only-prefix decoder.heads.
+fi
+if step 9; then
+echo "== 9. the base-size models on CUDA"
+M=$SIZES_DIR
+bench size-base-bs1 --path "$M/base/checkpoint_best.pt" --khead-path "$M/khead4/checkpoint_last.pt" \
+  --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 300 --repeat 3 --reference greedy \
+  --no-ctranslate2 --step-engine static --variant "compiled=--step-engine compiled"
+bench size-base-greedy-bs64 --path "$M/base/checkpoint_best.pt" --decoders greedy --beam 1 --batch-size 64 \
+  --repeat 3 --reference greedy --no-ctranslate2 "${ENGINES[@]}"
+bench size-base-beam5-bs64 --path "$M/base/checkpoint_best.pt" --decoders beam --beam 5 --batch-size 64 --repeat 3 \
+  --no-ctranslate2 --step-engine fairseq --variant "compiled=--step-engine compiled"
 fi

@@ -3,6 +3,13 @@
 Usage (from the repository root, after ``make test`` or ``make demo`` created .venv):
 
     .venv/bin/python benchmarks/multi30k.py --data ../shared/data/multi30k-en-fr --out bench_out/multi30k
+    .venv/bin/python benchmarks/multi30k.py --size base   # transformer_wmt_en_de shapes, 32k BPE: bench_out/multi30k-base
+
+``--size`` picks the model and its vocabulary (``SIZES``): ``toy`` the 3+3-layer, 256-wide model with an 8k
+unigram vocabulary; ``base`` the shapes of fairseq's ``transformer_wmt_en_de`` (6+6 layers, 512 wide, FFN 2048,
+8 heads) and ``big`` those of ``transformer_vaswani_wmt_en_de_big`` (6+6, 1024, FFN 4096, 16 heads), both with a
+32k BPE vocabulary (every piece in the dictionary). Every option below overrides its size's value. Training runs
+on CUDA with mixed precision (``--amp``) where a GPU is present, else on the CPU (``--device``).
 
 Steps, each skipped when its output exists (so a rerun resumes):
 
@@ -84,11 +91,39 @@ def binarize(raw, bin_dir, dict_from_spm=False):
     ], log_path=bin_dir.parent / "preprocess.log")
 
 
+# each size's model, vocabulary and training (base and big: fairseq's presets' shapes; the learning rate, dropout and
+# updates chosen for a 29k-sentence corpus)
+SIZES = {
+    "toy": dict(layers=3, dim=256, ffn=1024, heads=4, spm_vocab=8000, spm_type="unigram", dict_from_spm=False,
+                dropout=0.2, max_update=1200, max_tokens=4096, lr=0.002, warmup=400, validate_interval=3),
+    "base": dict(layers=6, dim=512, ffn=2048, heads=8, spm_vocab=32000, spm_type="bpe", dict_from_spm=True,
+                 dropout=0.3, max_update=2400, max_tokens=8192, lr=0.0007, warmup=800, validate_interval=5),
+    "big": dict(layers=6, dim=1024, ffn=4096, heads=16, spm_vocab=32000, spm_type="bpe", dict_from_spm=True,
+                dropout=0.3, max_update=2400, max_tokens=8192, lr=0.0005, warmup=800, validate_interval=10),
+}
+DEFAULT_OUT = {"toy": "bench_out/multi30k", "base": "bench_out/multi30k-base", "big": "bench_out/multi30k-big"}
+
+
+def resolve_size(args):
+    """Fill every option left unset from ``--size``'s preset (and ``--out``, ``--device``)."""
+    for name, value in SIZES[args.size].items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if getattr(args, "out", None) is None:
+        args.out = DEFAULT_OUT[args.size]
+    if args.device is None:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    return args
+
+
 def base_spec(args):
     return toy.ToyModelSpec(
-        layers=args.layers, dim=args.dim, ffn=4 * args.dim, heads=4, max_positions=256, max_update=args.max_update,
-        max_tokens=args.max_tokens, lr=args.lr, warmup=args.warmup, validate_interval=args.validate_interval,
-        extra_args=["--share-all-embeddings", "--dropout", "0.2", "--weight-decay", "0.0001"],
+        layers=args.layers, dim=args.dim, ffn=args.ffn, heads=args.heads, max_positions=256,
+        max_update=args.max_update, max_tokens=args.max_tokens, lr=args.lr, warmup=args.warmup,
+        validate_interval=args.validate_interval,
+        extra_args=["--share-all-embeddings", "--dropout", str(args.dropout), "--weight-decay", "0.0001"],
     )
 
 
@@ -101,14 +136,20 @@ def console_script(name):
 
 
 def add_base_model_options(parser):
-    """The base transformer's options (benchmarks/multi30k_distill.py reads the same)."""
-    parser.add_argument("--layers", type=int, default=3, help="encoder and decoder layers of the base model")
-    parser.add_argument("--dim", type=int, default=256, help="embedding size (ffn: 4x)")
-    parser.add_argument("--max-update", type=int, default=1200)
-    parser.add_argument("--max-tokens", type=int, default=4096)
-    parser.add_argument("--lr", type=float, default=0.002)
-    parser.add_argument("--warmup", type=int, default=400)
-    parser.add_argument("--validate-interval", type=int, default=3, help="epochs between validations")
+    """The base transformer's options (benchmarks/multi30k_distill.py reads the same); unset ones come from --size."""
+    parser.add_argument("--size", choices=sorted(SIZES), default="toy",
+                        help="the model's shapes, vocabulary and training (SIZES); default: toy")
+    parser.add_argument("--layers", type=int, help="encoder and decoder layers of the base model")
+    parser.add_argument("--dim", type=int, help="embedding size")
+    parser.add_argument("--ffn", type=int, help="feed-forward size")
+    parser.add_argument("--heads", type=int, help="attention heads")
+    parser.add_argument("--dropout", type=float)
+    parser.add_argument("--max-update", type=int)
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--warmup", type=int)
+    parser.add_argument("--validate-interval", type=int, help="epochs between validations")
+    parser.add_argument("--device", choices=["cpu", "cuda"], help="where to train (default: cuda when present)")
 
 
 def student_spec(args, base_checkpoint, k, lr, updates, freeze_base, extra_args=(), validate_interval=None):
@@ -131,17 +172,18 @@ def khead_spec(args, base_checkpoint, k):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="../shared/data/multi30k-en-fr", help="directory of the gzipped Multi30k text")
-    parser.add_argument("--out", default="bench_out/multi30k", help="working directory")
-    parser.add_argument("--spm-vocab", type=int, default=8000)
-    parser.add_argument("--spm-type", choices=["unigram", "bpe"], default="unigram")
-    parser.add_argument("--dict-from-spm", action="store_true",
-                        help="fairseq dictionary = every sentencepiece piece (default: the pieces the data uses)")
+    parser.add_argument("--out", help="working directory (default: bench_out/multi30k, or -base / -big)")
+    parser.add_argument("--spm-vocab", type=int)
+    parser.add_argument("--spm-type", choices=["unigram", "bpe"])
+    parser.add_argument("--dict-from-spm", action="store_true", default=None,
+                        help="fairseq dictionary = every sentencepiece piece (default: the pieces the data uses; "
+                             "base and big: every piece)")
     add_base_model_options(parser)
     parser.add_argument("--khead-k", default="2,4", help="comma-separated block sizes of the k-head students")
     parser.add_argument("--khead-updates", type=int, default=400)
     parser.add_argument("--num-clusters", type=int, default=1000)
     parser.add_argument("--stop-after", choices=["text", "bin", "base", "khead", "clusters"], default="clusters")
-    args = parser.parse_args(argv)
+    args = resolve_size(parser.parse_args(argv))
     data, out = Path(args.data), Path(args.out)
     raw, bin_dir = out / "raw", out / "bin"
 
@@ -153,12 +195,13 @@ def main(argv=None):
         step("fairseq-preprocess", bin_dir / "test1.en-fr.fr.bin", lambda: binarize(raw, bin_dir, args.dict_from_spm))
     base = out / "base" / "checkpoint_best.pt"
     if "base" in wanted:
-        step("train base transformer", base, lambda: toy.train(bin_dir, out / "base", base_spec(args), show_progress=True))
+        step("train base transformer", base, lambda: toy.train(bin_dir, out / "base", base_spec(args), show_progress=True,
+                                                               device=args.device))
     if "khead" in wanted:
         for k in (int(k) for k in args.khead_k.split(",")):
             step(f"train k-head student k={k} (frozen base)", out / f"khead{k}" / "checkpoint_last.pt",
                  lambda k=k: toy.train(bin_dir, out / f"khead{k}", khead_spec(args, base, k), show_progress=True,
-                                       criterion_args=STUDENT_CRITERION))
+                                       criterion_args=STUDENT_CRITERION, device=args.device))
     clusters = out / f"clusters{args.num_clusters}.pt"
     if "clusters" in wanted:
         step("cluster file", clusters, lambda: subprocess.run(

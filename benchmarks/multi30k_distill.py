@@ -37,6 +37,7 @@ from multi30k import (  # noqa: E402  (the base model's settings)
     STUDENT_CRITERION,
     add_base_model_options,
     console_script,
+    resolve_size,
     step,
     student_spec,
 )
@@ -79,7 +80,7 @@ def train_student(args, bin_dir, save_dir, base, k, regime, data_kind, distilled
     validate_interval = 1 if restore is not None else 1000  # a long second stage saves every epoch
     spec = student_spec(args, base, k, lr, updates, freeze_base=regime == "frozen", extra_args=extra,
                         validate_interval=validate_interval)
-    toy.train(bin_dir, save_dir, spec, show_progress=True, criterion_args=STUDENT_CRITERION)
+    toy.train(bin_dir, save_dir, spec, show_progress=True, criterion_args=STUDENT_CRITERION, device=args.device)
 
 
 def cells(ks):
@@ -180,7 +181,7 @@ def main(argv=None):
                              "batch 1 and 64 timings of every trained model, --bench-dir/speed)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of fastgen-bench")
     add_base_model_options(parser)  # as benchmarks/multi30k.py built the base model
-    args = parser.parse_args(argv)
+    args = resolve_size(parser.parse_args(argv))
     out, bench_dir = Path(args.out), Path(args.bench_dir)
     bin_dir, base, distilled = out / "bin", out / "base" / "checkpoint_best.pt", out / "distilled"
     ks = [int(k) for k in args.k.split(",")]

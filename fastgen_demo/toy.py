@@ -99,13 +99,16 @@ def binarize(raw_dir, bin_dir, joined_dictionary=False):
     return bin_dir
 
 
-def train(bin_dir, save_dir, spec: ToyModelSpec, show_progress=False, criterion_args=None):
+def train(bin_dir, save_dir, spec: ToyModelSpec, show_progress=False, criterion_args=None, device="cpu"):
+    """fairseq-train ``spec`` on ``device``: "cpu", or "cuda" with mixed precision (``--amp``: the weights and the
+    checkpoint stay float32)."""
     criterion_args = criterion_args or ["--criterion", "label_smoothed_cross_entropy", "--label-smoothing", "0.1"]
+    placement = ["--cpu"] if device == "cpu" else ["--amp"]
     cmd = fairseq_command("train") + [
         str(bin_dir), "--user-dir", PLUGIN_DIR, "--save-dir", str(save_dir),
-        "--cpu", "--num-workers", "0", "--no-epoch-checkpoints",
+        "--num-workers", "0", "--no-epoch-checkpoints",
         "--log-format", "simple", "--log-interval", "50",
-    ] + spec.train_args() + criterion_args
+    ] + placement + spec.train_args() + criterion_args
     if not show_progress:
         cmd.append("--no-progress-bar")
     run(cmd, log_path=Path(save_dir) / "train.log", show_progress=show_progress)
