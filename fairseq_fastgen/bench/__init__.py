@@ -24,6 +24,11 @@ Writes a Markdown table to stdout and, to ``--output-dir``, ``results.json``,
 ``results.md``, ``bleu_vs_speed.png`` and ``hypotheses/LABEL.txt`` (each
 configuration's detokenized best hypotheses, ``id<TAB>text`` by sentence id),
 each written to a temporary name and renamed.
+
+    fastgen-bench --plot-sizes sizes.png toy=bench/toy base=bench/base big=bench/big
+
+measures nothing: it plots sentences/s against model size from the results.json
+of runs already made, beside CTranslate2 (size_plot.py).
 """
 
 import contextlib
@@ -37,7 +42,7 @@ import torch
 
 import fairseq_fastgen
 from fairseq_fastgen import checkpoint_safety
-from fairseq_fastgen.bench import options, report, scoring
+from fairseq_fastgen.bench import options, report, scoring, size_plot
 from fairseq_fastgen.bench.ctranslate2_peer import CTranslate2Peer, shared_threads_note
 from fairseq_fastgen.bench.inputs import BenchInputs
 from fairseq_fastgen.bench.measure import (ConfigResult, FairseqCandidate, PassCounter, WarmRun, time_interleaved,
@@ -142,6 +147,20 @@ def measure_all(bench, cfg):
     return results, notes, inputs
 
 
+def model_shape(models) -> dict:
+    """The parameters of the models (an ensemble's together), and the first one's layers and width where it has
+    fairseq's transformer attributes (the x labels of ``--plot-sizes``)."""
+    model = models[0]
+    encoder, decoder = getattr(model, "encoder", None), getattr(model, "decoder", None)
+    embed_tokens = getattr(encoder, "embed_tokens", None)
+    return {
+        "parameters": sum(p.numel() for m in models for p in m.parameters()),
+        "encoder_layers": len(encoder.layers) if hasattr(encoder, "layers") else None,
+        "decoder_layers": len(decoder.layers) if hasattr(decoder, "layers") else None,
+        "width": getattr(embed_tokens, "embedding_dim", None),
+    }
+
+
 def run_info(bench, cfg, inputs, notes, argv) -> dict:
     from fairseq import __version__ as fairseq_version
 
@@ -151,6 +170,7 @@ def run_info(bench, cfg, inputs, notes, argv) -> dict:
         "command": ["fastgen-bench"] + list(argv),
         "data": cfg.task.data,
         "path": cfg.common_eval.path,
+        "model": model_shape(inputs.models),
         "khead_path": bench.khead_path,
         "cluster_projection": bench.cluster_projection,
         "subset": cfg.dataset.gen_subset,
@@ -195,10 +215,13 @@ def main(argv: List[str], log_to_stderr: bool = False, signals: Optional[StopSig
     are written, so that they are written together."""
     bench, cfg = options.parse_command_line(argv)
     if log_to_stderr:
-        logging.basicConfig(  # force: hydra set the root logger to DEBUG while fairseq parsed the options
+        logging.basicConfig(  # force: hydra set the root logger to DEBUG when fairseq was imported
             format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", level=logging.INFO, stream=sys.stderr,
             force=True,
         )
+    if bench.plot_sizes is not None:  # a plot of runs already made: nothing measured
+        print(size_plot.plot_sizes(bench.plot_sizes[0], bench.plot_sizes[1:]))
+        return []
     check_checkpoints(bench, cfg)
     results, notes, inputs = run_bench(bench, cfg)
     output_dir = Path(bench.output_dir)

@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from fairseq_fastgen.option_checks import check_generation_options
+from fairseq_fastgen.option_checks import UsageError, check_generation_options, flag
 from fairseq_fastgen.options import parse_options
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 
@@ -29,7 +29,8 @@ KHEAD_DECODERS = ("blockwise", "blockwise-stream")
 USAGE = """fastgen-bench DATA --path CKPT --decoders beam,greedy[,...] [--beam 1,5] [--batch-size 1,64]
                      [--max-tokens N,...] [--repeat N] [--threads N] [--subset test] [--max-sentences N]
                      [--khead-path CKPT] [--cluster-projection FILE] [--variant NAME=OPTIONS ...]
-                     [--reference CONFIG] [--output-dir DIR] [--no-ctranslate2] [fairseq-generate options]"""
+                     [--reference CONFIG] [--output-dir DIR] [--no-ctranslate2] [fairseq-generate options]
+       fastgen-bench --plot-sizes OUT.png NAME=RESULTS NAME=RESULTS [NAME=RESULTS ...]"""
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,12 @@ def bench_parser() -> argparse.ArgumentParser:
                              "printing) instead of decoding in this process; adds stock fairseq-generate without "
                              f"the plugin ('{STOCK_PROCESS}') at every beam and batching; BLEU and identical outputs "
                              "then compare the printed D- lines; no CTranslate2")
+    parser.add_argument("--plot-sizes", nargs="+", default=None, metavar=("OUT.png", "NAME=RESULTS"),
+                        help="measure nothing: plot sentences/s against model size from runs already made, one "
+                             "results.json (or the --output-dir holding it) per size, in the order given along the "
+                             "x axis, one line per configuration beside CTranslate2's and, where CTranslate2 was "
+                             "measured, each one's speed over it; prints the figures as a Markdown table (e.g. "
+                             "--plot-sizes sizes.png toy=bench/toy base=bench/base big=bench/big)")
     # filled by parse_command_line: variant name -> generation config / its options as given;
     # fairseq_argv: the arguments that went to fairseq's parser
     parser.set_defaults(variants={}, variant_argv={}, fairseq_argv=[])
@@ -136,9 +143,19 @@ def parse_command_line(argv: Optional[List[str]] = None):
 
     ``bench.variants`` maps each --variant name to its own generation config:
     fairseq's parse of the common arguments plus the variant's options.
+    With ``--plot-sizes`` (a plot of runs already made) the fairseq config is
+    None, and any other argument is a misuse (:class:`UsageError`).
     """
     parser = bench_parser()
     bench, fairseq_argv = parser.parse_known_args(argv)
+    if bench.plot_sizes is not None:
+        defaults = vars(parser.parse_args([]))
+        others = [flag(name) for name, value in defaults.items() if getattr(bench, name) != value] + fairseq_argv
+        others.remove("--plot-sizes")
+        if others:
+            raise UsageError("--plot-sizes plots runs already made and takes no other argument; "
+                             f"got {' '.join(others)}")
+        return bench, None
     unknown = [name for name in bench.decoders if name not in DECODERS]
     if unknown:
         parser.error(f"unknown decoder(s) {', '.join(unknown)}; registered: {', '.join(DECODERS)}")
