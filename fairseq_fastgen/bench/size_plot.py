@@ -10,7 +10,7 @@ timed passes, on a log axis; CTranslate2's configurations dashed and black.
 Where CTranslate2 was measured, a second panel gives each configuration's speed
 over CTranslate2's at the same beam and batching on the same model.  A size's
 x label names its model's layers, width and parameters where its results.json
-records them (``model``, written since issue 52): ``base (6+6, 512, 61M)``.
+records them (``model``; older files lack it): ``base (6+6, 512, 61M)``.
 
 The same figures are returned as a Markdown table (configuration x size).
 A misuse (an argument that is not NAME=RESULTS, a missing file, a file that is

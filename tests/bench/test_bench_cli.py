@@ -68,7 +68,7 @@ def test_json_reports_every_measured_field(cli_run, toy_model):
     completed, results, _ = cli_run
     configs = by_label(results)
     assert results["sentences"] == SENTENCES and results["repeat"] == 2
-    # the loaded model's shape, for the x labels of --plot-sizes (issue 52)
+    # the loaded model's shape, for the x labels of --plot-sizes
     model = results["model"]
     assert model["parameters"] > 0 and model["encoder_layers"] >= 1 and model["decoder_layers"] >= 1
     assert model["width"] >= 1

@@ -64,7 +64,7 @@ def write_run(output_dir: Path, shape, timings, with_model=True) -> dict:
     inputs = SimpleNamespace(models=models, sentence_ids=list(range(SENTENCES)), use_cuda=False)
     info = bench.run_info(options, cfg, inputs, [], ["data-bin", "--path", "model.pt"])
     if not with_model:
-        del info["model"]  # a results.json written before issue 52
+        del info["model"]  # a results.json written before runs recorded the model
     output_dir.mkdir(parents=True)
     report.write_json(output_dir / "results.json", [result(label, s) for label, s in timings.items()], info, {})
     return dict(parameters=sum(p.numel() for p in models[0].parameters()), encoder_layers=shape[0],
