@@ -8,9 +8,10 @@ step; greedy on ``compiled`` (its row buckets and its step above them; ``--compi
 and stock beam 5 on ``compiled`` give fairseq's tokens, scores within 1e-4; blockwise exact mode on the k = 4
 identity-first student gives its base model's greedy tokens on each engine, at batch 1 and 7.
 
-The compiled units of these models are compiled once (about 20 minutes on a loaded 2-core CPU, most for
-``compiled`` at batch 7: its row buckets and its step above them) and kept on disk (``$FASTGEN_COMPILED_DIR``); with
-them and the models cached the file runs in about 40 s.
+The compiled engine runs on the base preset only, at batch 1 (the frozen 1-row unit for greedy, the block unit for
+blockwise): compiling every unit of both presets took about 20 minutes of a 2-core CPU, and the big preset differs
+from the base one in its head count alone, which the static engine's cases cover bitwise; the compiled engine's
+row buckets, its step above them and stock beam 5 on it are exercised on the toy models (test_compiled_engine.py).
 """
 
 import types
@@ -20,7 +21,6 @@ import pytest
 from fairseq.sequence_generator import EnsembleModel
 from fairseq_fastgen.engine.compiled import CompiledRunner
 from fairseq_fastgen.engine.runners import StaticRunner
-from fairseq_fastgen.engine.stock_search import EngineEnsemble
 from fairseq_fastgen.sequence_generators.runner import ModelRunner
 from tests.engine.test_compiled_engine import assert_same_tokens_close_scores
 from tests.engine.test_static_engine import SENTENCES, decode
@@ -47,7 +47,15 @@ def preset(preset_toy):
     assert base.models[0].encoder.embed_tokens is decoder.embed_tokens  # --share-all-embeddings
     assert student.models[0].decoder.heads.identity_first and student.models[0].decoder.heads.block_size == BLOCK_SIZE
     _, greedy = decode(base, IDS, 7, decoder="greedy", beam=1, step_engine="fairseq", **SOURCE_LENGTH)
-    return types.SimpleNamespace(base=base, student=student, greedy=greedy)
+    return types.SimpleNamespace(base=base, student=student, greedy=greedy, heads=preset_toy.heads)
+
+
+COMPILED_PRESET_HEADS = 8  # the compiled engine's cases run on the base preset (the module's docstring says why)
+
+
+def compiled_on_this_preset(preset, engine):
+    if engine == "compiled" and preset.heads != COMPILED_PRESET_HEADS:
+        pytest.skip("the compiled engine runs on the base preset only (CI time)")
 
 
 FIXED_LENGTH = {"max_len_a": 0, "max_len_b": 16}  # a limit stock's search and the plugin's decoders agree on
@@ -72,7 +80,6 @@ def test_greedy_is_stock_beam_1_at_a_source_relative_limit(preset):
 
 ENGINES = {  # engine, its options, the batch it decodes
     "static": ("static", {}, 7),
-    "compiled": ("compiled", {}, 7),  # 7 rows down to 1: the step above the row buckets, then the buckets
     "compiled-freezing-batch1": ("compiled", dict(compiled_freezing=True), 1),  # the frozen 1-row unit
 }
 
@@ -80,6 +87,7 @@ ENGINES = {  # engine, its options, the batch it decodes
 @pytest.mark.parametrize("case", list(ENGINES))
 def test_greedy_on_the_step_engines_gives_fairseqs_tokens(preset, case):
     engine, options, batch_size = ENGINES[case]
+    compiled_on_this_preset(preset, engine)
     generator, actual = decode(preset.base, IDS, batch_size, decoder="greedy", beam=1, step_engine=engine,
                                **options, **SOURCE_LENGTH)
     assert type(generator.runner) is RUNNERS[engine]
@@ -89,18 +97,13 @@ def test_greedy_on_the_step_engines_gives_fairseqs_tokens(preset, case):
         assert_same_tokens_close_scores(preset.greedy, actual)
 
 
-def test_stock_beam_5_on_the_compiled_engine_gives_stocks_hypotheses(preset):
-    _, expected = decode(preset.base, IDS, 7, decoder="beam", beam=5, step_engine="fairseq", **SOURCE_LENGTH)
-    engine, actual = decode(preset.base, IDS, 7, decoder="beam", beam=5, step_engine="compiled", **SOURCE_LENGTH)
-    assert type(engine.model) is EngineEnsemble and type(engine.model.runner) is CompiledRunner
-    assert_same_tokens_close_scores(expected, actual)
-
-
-@pytest.mark.parametrize("batch_size", [1, 7])
-@pytest.mark.parametrize("engine", list(RUNNERS))
+# the compiled engine's block unit at batch 1 (the module's docstring says why not at 7)
+@pytest.mark.parametrize("engine,batch_size", [(engine, batch_size) for engine in RUNNERS for batch_size in (1, 7)
+                                               if (engine, batch_size) != ("compiled", 7)])
 def test_exact_blockwise_gives_the_bases_greedy_tokens(preset, engine, batch_size):
     """The student's head 1 is its frozen base's output: blockwise's tokens are greedy's on the base, and its
     positional scores within 1e-4 (the base's step and the student's verification are other products)."""
+    compiled_on_this_preset(preset, engine)
     generator, actual = decode(preset.student, IDS, batch_size, decoder="blockwise", beam=1, step_engine=engine,
                                **SOURCE_LENGTH)
     assert type(generator.runner) is RUNNERS[engine]
