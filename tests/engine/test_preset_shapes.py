@@ -1,4 +1,4 @@
-"""Every engine path the reference models take at base and big size (issue 52), on toy models of the same
+"""Every engine path the reference models take at base and big size, on toy models of the same
 presets: ``transformer_wmt_en_de`` and ``transformer_vaswani_wmt_en_de_big`` with their 6 + 6 post-norm layers, 8 and
 16 attention heads and shared embeddings, widths scaled down to 64 (tests/models/preset_toy.py).
 

@@ -1,4 +1,4 @@
-"""Toy models of the reference presets' architecture (issue 52: the project's reference models are
+"""Toy models of the reference presets' architecture (the project's reference models are
 transformer-base, fairseq's ``transformer_wmt_en_de``, and -big, ``transformer_vaswani_wmt_en_de_big``, with a
 32k vocabulary and ``--share-all-embeddings``; benchmarks/multi30k.py SIZES).
 
