@@ -69,6 +69,7 @@ import logging
 import os
 import pickle
 import sys
+from typing import Optional, Tuple
 
 import fairseq
 import torch
@@ -82,6 +83,7 @@ from fairseq_fastgen.adapters.generate import give_attributes, take_back_attribu
 from fairseq_fastgen.adapters.linear_forwards import use_onednn_linears
 from fairseq_fastgen.adapters.output_layer import attach_to_stock_generator
 from fairseq_fastgen.cli.live_lines import LiveLines
+from fairseq_fastgen.cli.oversized_lines import TokenLimit, token_limit
 from fairseq_fastgen.cluster.directory import run_direction
 from fairseq_fastgen.config import build_generation_config
 from fairseq_fastgen.engine import serve_stock_search
@@ -93,7 +95,7 @@ from fairseq_fastgen.option_checks import UsageError, check_generation_options
 from fairseq_fastgen.options import FastgenOptions, options_not_read, parse_options
 from fairseq_fastgen.sequence_generators.live_stream import LiveStream
 from fairseq_fastgen.sequence_generators.registry import DECODERS
-from fairseq_fastgen.sequence_generators.streaming import prepare_streaming_cli
+from fairseq_fastgen.sequence_generators.streaming import StreamOptions, prepare_streaming_cli
 
 logger = logging.getLogger(__name__)
 
@@ -297,9 +299,10 @@ def report_statistics(stats_json, stream):
         plugin_generators[-1].counters.write_json(stats_json)
 
 
-def _prepare_run(cfg, tool) -> FastgenOptions:
+def _prepare_run(cfg, tool) -> Tuple[FastgenOptions, Optional[TokenLimit]]:
     """Check the run's options and let the decoder adjust ``cfg``; returns the options as given (the
-    generator reads them again, as ``prepare_cli`` left them, when it is built)."""
+    generator reads them again, as ``prepare_cli`` left them, when it is built) and the token limit every
+    sentence of the run is held to, whatever the decoder (``oversized_lines.token_limit``)."""
     with usage_errors():
         options = parse_options(cfg.generation)
         check_generation_options(options)  # before the model loads, and before prepare_cli reads them
@@ -307,7 +310,9 @@ def _prepare_run(cfg, tool) -> FastgenOptions:
         if entry is not None and entry.prepare_cli is not None:
             entry.prepare_cli(cfg, tool)
     check_checkpoint_files(cfg)  # after the options: a bad option is named even when --path is bad too
-    return options
+    streams = entry is not None and entry.prepare_cli is prepare_streaming_cli
+    limit = token_limit(cfg, streams, options.of(StreamOptions).stream_capacity_tokens is not None)
+    return options, limit
 
 
 def check_checkpoint_files(cfg):
@@ -406,9 +411,9 @@ def _wrap_generate_main(original_generate):
     @exit_on_usage_error("fairseq-generate")
     def generate_main(cfg, output_file):
         generators_built.clear()
-        options = _prepare_run(cfg, "generate")
+        options, limit = _prepare_run(cfg, "generate")
         workers = options.common.postprocess_workers
-        with _watching(GenerateRun(cfg)) as run:
+        with _watching(GenerateRun(cfg, limit)) as run:
             if workers > 0:
                 from fairseq_fastgen.cli.async_generate import async_generate_main
 
@@ -431,9 +436,9 @@ def _wrap_interactive_main(original_interactive):
     @exit_on_usage_error("fairseq-interactive")
     def interactive_main(cfg):
         generators_built.clear()
-        options = _prepare_run(cfg, "interactive")
+        options, limit = _prepare_run(cfg, "interactive")
         interactive_cli = sys.modules[original_interactive.__module__]
-        oversized = OversizedLines(interactive_cli.make_batches)
+        oversized = OversizedLines(interactive_cli.make_batches, limit)
         live = _live_lines(options, cfg, oversized)
         with stopped_between_batches("fairseq-interactive", sys.stdout, AnsweredTally()) as output:
             if live is None:

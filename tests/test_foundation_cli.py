@@ -172,19 +172,23 @@ def test_interactive_refuses_an_oversized_line_alone(toy_model, decoder, beam):
     assert sorted(hypotheses(skipped.stdout)) == [0, 1, 3, 4, 5]
 
 
-def test_interactive_refuses_a_line_over_max_tokens_alone(toy_model):
+@pytest.mark.parametrize("decoder", ["greedy", "greedy-stream"])
+def test_interactive_refuses_a_line_over_max_tokens_alone(toy_model, decoder):
     """Issue 30 item 6: a line within the model's positions but longer than --max-tokens ended the run with
-    fairseq's AssertionError ("Sentences lengths should not exceed max_tokens"); it is refused alone."""
+    fairseq's AssertionError ("Sentences lengths should not exceed max_tokens"); it is refused alone.  Issue 55
+    item 1: a streamed decoder (its capacity read from --max-tokens) translated it without a word."""
     test_lines = (toy_model.raw / "test.en").read_text().splitlines()[:4]
     over_budget = " ".join(test_lines[0].split() * 3)[:150]  # about 30 tokens: under 64 positions, over 24
     lines = test_lines[:1] + [over_budget] + test_lines[1:]
-    options = ["--decoder", "greedy", "--beam", "1", "--max-tokens", "24"]
+    options = ["--decoder", decoder, "--beam", "1", "--max-tokens", "24"]
     result = interactive(toy_model, lines, *options, "--buffer-size", "3")
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.returncode == 1
-    assert sorted(hypotheses(result.stdout)) == [0, 2, 3, 4]
-    assert re.search(r"sentence 1 has \d+ tokens \(with eos\), more than --max-tokens 24; not translated",
-                     result.stderr)
+    answered = [int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line.startswith("H-")]
+    assert answered == [0, 2, 3, 4]  # each once, in order
+    refusals = [line for line in result.stderr.splitlines() if line.startswith("fairseq-interactive: sentence")]
+    assert len(refusals) == 1 and re.match(r"fairseq-interactive: sentence 1 has \d+ tokens \(with eos\), more than "
+                                           r"--max-tokens 24; not translated", refusals[0])
     assert "sentence ids 1);" in result.stderr
     # fairseq's skip option does not cover --max-tokens; with the plugin it skips that line too
     skipped = interactive(toy_model, lines, *options, "--skip-invalid-size-inputs-valid-test")
