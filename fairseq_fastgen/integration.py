@@ -131,6 +131,7 @@ def _install_checkpoint_loading():
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, *args, **kwargs):
+        checkpoint_safety.allow_user_trusted_globals()  # FASTGEN_TRUSTED_GLOBALS: a bad entry refused in one line
         try:
             return original(path, *args, **kwargs)
         except pickle.UnpicklingError as error:
