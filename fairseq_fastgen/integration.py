@@ -60,6 +60,12 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    makes a primitive per row count, each kept with its memory: at beam 5,
    batch 64, 1,000 sentences, peak RSS 967 MiB with the default, 878 MiB
    capped, the same speed (docs/benchmarks.md, the step engine's memory).
+8. ``Dictionary.add_from_file``: a data-bin without a dictionary the task
+   reads (``dict.en.txt``) ended every tool in a ``FileNotFoundError``
+   traceback; the plugin's :class:`UsageError` names the file instead (one
+   ``error:`` line, exit status 2).  And fairseq's ``--beam 0`` (a
+   ``RuntimeError`` deep in its search) or ``--nbest 0`` is refused in one line
+   with the plugin's options, before the model loads.
 """
 
 import contextlib
@@ -91,7 +97,7 @@ from fairseq_fastgen.fastseq import optimize_stock_generator
 from fairseq_fastgen.fastseq import restore_stock_generator as restore_fastseq
 from fairseq_fastgen.ops import heap
 from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
-from fairseq_fastgen.option_checks import UsageError, check_generation_options
+from fairseq_fastgen.option_checks import UsageError, check_fairseq_generation_options, check_generation_options
 from fairseq_fastgen.options import FastgenOptions, options_not_read, parse_options
 from fairseq_fastgen.sequence_generators.live_stream import LiveStream
 from fairseq_fastgen.sequence_generators.registry import DECODERS
@@ -122,6 +128,7 @@ def install():
     _install_cli_reports()
     _install_numpy_compat()
     _cap_onednn_primitive_cache()
+    _install_dictionary_loading()
 
 
 # ---- 1. checkpoint loading -------------------------------------------------------------
@@ -191,6 +198,7 @@ def _install_build_generator():
     def build_checked(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn):
         options = parse_options(args)  # the plugin's options, read once: every step below takes them typed
         entry = selected_decoder(options)
+        check_fairseq_generation_options(args)  # --beam 0: fairseq's search ends in a RuntimeError
         check_generation_options(options)  # every numeric plugin option finite and in range (hub interface too)
         warn_options_not_read(entry, options)  # another decoder's option set here: named once, not silently dropped
         common = options.common
@@ -306,6 +314,7 @@ def _prepare_run(cfg, tool) -> Tuple[FastgenOptions, Optional[TokenLimit]]:
     sentence of the run is held to, whatever the decoder (``oversized_lines.token_limit``)."""
     with usage_errors():
         options = parse_options(cfg.generation)
+        check_fairseq_generation_options(cfg.generation)
         check_generation_options(options)  # before the model loads, and before prepare_cli reads them
         entry = DECODERS.get(str(options.common.decoder))
         if entry is not None and entry.prepare_cli is not None:
@@ -490,3 +499,22 @@ ONEDNN_PRIMITIVE_CACHE = 32  # primitives oneDNN keeps; 8-32 measured alike, the
 def _cap_onednn_primitive_cache():
     """oneDNN reads its cache capacity once, at its first product: set before, unless the user set it."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
+
+
+# ---- 8. a data-bin without its dictionary ------------------------------------------------------
+def _install_dictionary_loading():
+    from fairseq.data import Dictionary
+
+    original = Dictionary.add_from_file
+
+    @functools.wraps(original)
+    def add_from_file(self, f):
+        try:
+            return original(self, f)  # a path: opens it and calls itself again with the open file
+        except FileNotFoundError as error:
+            if not isinstance(f, str):
+                raise
+            raise UsageError(f"dictionary {f} does not exist: the data directory must hold the dictionaries "
+                             f"fairseq-preprocess wrote for this model") from error
+
+    Dictionary.add_from_file = add_from_file
