@@ -99,6 +99,7 @@ from fairseq_fastgen.ops import heap
 from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
 from fairseq_fastgen.option_checks import UsageError, check_fairseq_generation_options, check_generation_options
 from fairseq_fastgen.options import FastgenOptions, options_not_read, parse_options
+from fairseq_fastgen.safe_files import check_writable
 from fairseq_fastgen.sequence_generators.live_stream import LiveStream
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.streaming import StreamOptions, prepare_streaming_cli
@@ -299,11 +300,15 @@ def _check_every_index_batched(dataset, iterator, kwargs, left_out=0):
 
 # ---- 5. end-of-run statistics ------------------------------------------------------------------
 def report_statistics(stats_json, stream):
-    """Print the statistics of every plugin generator built in this run; ``stats_json``
-    (``--decoder-stats-json``): also write the last one's there."""
+    """Print the statistics of every plugin generator built in this run, and warn in one line where sentences
+    got fewer hypotheses than ``--nbest``; ``stats_json`` (``--decoder-stats-json``): also write the last one's
+    there."""
     plugin_generators = [g for g in generators_built if hasattr(g, "counters")]
     for generator in plugin_generators:
         print(generator.counters.summary(), file=stream)
+        shortfall = generator.counters.nbest_shortfall(getattr(generator, "nbest", 1))
+        if shortfall:
+            logger.warning(shortfall)  # one line, not a silent n-best shorter than asked
     if stats_json and plugin_generators:
         plugin_generators[-1].counters.write_json(stats_json)
 
@@ -316,6 +321,8 @@ def _prepare_run(cfg, tool) -> Tuple[FastgenOptions, Optional[TokenLimit]]:
         options = parse_options(cfg.generation)
         check_fairseq_generation_options(cfg.generation)
         check_generation_options(options)  # before the model loads, and before prepare_cli reads them
+        if options.common.decoder_stats_json:  # written after the decode: found unwritable before it
+            check_writable("--decoder-stats-json", options.common.decoder_stats_json)
         entry = DECODERS.get(str(options.common.decoder))
         if entry is not None and entry.prepare_cli is not None:
             entry.prepare_cli(cfg, tool)
@@ -439,7 +446,12 @@ def _wrap_generate_main(original_generate):
 
 
 def _wrap_interactive_main(original_interactive):
-    from fairseq_fastgen.cli.batched_output import AnsweredTally, answered_buffers, stopped_between_batches
+    from fairseq_fastgen.cli.batched_output import (
+        AnsweredTally,
+        CountedLines,
+        answered_buffers,
+        stopped_between_batches,
+    )
     from fairseq_fastgen.cli.oversized_lines import OversizedLines
 
     @functools.wraps(original_interactive)
@@ -447,15 +459,18 @@ def _wrap_interactive_main(original_interactive):
     def interactive_main(cfg):
         generators_built.clear()
         options, limit = _prepare_run(cfg, "interactive")
+        if options.common.postprocess_workers:  # its loop answers a buffer at a time, each answer printed at once
+            logger.warning(f"--postprocess-workers applies to fairseq-generate; fairseq-interactive prints each "
+                           f"answer in its own loop: --postprocess-workers {options.common.postprocess_workers} is "
+                           f"not used")
         interactive_cli = sys.modules[original_interactive.__module__]
         oversized = OversizedLines(interactive_cli.make_batches, limit)
         live = _live_lines(options, cfg, oversized)
-        with stopped_between_batches("fairseq-interactive", sys.stdout, AnsweredTally()) as output:
-            if live is None:
-                read, make_batches = answered_buffers(interactive_cli.buffered_read, output), oversized.make_batches
-            else:
-                read = answered_buffers(live.buffered_read, output, lambda: live.lines_read)
-                make_batches = live.make_batches
+        lines = CountedLines() if live is None else live  # each counts the lines it read: a stop reports them
+        with stopped_between_batches("fairseq-interactive", sys.stdout, AnsweredTally(lambda: lines.lines_read)) \
+                as output:
+            read = answered_buffers(lines.buffered_read, output)
+            make_batches = oversized.make_batches if live is None else live.make_batches
             with _swapped(interactive_cli, make_batches=make_batches, buffered_read=read), \
                     contextlib.redirect_stdout(output):
                 result = original_interactive(cfg)

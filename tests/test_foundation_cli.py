@@ -3,6 +3,7 @@
 import os
 import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,25 @@ def test_decoder_statistics_reach_json(toy_model, tmp_path):
     assert data["iterations"] == data["model_calls"]
 
 
+@pytest.mark.parametrize("decoder", ["var-batch", "var-stream"])
+def test_sentences_short_of_nbest_are_counted_in_one_warning_line(toy_model, decoder):
+    """Issue 55 item 2: a variable-width beam can end a sentence with fewer than --nbest hypotheses (stock beam
+    search fills each n-best); that was silent."""
+    result = generate(toy_model, "--decoder", decoder, "--beam", "5", "--nbest", "3", "--batch-size", "64")
+    assert result.returncode == 0, result.stderr[-2000:]
+    sources = [int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line.startswith("S-")]
+    assert sorted(sources) == list(range(200))  # every sentence answered once
+    hypothesis_lines = [line for line in result.stdout.splitlines() if line.startswith("H-")]
+    per_sentence = Counter(int(line.split("\t")[0][2:]) for line in hypothesis_lines)
+    assert set(per_sentence) == set(sources) and max(per_sentence.values()) <= 3
+    short = sum(1 for count in per_sentence.values() if count < 3)
+    assert short > 0
+    warnings = [line for line in result.stderr.splitlines() if "--nbest" in line]
+    assert len(warnings) == 1, warnings
+    assert (f"--decoder {decoder}: {short} of 200 sentences got fewer than --nbest 3 hypotheses (a variable-width "
+            f"beam can end with fewer candidates; stock beam search, --decoder beam, fills every n-best)") in warnings[0]
+
+
 def binarize_test_subset(toy_model, out_dir, n):
     """A data-bin whose test split holds the first n toy test sentences (same dictionaries)."""
     raw = Path(out_dir) / "raw"
@@ -170,6 +190,19 @@ def test_interactive_refuses_an_oversized_line_alone(toy_model, decoder, beam):
     skipped = interactive(toy_model, lines, *options, "--skip-invalid-size-inputs-valid-test")
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     assert sorted(hypotheses(skipped.stdout)) == [0, 1, 3, 4, 5]
+
+
+def test_interactive_names_postprocess_workers_in_one_warning_line(toy_model):
+    """Issue 55 item 10: --postprocess-workers (fairseq-generate's) was ignored by fairseq-interactive silently."""
+    lines = (toy_model.raw / "test.en").read_text().splitlines()[:3]
+    result = interactive(toy_model, lines, "--decoder", "greedy", "--beam", "1", "--postprocess-workers", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    answered = [int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line.startswith("H-")]
+    assert answered == [0, 1, 2]  # each once, in order
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if "--postprocess-workers" in line]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        "--postprocess-workers applies to fairseq-generate; fairseq-interactive prints each answer in its own loop: "
+        "--postprocess-workers 2 is not used"), warnings
 
 
 @pytest.mark.parametrize("decoder", ["greedy", "greedy-stream"])

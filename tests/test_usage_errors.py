@@ -3,6 +3,7 @@ line naming the problem, exit status 2, no traceback; the hub interface and task
 UsageError."""
 
 import dataclasses
+import re
 import subprocess
 
 import pytest
@@ -53,6 +54,15 @@ def test_fairseq_interactive_refuses_a_misuse_in_one_line(toy_model, misuse):
     result = interactive(toy_model, ["a b c"], *options)
     assert_one_error_line(result, "interactive", message)
     assert not [line for line in result.stdout.splitlines() if line.startswith("H-")]
+
+
+def test_an_unwritable_stats_json_is_refused_before_decoding(toy_model, tmp_path):
+    """Issue 55 item 5: the file was opened after the whole decode (a traceback, the statistics lost)."""
+    stats = tmp_path / "missing" / "stats.json"
+    result = generate(toy_model, "--decoder", "greedy", "--beam", "1", "--decoder-stats-json", str(stats))
+    assert_one_error_line(result, "generate", f"--decoder-stats-json {stats} cannot be written: No such file or "
+                                              f"directory")
+    assert not re.search("^[SH]-", result.stdout, re.M)  # refused before any sentence is decoded
 
 
 def test_a_data_bin_without_its_dictionary_is_one_error_line(toy_model, tmp_path):
