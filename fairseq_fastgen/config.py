@@ -103,7 +103,8 @@ class PluginOptions(FairseqDataclass):
     postprocess_workers: int = field(
         default=0,
         metadata={"help": "fairseq-generate: detokenize, score and print in this many background workers "
-                          "while the next batch decodes (0: in the main loop, as stock fairseq)"},
+                          "while the next batch decodes (0: in the main loop, as stock fairseq); fairseq-interactive "
+                          "names it in a warning line and does not use it"},
     )
     no_shared_encoder_cache: bool = field(
         default=False,

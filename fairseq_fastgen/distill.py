@@ -67,6 +67,7 @@ import gc
 import json
 import logging
 import math
+import multiprocessing
 import os
 import re
 import signal
@@ -748,6 +749,11 @@ def spawned_worker(rank, argv, workers):
     # (from a shell's background job) would miss it and go on decoding as an orphan
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # a spawned process inherits the spawn start method, and fairseq's data loader (its worker, its queues) would
+    # then register its semaphores with the parent's resource tracker: a worker ended by SIGTERM never unregisters
+    # them, and the tracker prints "leaked semaphore objects" after the parent's report. Forked, as in any process
+    # started on its own, they are unlinked as soon as they are made
+    multiprocessing.set_start_method("fork", force=True)
     configure_logging()
     if "OMP_NUM_THREADS" not in os.environ:  # share this machine's cores between the workers
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

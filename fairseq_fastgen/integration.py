@@ -60,6 +60,12 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    makes a primitive per row count, each kept with its memory: at beam 5,
    batch 64, 1,000 sentences, peak RSS 967 MiB with the default, 878 MiB
    capped, the same speed (docs/benchmarks.md, the step engine's memory).
+8. ``Dictionary.add_from_file``: a data-bin without a dictionary the task
+   reads (``dict.en.txt``) ended every tool in a ``FileNotFoundError``
+   traceback; the plugin's :class:`UsageError` names the file instead (one
+   ``error:`` line, exit status 2).  And fairseq's ``--beam 0`` (a
+   ``RuntimeError`` deep in its search) or ``--nbest 0`` is refused in one line
+   with the plugin's options, before the model loads.
 """
 
 import contextlib
@@ -69,6 +75,7 @@ import logging
 import os
 import pickle
 import sys
+from typing import Optional, Tuple
 
 import fairseq
 import torch
@@ -82,6 +89,7 @@ from fairseq_fastgen.adapters.generate import give_attributes, take_back_attribu
 from fairseq_fastgen.adapters.linear_forwards import use_onednn_linears
 from fairseq_fastgen.adapters.output_layer import attach_to_stock_generator
 from fairseq_fastgen.cli.live_lines import LiveLines
+from fairseq_fastgen.cli.oversized_lines import TokenLimit, token_limit
 from fairseq_fastgen.cluster.directory import run_direction
 from fairseq_fastgen.config import build_generation_config
 from fairseq_fastgen.engine import serve_stock_search
@@ -89,11 +97,12 @@ from fairseq_fastgen.fastseq import optimize_stock_generator
 from fairseq_fastgen.fastseq import restore_stock_generator as restore_fastseq
 from fairseq_fastgen.ops import heap
 from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
-from fairseq_fastgen.option_checks import UsageError, check_generation_options
+from fairseq_fastgen.option_checks import UsageError, check_fairseq_generation_options, check_generation_options
 from fairseq_fastgen.options import FastgenOptions, options_not_read, parse_options
+from fairseq_fastgen.safe_files import check_writable
 from fairseq_fastgen.sequence_generators.live_stream import LiveStream
 from fairseq_fastgen.sequence_generators.registry import DECODERS
-from fairseq_fastgen.sequence_generators.streaming import prepare_streaming_cli
+from fairseq_fastgen.sequence_generators.streaming import StreamOptions, prepare_streaming_cli
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +129,7 @@ def install():
     _install_cli_reports()
     _install_numpy_compat()
     _cap_onednn_primitive_cache()
+    _install_dictionary_loading()
 
 
 # ---- 1. checkpoint loading -------------------------------------------------------------
@@ -129,6 +139,7 @@ def _install_checkpoint_loading():
 
     @functools.wraps(original)
     def load_checkpoint_to_cpu(path, *args, **kwargs):
+        checkpoint_safety.allow_user_trusted_globals()  # FASTGEN_TRUSTED_GLOBALS: a bad entry refused in one line
         try:
             return original(path, *args, **kwargs)
         except pickle.UnpicklingError as error:
@@ -188,6 +199,7 @@ def _install_build_generator():
     def build_checked(self, models, args, seq_gen_cls, extra_gen_cls_kwargs, prefix_allowed_tokens_fn):
         options = parse_options(args)  # the plugin's options, read once: every step below takes them typed
         entry = selected_decoder(options)
+        check_fairseq_generation_options(args)  # --beam 0: fairseq's search ends in a RuntimeError
         check_generation_options(options)  # every numeric plugin option finite and in range (hub interface too)
         warn_options_not_read(entry, options)  # another decoder's option set here: named once, not silently dropped
         common = options.common
@@ -288,26 +300,36 @@ def _check_every_index_batched(dataset, iterator, kwargs, left_out=0):
 
 # ---- 5. end-of-run statistics ------------------------------------------------------------------
 def report_statistics(stats_json, stream):
-    """Print the statistics of every plugin generator built in this run; ``stats_json``
-    (``--decoder-stats-json``): also write the last one's there."""
+    """Print the statistics of every plugin generator built in this run, and warn in one line where sentences
+    got fewer hypotheses than ``--nbest``; ``stats_json`` (``--decoder-stats-json``): also write the last one's
+    there."""
     plugin_generators = [g for g in generators_built if hasattr(g, "counters")]
     for generator in plugin_generators:
         print(generator.counters.summary(), file=stream)
+        shortfall = generator.counters.nbest_shortfall(getattr(generator, "nbest", 1))
+        if shortfall:
+            logger.warning(shortfall)  # one line, not a silent n-best shorter than asked
     if stats_json and plugin_generators:
         plugin_generators[-1].counters.write_json(stats_json)
 
 
-def _prepare_run(cfg, tool) -> FastgenOptions:
+def _prepare_run(cfg, tool) -> Tuple[FastgenOptions, Optional[TokenLimit]]:
     """Check the run's options and let the decoder adjust ``cfg``; returns the options as given (the
-    generator reads them again, as ``prepare_cli`` left them, when it is built)."""
+    generator reads them again, as ``prepare_cli`` left them, when it is built) and the token limit every
+    sentence of the run is held to, whatever the decoder (``oversized_lines.token_limit``)."""
     with usage_errors():
         options = parse_options(cfg.generation)
+        check_fairseq_generation_options(cfg.generation)
         check_generation_options(options)  # before the model loads, and before prepare_cli reads them
+        if options.common.decoder_stats_json:  # written after the decode: found unwritable before it
+            check_writable("--decoder-stats-json", options.common.decoder_stats_json)
         entry = DECODERS.get(str(options.common.decoder))
         if entry is not None and entry.prepare_cli is not None:
             entry.prepare_cli(cfg, tool)
     check_checkpoint_files(cfg)  # after the options: a bad option is named even when --path is bad too
-    return options
+    streams = entry is not None and entry.prepare_cli is prepare_streaming_cli
+    limit = token_limit(cfg, streams, options.of(StreamOptions).stream_capacity_tokens is not None)
+    return options, limit
 
 
 def check_checkpoint_files(cfg):
@@ -406,9 +428,9 @@ def _wrap_generate_main(original_generate):
     @exit_on_usage_error("fairseq-generate")
     def generate_main(cfg, output_file):
         generators_built.clear()
-        options = _prepare_run(cfg, "generate")
+        options, limit = _prepare_run(cfg, "generate")
         workers = options.common.postprocess_workers
-        with _watching(GenerateRun(cfg)) as run:
+        with _watching(GenerateRun(cfg, limit)) as run:
             if workers > 0:
                 from fairseq_fastgen.cli.async_generate import async_generate_main
 
@@ -424,23 +446,31 @@ def _wrap_generate_main(original_generate):
 
 
 def _wrap_interactive_main(original_interactive):
-    from fairseq_fastgen.cli.batched_output import AnsweredTally, answered_buffers, stopped_between_batches
+    from fairseq_fastgen.cli.batched_output import (
+        AnsweredTally,
+        CountedLines,
+        answered_buffers,
+        stopped_between_batches,
+    )
     from fairseq_fastgen.cli.oversized_lines import OversizedLines
 
     @functools.wraps(original_interactive)
     @exit_on_usage_error("fairseq-interactive")
     def interactive_main(cfg):
         generators_built.clear()
-        options = _prepare_run(cfg, "interactive")
+        options, limit = _prepare_run(cfg, "interactive")
+        if options.common.postprocess_workers:  # its loop answers a buffer at a time, each answer printed at once
+            logger.warning(f"--postprocess-workers applies to fairseq-generate; fairseq-interactive prints each "
+                           f"answer in its own loop: --postprocess-workers {options.common.postprocess_workers} is "
+                           f"not used")
         interactive_cli = sys.modules[original_interactive.__module__]
-        oversized = OversizedLines(interactive_cli.make_batches)
+        oversized = OversizedLines(interactive_cli.make_batches, limit)
         live = _live_lines(options, cfg, oversized)
-        with stopped_between_batches("fairseq-interactive", sys.stdout, AnsweredTally()) as output:
-            if live is None:
-                read, make_batches = answered_buffers(interactive_cli.buffered_read, output), oversized.make_batches
-            else:
-                read = answered_buffers(live.buffered_read, output, lambda: live.lines_read)
-                make_batches = live.make_batches
+        lines = CountedLines() if live is None else live  # each counts the lines it read: a stop reports them
+        with stopped_between_batches("fairseq-interactive", sys.stdout, AnsweredTally(lambda: lines.lines_read)) \
+                as output:
+            read = answered_buffers(lines.buffered_read, output)
+            make_batches = oversized.make_batches if live is None else live.make_batches
             with _swapped(interactive_cli, make_batches=make_batches, buffered_read=read), \
                     contextlib.redirect_stdout(output):
                 result = original_interactive(cfg)
@@ -484,3 +514,22 @@ ONEDNN_PRIMITIVE_CACHE = 32  # primitives oneDNN keeps; 8-32 measured alike, the
 def _cap_onednn_primitive_cache():
     """oneDNN reads its cache capacity once, at its first product: set before, unless the user set it."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
+
+
+# ---- 8. a data-bin without its dictionary ------------------------------------------------------
+def _install_dictionary_loading():
+    from fairseq.data import Dictionary
+
+    original = Dictionary.add_from_file
+
+    @functools.wraps(original)
+    def add_from_file(self, f):
+        try:
+            return original(self, f)  # a path: opens it and calls itself again with the open file
+        except FileNotFoundError as error:
+            if not isinstance(f, str):
+                raise
+            raise UsageError(f"dictionary {f} does not exist: the data directory must hold the dictionaries "
+                             f"fairseq-preprocess wrote for this model") from error
+
+    Dictionary.add_from_file = add_from_file

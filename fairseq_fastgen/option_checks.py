@@ -116,6 +116,22 @@ def check_option(name: str, value, check: Check, error=ValueError):
     return require_finite_in_range(flag(name), value, check.low, check.high, allow_inf=check.allow_inf, error=error)
 
 
+# fairseq's own generation options that its search does not check: --beam 0 ends it in a RuntimeError
+FAIRSEQ_GENERATION_OPTIONS = {
+    "beam": Check("int", 1),
+    "nbest": Check("int", 1),
+}
+
+
+def check_fairseq_generation_options(gen_cfg, error=ValueError):
+    """Refuse the first of fairseq's options in :data:`FAIRSEQ_GENERATION_OPTIONS` that ``gen_cfg`` holds out of
+    range (a config without it, an old checkpoint's, is left alone)."""
+    for name, check in FAIRSEQ_GENERATION_OPTIONS.items():
+        value = getattr(gen_cfg, name, None)
+        if value is not None:
+            check_option(name, value, check, error)
+
+
 def check_generation_options(options, error=ValueError):
     """Refuse the first out-of-range numeric plugin option of ``options`` (the
     :class:`~fairseq_fastgen.options.FastgenOptions` read from ``cfg.generation``)."""

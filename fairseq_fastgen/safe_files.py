@@ -65,6 +65,21 @@ def write_atomically(path: Path, write):
     write_step(f"{path.name} renamed")
 
 
+def check_writable(option: str, path):
+    """Refuse, in one line naming ``option`` (a ``ValueError``), a file that a run writes at its end
+    (:func:`write_atomically`) but could not write: checked before the run does its work, by writing and removing
+    the temporary file that will be written beside it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a directory; give a file to write")
+    tmp = temporary_path(path)
+    try:
+        open(tmp, "wb").close()
+    except OSError as error:
+        raise ValueError(f"{option} {path} cannot be written: {error.strerror} ({tmp.parent})") from error
+    tmp.unlink()
+
+
 def copy_atomically(source: Path, destination: Path):
     def copy(f):
         with open(source, "rb") as original:

@@ -24,6 +24,7 @@ def allow_fairseq_checkpoint_globals():
     checkpoint_safety = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(checkpoint_safety)
     checkpoint_safety.allow_fairseq_checkpoint_globals()
+    checkpoint_safety.allow_user_trusted_globals()
 
 
 def main():

@@ -4,9 +4,12 @@ Used by ``make demo`` and by the test fixtures.  Every step calls the real
 fairseq command line tools (fairseq-preprocess, fairseq-train), as a user would.
 """
 
+import ctypes
 import hashlib
 import os
+import signal
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
@@ -57,8 +60,19 @@ class ToyModelSpec:
 PROGRESS_MARKERS = (" | train_inner | ", " | train | ", " | valid | ", "done training")  # fairseq-train's progress lines
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_this_process():
+    """In a child before it runs its command (``preexec_fn``): on Linux the kernel sends it SIGTERM when the
+    process that started it ends, however it ends, so that a killed demo or test run leaves no fairseq-train
+    running on its own."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def run(cmd, log_path=None, show_progress=False):
-    """Run a command; on failure raise with the tail of its output.
+    """Run a command, which ends if this process is killed; on failure raise with the tail of its output.
 
     With ``show_progress`` the command's progress lines (fairseq-train's
     training and validation statistics) are echoed as they come, without
@@ -66,7 +80,8 @@ def run(cmd, log_path=None, show_progress=False):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if show_progress:
         lines = []
-        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              preexec_fn=end_with_this_process) as process:
             for line in process.stdout:
                 lines.append(line)
                 if any(marker in line for marker in PROGRESS_MARKERS):
@@ -74,7 +89,7 @@ def run(cmd, log_path=None, show_progress=False):
         completed = subprocess.CompletedProcess(cmd, process.returncode)
         output = "".join(lines)
     else:
-        completed = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        completed = subprocess.run(cmd, env=env, capture_output=True, text=True, preexec_fn=end_with_this_process)
         output = completed.stdout + completed.stderr
     if log_path:
         Path(log_path).write_text(output)

@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import fractions
 import os
+import re
 import subprocess
 
 import numpy as np
@@ -120,3 +121,50 @@ def test_a_checkpoint_path_that_cannot_be_read_is_named_in_one_error_line(toy_mo
     assert_one_error_line(generate(toy_model, checkpoint), "generate", message)
     lines = (toy_model.raw / "test.en").read_text().splitlines()[:2]
     assert_one_error_line(interactive(toy_model, lines, "--path", str(checkpoint)), "interactive", message)
+
+
+class Call:
+    """Pickled as a call of ``function``: the checkpoint's pickle then references that global alone."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+def advised_setting(stderr):
+    found = re.search(rf"{TRUST_ENV}=(\S+) \(comma-separated", stderr)
+    return found and found.group(1)
+
+
+def test_the_refusals_advice_works_as_written(toy_model, tmp_path):
+    """Issue 55 item 7: the refusal of a builtin advised FASTGEN_TRUSTED_GLOBALS=abs, which ended in a traceback
+    (not of the form module.Name); a builtin by its bare name is allowed now."""
+    checkpoint = rewrite_checkpoint(toy_model.checkpoint, tmp_path / "builtin.pt", payload=Call(abs, -1))
+    refused = generate(toy_model, checkpoint)
+    assert_one_error_line(refused, "generate", f"refusing to load {checkpoint}: its pickle references abs")
+    assert advised_setting(refused.stderr) == "abs"
+    trusted = generate(toy_model, checkpoint, env=dict(os.environ, **{TRUST_ENV: "abs"}))
+    assert trusted.returncode == 0, trusted.stderr[-2000:]
+    assert "Translated 200 sentences" in trusted.stderr + trusted.stdout
+
+
+def test_a_global_torch_never_loads_is_refused_without_advice(toy_model, tmp_path):
+    """Issue 55 item 7: following the advice FASTGEN_TRUSTED_GLOBALS=posix.system gave the same refusal: torch
+    refuses every global of os, posix and sys, allowed or not."""
+    checkpoint = rewrite_checkpoint(toy_model.checkpoint, tmp_path / "system.pt", payload=Call(os.system, "true"))
+    refused = generate(toy_model, checkpoint)
+    assert_one_error_line(refused, "generate", f"refusing to load {checkpoint}: its pickle references posix.system, "
+                                               f"and torch never loads a global of module posix with weights_only")
+    assert advised_setting(refused.stderr) is None
+    trusted = generate(toy_model, checkpoint, env=dict(os.environ, **{TRUST_ENV: "posix.system"}))
+    assert_one_error_line(trusted, "generate", f"{TRUST_ENV}=posix.system: posix.system is a global of module posix, "
+                                               f"which torch never loads with weights_only, allowed or not")
+
+
+def test_a_trusted_global_that_names_nothing_is_one_error_line(toy_model):
+    """Issue 55 item 7: a misspelt entry ended every load, a clean checkpoint's too, in a traceback at import."""
+    result = generate(toy_model, toy_model.checkpoint, env=dict(os.environ, **{TRUST_ENV: "nonexistent.Thing"}))
+    assert_one_error_line(result, "generate", f"{TRUST_ENV}=nonexistent.Thing: nonexistent.Thing names no global "
+                                              f"that can be imported (ModuleNotFoundError: ")

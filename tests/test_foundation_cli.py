@@ -3,6 +3,7 @@
 import os
 import re
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,25 @@ def test_decoder_statistics_reach_json(toy_model, tmp_path):
     assert data["iterations"] == data["model_calls"]
 
 
+@pytest.mark.parametrize("decoder", ["var-batch", "var-stream"])
+def test_sentences_short_of_nbest_are_counted_in_one_warning_line(toy_model, decoder):
+    """Issue 55 item 2: a variable-width beam can end a sentence with fewer than --nbest hypotheses (stock beam
+    search fills each n-best); that was silent."""
+    result = generate(toy_model, "--decoder", decoder, "--beam", "5", "--nbest", "3", "--batch-size", "64")
+    assert result.returncode == 0, result.stderr[-2000:]
+    sources = [int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line.startswith("S-")]
+    assert sorted(sources) == list(range(200))  # every sentence answered once
+    hypothesis_lines = [line for line in result.stdout.splitlines() if line.startswith("H-")]
+    per_sentence = Counter(int(line.split("\t")[0][2:]) for line in hypothesis_lines)
+    assert set(per_sentence) == set(sources) and max(per_sentence.values()) <= 3
+    short = sum(1 for count in per_sentence.values() if count < 3)
+    assert short > 0
+    warnings = [line for line in result.stderr.splitlines() if "--nbest" in line]
+    assert len(warnings) == 1, warnings
+    assert (f"--decoder {decoder}: {short} of 200 sentences got fewer than --nbest 3 hypotheses (a variable-width "
+            f"beam can end with fewer candidates; stock beam search, --decoder beam, fills every n-best)") in warnings[0]
+
+
 def binarize_test_subset(toy_model, out_dir, n):
     """A data-bin whose test split holds the first n toy test sentences (same dictionaries)."""
     raw = Path(out_dir) / "raw"
@@ -172,19 +192,36 @@ def test_interactive_refuses_an_oversized_line_alone(toy_model, decoder, beam):
     assert sorted(hypotheses(skipped.stdout)) == [0, 1, 3, 4, 5]
 
 
-def test_interactive_refuses_a_line_over_max_tokens_alone(toy_model):
+def test_interactive_names_postprocess_workers_in_one_warning_line(toy_model):
+    """Issue 55 item 10: --postprocess-workers (fairseq-generate's) was ignored by fairseq-interactive silently."""
+    lines = (toy_model.raw / "test.en").read_text().splitlines()[:3]
+    result = interactive(toy_model, lines, "--decoder", "greedy", "--beam", "1", "--postprocess-workers", "2")
+    assert result.returncode == 0, result.stderr[-2000:]
+    answered = [int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line.startswith("H-")]
+    assert answered == [0, 1, 2]  # each once, in order
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if "--postprocess-workers" in line]
+    assert len(warnings) == 1 and warnings[0].endswith(
+        "--postprocess-workers applies to fairseq-generate; fairseq-interactive prints each answer in its own loop: "
+        "--postprocess-workers 2 is not used"), warnings
+
+
+@pytest.mark.parametrize("decoder", ["greedy", "greedy-stream"])
+def test_interactive_refuses_a_line_over_max_tokens_alone(toy_model, decoder):
     """Issue 30 item 6: a line within the model's positions but longer than --max-tokens ended the run with
-    fairseq's AssertionError ("Sentences lengths should not exceed max_tokens"); it is refused alone."""
+    fairseq's AssertionError ("Sentences lengths should not exceed max_tokens"); it is refused alone.  Issue 55
+    item 1: a streamed decoder (its capacity read from --max-tokens) translated it without a word."""
     test_lines = (toy_model.raw / "test.en").read_text().splitlines()[:4]
     over_budget = " ".join(test_lines[0].split() * 3)[:150]  # about 30 tokens: under 64 positions, over 24
     lines = test_lines[:1] + [over_budget] + test_lines[1:]
-    options = ["--decoder", "greedy", "--beam", "1", "--max-tokens", "24"]
+    options = ["--decoder", decoder, "--beam", "1", "--max-tokens", "24"]
     result = interactive(toy_model, lines, *options, "--buffer-size", "3")
     assert "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.returncode == 1
-    assert sorted(hypotheses(result.stdout)) == [0, 2, 3, 4]
-    assert re.search(r"sentence 1 has \d+ tokens \(with eos\), more than --max-tokens 24; not translated",
-                     result.stderr)
+    answered = [int(line.split("\t")[0][2:]) for line in result.stdout.splitlines() if line.startswith("H-")]
+    assert answered == [0, 2, 3, 4]  # each once, in order
+    refusals = [line for line in result.stderr.splitlines() if line.startswith("fairseq-interactive: sentence")]
+    assert len(refusals) == 1 and re.match(r"fairseq-interactive: sentence 1 has \d+ tokens \(with eos\), more than "
+                                           r"--max-tokens 24; not translated", refusals[0])
     assert "sentence ids 1);" in result.stderr
     # fairseq's skip option does not cover --max-tokens; with the plugin it skips that line too
     skipped = interactive(toy_model, lines, *options, "--skip-invalid-size-inputs-valid-test")

@@ -3,6 +3,7 @@ toy-model package (``fastgen_demo``), which ``make demo`` and the test fixtures 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,21 @@ def test_the_plugin_caps_onednns_primitive_cache_unless_the_user_set_it():
                                    text=True)
         assert completed.returncode == 0, completed.stderr[-3000:]
         assert completed.stdout.split()[-1] == expected
+
+
+CONSOLE_SCRIPTS = ("fastgen-bench", "fastgen-distill", "fastgen-train-clusters")  # setup.py's
+
+
+def test_the_console_scripts_print_no_noise_of_fairseqs(tmp_path):
+    """Issue 55 item 12: fairseq's "Please install tensorboardX" INFO line (its text_to_speech task, imported with
+    every task) was the first line of each of the plugin's console scripts, --help included."""
+    entry_points = (REPO / "setup.py").read_text()
+    for name in CONSOLE_SCRIPTS:
+        assert f'"{name}=' in entry_points
+        script = Path(sys.executable).parent / name
+        module = re.search(rf'"{name}=([\w.]+):cli_main"', entry_points).group(1)
+        command = [str(script)] if script.exists() else [sys.executable, "-c", f"from {module} import cli_main; "
+                                                                               f"cli_main()"]
+        result = subprocess.run(command + ["--help"], capture_output=True, text=True, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stderr == "", f"{name} --help: {result.stderr[-2000:]}"

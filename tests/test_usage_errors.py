@@ -2,6 +2,8 @@
 line naming the problem, exit status 2, no traceback; the hub interface and task.build_generator raise the plugin's
 UsageError."""
 
+import dataclasses
+import re
 import subprocess
 
 import pytest
@@ -26,6 +28,8 @@ MISUSES = {
                      "--blockwise-block-size must be an integer >= 1, got 0"),
     "cluster file": (["--decoder", "greedy", "--beam", "1", "--cluster-projection", "/nonexistent/clusters.pt"],
                      "/nonexistent/clusters.pt"),
+    # issue 55 item 11: fairseq's search ended in a RuntimeError traceback
+    "beam 0": (["--decoder", "beam", "--beam", "0"], "--beam must be an integer >= 1, got 0"),
 }
 
 
@@ -50,6 +54,26 @@ def test_fairseq_interactive_refuses_a_misuse_in_one_line(toy_model, misuse):
     result = interactive(toy_model, ["a b c"], *options)
     assert_one_error_line(result, "interactive", message)
     assert not [line for line in result.stdout.splitlines() if line.startswith("H-")]
+
+
+def test_an_unwritable_stats_json_is_refused_before_decoding(toy_model, tmp_path):
+    """Issue 55 item 5: the file was opened after the whole decode (a traceback, the statistics lost)."""
+    stats = tmp_path / "missing" / "stats.json"
+    result = generate(toy_model, "--decoder", "greedy", "--beam", "1", "--decoder-stats-json", str(stats))
+    assert_one_error_line(result, "generate", f"--decoder-stats-json {stats} cannot be written: No such file or "
+                                              f"directory")
+    assert not re.search("^[SH]-", result.stdout, re.M)  # refused before any sentence is decoded
+
+
+def test_a_data_bin_without_its_dictionary_is_one_error_line(toy_model, tmp_path):
+    """Issue 55 item 11: fairseq's FileNotFoundError traceback; the file is named in one line."""
+    data_bin = tmp_path / "bin"
+    data_bin.mkdir()
+    for path in toy_model.data_bin.iterdir():
+        if path.name != "dict.en.txt":
+            (data_bin / path.name).symlink_to(path)
+    result = generate(dataclasses.replace(toy_model, data_bin=data_bin), "--decoder", "greedy", "--beam", "1")
+    assert_one_error_line(result, "generate", f"dictionary {data_bin / 'dict.en.txt'} does not exist")
 
 
 def test_build_generator_raises_the_plugins_usage_error(toy_model):

@@ -18,6 +18,7 @@ the process exits with status 128 + the signal.  Its data-loader workers
 """
 
 import contextlib
+import fileinput
 import io
 
 from fairseq_fastgen.stop_signals import StopSignals, Stopped, exit_stopped
@@ -38,10 +39,16 @@ class WrittenTally:
 
 
 class AnsweredTally(WrittenTally):
-    """fairseq-interactive's tally: the total is the input lines read so far."""
+    """fairseq-interactive's tally: the total is the input lines read so far (``lines_read()``), counted as each
+    is read, not when its buffer is handed over: a stop while a buffer fills counts the lines already in it."""
 
-    def __init__(self):
-        super().__init__(total=0)
+    def __init__(self, lines_read):
+        self.written = 0
+        self.lines_read = lines_read
+
+    @property
+    def total(self) -> int:
+        return self.lines_read()
 
     def summary(self) -> str:
         return (f"the answers to {self.written} of the {self.total} input lines read were written, each with all "
@@ -104,15 +111,32 @@ def stopped_between_batches(program: str, output_file, tally: WrittenTally):
             output.close_batches()
 
 
-def answered_buffers(buffered_read, output: BatchedOutput, lines_read=None):
+class CountedLines:
+    """fairseq-interactive's ``buffered_read`` (``fairseq_cli.interactive``: the same buffers of stripped lines),
+    counting each line as it is read: fairseq's holds a buffer's lines until it is full, out of any count."""
+
+    def __init__(self):
+        self.lines_read = 0
+
+    def buffered_read(self, input, buffer_size):
+        buffer = []
+        with fileinput.input(files=[input], openhook=fileinput.hook_encoded("utf-8")) as lines:
+            for line in lines:
+                self.lines_read += 1
+                buffer.append(line.strip())
+                if len(buffer) >= buffer_size:
+                    yield buffer
+                    buffer = []
+        if buffer:
+            yield buffer
+
+
+def answered_buffers(buffered_read, output: BatchedOutput):
     """fairseq-interactive's ``buffered_read(input, buffer_size)`` for a run that prints to ``output``: each buffer
-    of input lines is a batch, printed whole when the run asks for the next buffer (or the input ends); its
-    tally (an :class:`AnsweredTally`) counts the lines read (``lines_read()`` where lines are read ahead of
-    the buffers handed out)."""
+    of input lines is a batch, printed whole when the run asks for the next buffer (or the input ends)."""
 
     def read(input, buffer_size):
         for buffer in buffered_read(input, buffer_size):
-            output.tally.total = lines_read() if lines_read else output.tally.total + len(buffer)
             output.start_batch(len(buffer))
             yield buffer
             output.end_batch()  # the answers to this buffer are printed: fairseq asks for more input

@@ -12,12 +12,13 @@ from typing import Optional
 
 from fairseq_fastgen.adapters.generate import wrap_generate
 from fairseq_fastgen.cli.batched_output import BatchedOutput, WrittenTally
-from fairseq_fastgen.cli.oversized_lines import OverBudgetSentences
+from fairseq_fastgen.cli.oversized_lines import OverBudgetSentences, TokenLimit
 
 
 class GenerateRun:
-    def __init__(self, cfg):
-        self.over_budget = OverBudgetSentences(skip=cfg.dataset.skip_invalid_size_inputs_valid_test)
+    def __init__(self, cfg, limit: Optional[TokenLimit] = None):
+        """``limit``: the run's token limit where fairseq's batching does not read it (a streamed decoder)."""
+        self.over_budget = OverBudgetSentences(skip=cfg.dataset.skip_invalid_size_inputs_valid_test, limit=limit)
         self.tally = WrittenTally()
         self.output: Optional[BatchedOutput] = None  # the stock loop's output (not with --postprocess-workers)
 

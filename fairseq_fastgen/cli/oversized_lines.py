@@ -25,16 +25,43 @@ the batches (:class:`OverBudgetSentences`, called by the plugin's
 ``batch_by_size`` during a fairseq-generate run) and reports it in the same
 way: with its sentence id, its length and the limit, then exit status 1 at the
 end naming every refused sentence; skipped with a warning under the skip option.
+
+A streamed decoder reads ``--max-tokens`` (or ``--stream-capacity-tokens``) as
+the tokens of its running sentences, and fairseq's batching then hands over
+whole pools without a token limit: the run holds every sentence to that limit
+all the same (:func:`token_limit`), so that every decoder refuses the same
+sentences, in the same words.
 """
 
 import logging
 import sys
-from typing import List
+from typing import List, NamedTuple, Optional
 
 import numpy
 import torch
 
 logger = logging.getLogger("fairseq_cli.interactive")
+
+
+class TokenLimit(NamedTuple):
+    """The most tokens a sentence of the run may have, and the option that set it."""
+
+    option: str  # "--max-tokens" or "--stream-capacity-tokens"
+    tokens: int
+
+
+def token_limit(cfg, streams: bool, capacity_given: bool) -> Optional[TokenLimit]:
+    """The limit every decoder holds a run's sentences to, once the decoder's ``prepare_cli`` has run:
+    ``--max-tokens`` as fairseq's batching reads it, or for a streamed decoder (``streams``; fairseq's batching
+    then reads whole pools, without a token limit) the stream's token capacity, ``--stream-capacity-tokens``
+    (``capacity_given``) or ``--max-tokens`` that set it.  None: no limit, or fairseq's default that its
+    batching reads (12000 tokens in fairseq-generate)."""
+    if cfg.dataset.max_tokens is not None:
+        return TokenLimit("--max-tokens", cfg.dataset.max_tokens)
+    tokens = getattr(cfg.generation, "stream_capacity_tokens", None) if streams else None
+    if tokens is None:
+        return None
+    return TokenLimit("--stream-capacity-tokens" if capacity_given else "--max-tokens", tokens)
 
 
 class SentenceRefusals:
@@ -65,8 +92,9 @@ class SentenceRefusals:
 class OversizedLines:
     """``make_batches`` for fairseq-interactive that refuses oversized lines one by one."""
 
-    def __init__(self, original_make_batches):
+    def __init__(self, original_make_batches, limit: Optional[TokenLimit] = None):
         self.original_make_batches = original_make_batches
+        self.limit = limit  # the run's token limit (token_limit)
         self.lines_seen = 0  # sentence id of the next buffer's first line (fairseq's start_id)
         self.refusals = SentenceRefusals("fairseq-interactive")
 
@@ -97,11 +125,11 @@ class OversizedLines:
             for index in too_long:
                 self.refusals.refuse(first_id + int(index), lengths[index], f"than this model reads (max positions "
                                      f"{max_positions})")
-        max_tokens = cfg.dataset.max_tokens
-        if max_tokens is not None:  # fairseq's batching asserts on these, with or without the skip option
+        if self.limit is not None:  # fairseq's batching asserts on these, with or without the skip option
+            option, max_tokens = self.limit
             within = [int(i) for i in fitting if dataset.num_tokens(int(i)) <= max_tokens]
             for index in sorted(set(map(int, fitting)) - set(within)):
-                self.refusals.refuse(first_id + index, lengths[index], f"than --max-tokens {max_tokens}", skip)
+                self.refusals.refuse(first_id + index, lengths[index], f"than {option} {max_tokens}", skip)
             fitting = within
         return sorted(int(index) for index in fitting)
 
@@ -113,24 +141,26 @@ class OversizedLines:
 class OverBudgetSentences:
     """During a fairseq-generate run: the sentences longer than ``--max-tokens``, left out of the batches."""
 
-    def __init__(self, skip: bool):
+    def __init__(self, skip: bool, limit: Optional[TokenLimit] = None):
         self.skip = skip  # --skip-invalid-size-inputs-valid-test
+        self.limit = limit  # a streamed decoder's (token_limit): fairseq's batching then has no max_tokens
         self.refusals = SentenceRefusals("fairseq-generate")
         self.left_out = 0
 
     def leave_out(self, indices, options: dict):
         """``indices`` (dataset indices: sentence ids) and ``options`` (keywords of fairseq's ``batch_by_size``)
-        without the sentences longer than ``max_tokens``, each of them refused or skipped."""
-        max_tokens = options.get("max_tokens")
-        if max_tokens is None:
+        without the sentences longer than ``max_tokens`` (or the run's limit), each of them refused or skipped."""
+        limit = TokenLimit("--max-tokens", options["max_tokens"]) if options.get("max_tokens") else self.limit
+        if limit is None:
             return indices, options
+        option, max_tokens = limit
         indices = numpy.asarray(indices)
         num_tokens = options.get("num_tokens_vec")  # (len(indices),) or None: ask num_tokens_fn
         lengths = num_tokens if num_tokens is not None else numpy.array(
             [options["num_tokens_fn"](int(index)) for index in indices], dtype=numpy.int64)
         over = lengths > max_tokens
         for index, length in sorted(zip(indices[over].tolist(), lengths[over].tolist())):
-            self.refusals.refuse(int(index), length, f"than --max-tokens {max_tokens} (the longer of its source and "
+            self.refusals.refuse(int(index), length, f"than {option} {max_tokens} (the longer of its source and "
                                  "target)", self.skip)
         self.left_out += int(over.sum())
         if num_tokens is not None:

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor
 
+from fairseq_fastgen.checkpoint_safety import reader_said
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.safe_files import write_atomically
@@ -221,7 +222,8 @@ class ClusterFile:
         try:
             payload = torch.load(path, map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as error:
-            raise ClusterFileError(f"cannot read cluster file {path} (truncated or corrupted?): {error}") from error
+            raise ClusterFileError(f"cannot read cluster file {path}: the file is truncated, damaged or not a cluster "
+                                   f"file ({reader_said(error)})") from error  # one line, as a checkpoint's
         metadata, tensors = _unpack(payload, path)
         fingerprint = metadata["fingerprint"]
         cluster_file = cls(

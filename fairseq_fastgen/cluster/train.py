@@ -49,6 +49,7 @@ from fairseq_fastgen.cluster.multilingual import (
     direction_task, is_multilingual, model_directions, target_language_tokens,
 )
 from fairseq_fastgen.cluster.projection import nearest_clusters
+from fairseq_fastgen.integration import exit_on_usage_error
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets
 from fairseq_fastgen.option_checks import require_int
 
@@ -110,10 +111,8 @@ def cli_main(argv=None):
             parser.error(f"--{required} is required")
     cfg = ClusterTrainingConfig(**{f.name: getattr(args, f.name) for f in fields(ClusterTrainingConfig)
                                    if not f.name.startswith("_")})
-    try:
-        train_clusters(cfg)
-    except ClusterFileError as error:
-        sys.exit(f"fastgen-train-clusters: {error}")
+    # a setting that makes no sense, a checkpoint that is not loaded: one error line, exit status 2, as every tool
+    exit_on_usage_error("fastgen-train-clusters")(train_clusters)(cfg)
 
 
 def check_counts(cfg: ClusterTrainingConfig, vocab_size: Optional[int] = None):

@@ -2,6 +2,12 @@
 
 import json
 from collections import Counter
+from typing import Optional
+
+from fairseq_fastgen.safe_files import write_atomically
+
+
+FEWER_THAN_NBEST = "sentences_short_of_nbest"  # sentences that ended with fewer hypotheses than --nbest
 
 
 class GenerationCounters:
@@ -47,6 +53,15 @@ class GenerationCounters:
             parts.append(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}")
         return f"decoder {self.decoder_name}: " + ", ".join(parts)
 
+    def nbest_shortfall(self, nbest: int) -> Optional[str]:
+        """One line saying how many sentences got fewer than ``nbest`` hypotheses, or None if none did."""
+        short = self.counts[FEWER_THAN_NBEST]
+        if not short:
+            return None
+        return (f"--decoder {self.decoder_name}: {short} of {self.counts['sentences']} sentences got fewer than "
+                f"--nbest {nbest} hypotheses (a variable-width beam can end with fewer candidates; stock beam search, "
+                f"--decoder beam, fills every n-best)")
+
     def write_json(self, path):
-        with open(path, "w") as f:
-            json.dump(self.as_dict(), f, indent=2)
+        text = json.dumps(self.as_dict(), indent=2)
+        write_atomically(path, lambda f: f.write(text.encode()))

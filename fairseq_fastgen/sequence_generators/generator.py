@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.options import FastgenOptions, parse_options
-from fairseq_fastgen.sequence_generators.counters import GenerationCounters
+from fairseq_fastgen.sequence_generators.counters import FEWER_THAN_NBEST, GenerationCounters
 from fairseq_fastgen.sequence_generators.processors import (
     RowStepProcessors,
     apply_processors,
@@ -136,6 +136,8 @@ class DecodeContext:
         ranked = sorted(hypotheses, key=lambda h: float(h["score"]), reverse=True)
         self.results[sentence] = ranked[: self.nbest]
         self.counters.add("sentences")
+        if len(ranked) < self.nbest:  # a variable-width beam can end with fewer candidates: reported at the end
+            self.counters.add(FEWER_THAN_NBEST)
         self.counters.add("tokens", ranked[0]["tokens"].numel())
 
 

@@ -156,9 +156,13 @@ def prepare_streaming_cli(cfg, tool):
 
     The capacity (``--batch-size`` / ``--max-tokens``, or fairseq's defaults)
     is recorded in ``--stream-capacity`` / ``--stream-capacity-tokens`` unless
-    given; fairseq-generate's data iterator then yields whole pools of
+    given (``--max-tokens`` beside another capacity still sets the tokens');
+    fairseq-generate's data iterator then yields whole pools of
     ``--stream-pool`` sentences.  (fairseq-interactive hands its lines to the
     stream one at a time as they arrive: ``fairseq_fastgen/cli/live_lines.py``.)
+    The run refuses a sentence longer than the token capacity as fairseq's
+    batching refuses one longer than ``--max-tokens``
+    (:func:`fairseq_fastgen.cli.oversized_lines.token_limit`).
     """
     generation, dataset = cfg.generation, cfg.dataset
     batch_size, max_tokens = dataset.batch_size, dataset.max_tokens
@@ -171,6 +175,8 @@ def prepare_streaming_cli(cfg, tool):
            for option in ("stream_capacity", "stream_capacity_tokens", "stream_capacity_rows")):
         generation.stream_capacity = batch_size
         generation.stream_capacity_tokens = max_tokens
+    elif getattr(generation, "stream_capacity_tokens", None) is None and dataset.max_tokens is not None:
+        generation.stream_capacity_tokens = dataset.max_tokens  # --max-tokens beside another capacity
     dataset.max_tokens = None
     dataset.batch_size = generation.stream_pool if tool == "generate" else max(1, cfg.interactive.buffer_size)
 

@@ -5,9 +5,14 @@ status 128 + the signal.
 Stock, SIGTERM ended either command at once (status -15): lines still buffered were lost, the last one written
 could stop in the middle, and the data-loader worker ran on as an orphan; SIGINT ended it with a traceback."""
 
+import array
+import fcntl
 import os
 import re
 import signal
+import subprocess
+import termios
+import time
 
 import pytest
 
@@ -71,3 +76,39 @@ def test_fairseq_interactive_stops_between_whole_buffers(toy_model, tmp_path, si
     answered, read = int(report[1]), int(report[2])
     assert 0 < answered <= read < TRAIN_SENTENCES and answered % 4 == 0
     assert_whole_sentences(output, answered, kinds="SWHDP")
+
+
+def wait_until_read(pipe, poll_s=0.05):
+    """Until the process at the other end of ``pipe`` (a writable pipe) has read everything written to it."""
+    unread = array.array("i", [0])
+    while True:
+        fcntl.ioctl(pipe.fileno(), termios.FIONREAD, unread)
+        if unread[0] == 0:
+            return
+        time.sleep(poll_s)
+
+
+def test_fairseq_interactive_stopped_while_a_buffer_fills_counts_its_lines(toy_model):
+    """Issue 55 item 9: three lines read into a buffer of 8, then SIGTERM: the report said "0 of the 0 input lines
+    read" (fairseq's reader counted a buffer only once full); it counts the 3 lines read and not answered."""
+    command = toy.fairseq_command("interactive") + [
+        str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--user-dir", toy.PLUGIN_DIR,
+        "--source-lang", toy.SRC, "--target-lang", toy.TGT, "--beam", "1", "--buffer-size", "8",
+    ]
+    # the log and the output in one pipe: the prompt is logged once the model is loaded, before the first read
+    process, _, reader = start_reading_until(command, "Type the input sentence", subprocess.STDOUT,
+                                             stdin=subprocess.PIPE)
+    try:
+        lines = (toy_model.raw / f"test.{toy.SRC}").read_text().splitlines()[:3]
+        process.stdin.write("\n".join(lines) + "\n")
+        process.stdin.flush()
+        wait_until_read(process.stdin)
+        time.sleep(0.5)  # from the pipe to the reader's count: a loop over lines already in memory
+        process.send_signal(signal.SIGTERM)
+    finally:
+        output, _ = finish(process, [], reader)
+    assert process.returncode == 128 + signal.SIGTERM, output[-2000:]
+    assert "Traceback" not in output and not re.search("^H-", output, re.M)
+    reports = [line for line in output.splitlines() if line.startswith("fairseq-interactive: stopped")]
+    assert reports == ["fairseq-interactive: stopped by SIGTERM; the answers to 0 of the 3 input lines read were "
+                       "written, each with all its lines; the other 3 lines were not answered"], output[-2000:]

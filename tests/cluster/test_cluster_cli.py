@@ -1,12 +1,17 @@
 """The real commands: fastgen-train-clusters, then fairseq-generate --cluster-projection."""
 
+import fractions
+import random
 import re
+import subprocess
 
 import pytest
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
 from fairseq_fastgen.cluster.train import ClusterTrainingConfig, check_counts, cli_main
 from fastgen_demo import toy as toy_pipeline
+from tests.test_checkpoint_safety import damaged_copies, rewrite_checkpoint
+from tests.test_usage_errors import assert_one_error_line
 
 
 def sentences_in(small_test_bin):
@@ -86,15 +91,46 @@ def test_settings_that_make_no_sense_are_refused(overrides, vocab_size, message)
         check_counts(config(**overrides), vocab_size)
 
 
-def test_more_clusters_than_states_is_refused_by_the_command(toy_model, tmp_path):
+def test_more_clusters_than_states_is_refused_by_the_command(toy_model, tmp_path, capsys):
     output = tmp_path / "clusters.pt"
     with pytest.raises(SystemExit) as exit_info:  # in this process: the model loads faster than a new one starts
         cli_main([str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--split", "valid", "--cpu",
                   "--num-clusters", "100000", "--max-states", "200000", "--output", str(output)])
-    assert re.search(r"--num-clusters 100000 exceeds the \d+ decoder states of split 'valid'", str(exit_info.value))
+    assert exit_info.value.code == 2
+    assert re.search(r"^fastgen-train-clusters: error: --num-clusters 100000 exceeds the \d+ decoder states of split "
+                     r"'valid'", capsys.readouterr().err, re.M)
+    assert not output.exists()
+
+
+@pytest.mark.parametrize("problem", ["truncated", "untrusted"])
+def test_a_checkpoint_that_is_not_loaded_is_one_error_line(toy_model, train_clusters_command, tmp_path, problem):
+    """Issue 55 item 6: fastgen-train-clusters answered a truncated or untrusted checkpoint with a traceback (exit
+    status 1) where every other tool gives one error line and exit status 2."""
+    if problem == "truncated":
+        checkpoint = damaged_copies(toy_model.checkpoint, tmp_path)["truncated"]
+        message = f"cannot load checkpoint {checkpoint}: the file is truncated, damaged or not a torch checkpoint"
+    else:
+        checkpoint = rewrite_checkpoint(toy_model.checkpoint, tmp_path / "foreign.pt", payload=fractions.Fraction(1))
+        message = f"refusing to load {checkpoint}: its pickle references fractions.Fraction"
+    output = tmp_path / "clusters.pt"
+    result = subprocess.run(train_clusters_command + [str(toy_model.data_bin), "--path", str(checkpoint), "--cpu",
+                                                      "--output", str(output)], capture_output=True, text=True)
+    assert_one_error_line(result, "fastgen-train-clusters", message)
     assert not output.exists()
 
 
 def test_settings_in_range_pass():
     check_counts(config(max_tokens=None, batch_size=1, seed=0))
     check_counts(config(max_tokens=1, seed=2**31 - 1))
+
+
+def test_a_random_bytes_cluster_file_is_one_error_line(toy_model, tmp_path):
+    """Issue 55 item 8: torch's paragraphs advising weights_only=False, where a checkpoint gets one line."""
+    path = tmp_path / "clusters.pt"
+    path.write_bytes(random.Random(8).randbytes(4096))
+    result = subprocess.run(toy_pipeline.fairseq_command("generate") + [
+        str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--user-dir", toy_pipeline.PLUGIN_DIR, "--cpu",
+        "--decoder", "greedy", "--beam", "1", "--cluster-projection", str(path)], capture_output=True, text=True)
+    assert_one_error_line(result, "generate", f"cannot read cluster file {path}: the file is truncated, damaged or "
+                                              f"not a cluster file (")
+    assert "weights_only" not in result.stderr and not re.search("^[SH]-", result.stdout, re.M)

@@ -128,7 +128,7 @@ def test_whole_vocabulary_file_changes_nothing_in_blockwise(khead, khead_full_co
 def test_bad_file_is_refused_when_the_generator_is_built(toy, model, tmp_path, decoder):
     path = tmp_path / "clusters.pt"
     path.write_bytes(b"not a cluster file")
-    with pytest.raises(ClusterFileError, match="truncated or corrupted"):
+    with pytest.raises(ClusterFileError, match="truncated, damaged or not a cluster file"):
         decode(toy.task, model, decoder, 1, cluster_projection=str(path))
 
 

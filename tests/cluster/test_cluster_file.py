@@ -57,7 +57,7 @@ def test_truncated_file_is_refused(tmp_path, keep):
     small_file().save(path)
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
-    with pytest.raises(ClusterFileError, match="truncated or corrupted"):
+    with pytest.raises(ClusterFileError, match="truncated, damaged or not a cluster file"):
         ClusterFile.load(path)
 
 

@@ -24,6 +24,7 @@ from fairseq_fastgen.sequence_generators.processors import (
 from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.state import DecodingState
 from fastgen_demo import toy
+from tests.test_usage_errors import assert_one_error_line
 
 pytestmark = [pytest.mark.xdist_group("toy_khead"), pytest.mark.usefixtures("one_thread")]
 
@@ -363,6 +364,8 @@ def test_a_model_without_heads_is_refused(toy_model):
     ({"beam": 1, "blockwise_top_k": 2, "blockwise_epsilon": 1.0}, "give one"),
     ({"beam": 1, "blockwise_min_block": 0}, "--blockwise-min-block must be an integer >= 1, got 0"),
     ({"beam": 1, "blockwise_epsilon": 1.0}, "matches no symbol"),
+    ({"beam": 1, "blockwise_min_block": 5}, "--blockwise-min-block 5: at most the 4 tokens proposed per iteration"),
+    ({"beam": 1, "blockwise_block_size": 2, "blockwise_min_block": 3}, "at most the 2 tokens proposed"),
 ])
 def test_bad_options_are_refused(loaded, options, message):
     model, task = loaded(4)
@@ -448,6 +451,22 @@ def test_fairseq_generate_and_interactive(khead_k4, tmp_path):
     expected = hypotheses(greedy)
     dataset_order = [expected[s] for s in range(5)]
     assert [hypotheses(interactive)[i] for i in range(5)] == dataset_order
+
+
+@pytest.mark.parametrize("options, message", [
+    # issue 55 item 3: accepted, every token then unverified (BLEU 0), where --blockwise-block-size 100 is refused
+    (["--blockwise-min-block", "100"], "--blockwise-min-block 100: at most the 4 tokens proposed per iteration "
+                                       "(--blockwise-block-size; the model has 4 heads); give 1 .. 4"),
+    # issue 55 item 4: re.error's traceback
+    (["--blockwise-epsilon", "1", "--blockwise-ordinal-symbols", "(["],
+     "--blockwise-ordinal-symbols '([' is not a regular expression: "),
+])
+def test_fairseq_generate_refuses_a_bad_blockwise_option_in_one_line(khead_k4, options, message):
+    cmd = toy.fairseq_command("generate") + [str(khead_k4.data_bin), "--path", str(khead_k4.checkpoint), "--user-dir",
+                                             toy.PLUGIN_DIR, "--cpu", "--beam", "1", "--decoder", "blockwise"]
+    result = subprocess.run(cmd + options, capture_output=True, text=True)
+    assert_one_error_line(result, "generate", message)
+    assert "H-" not in result.stdout
 
 
 @pytest.mark.parametrize("decoder", ["greedy", "greedy-stream", "blockwise", "blockwise-stream"])

@@ -50,7 +50,11 @@ class BlockwiseGenerator(FastgenGenerator):
                 f"transformer_khead); give 1 .. {decoder.block_size}"
             )
         min_block = blockwise.blockwise_min_block
-        require_int("--blockwise-min-block", min_block, 1)
+        if require_int("--blockwise-min-block", min_block, 1) > block_size:  # more than a block: every token unverified
+            raise ValueError(
+                f"--blockwise-min-block {min_block}: at most the {block_size} tokens proposed per iteration "
+                f"(--blockwise-block-size; the model has {decoder.block_size} heads); give 1 .. {block_size}"
+            )
         policy = BlockwisePolicy(decoder, block_size, build_acceptance(blockwise, tgt_dict), min_block, tgt_dict.pad(),
                                  int8_proposals=blockwise.blockwise_int8_proposals)
         scheduler = cls.scheduler_for(options)

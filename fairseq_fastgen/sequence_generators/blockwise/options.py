@@ -42,7 +42,7 @@ class BlockwiseOptions(FairseqDataclass):
     blockwise_min_block: int = field(
         default=1,
         metadata={"help": "blockwise: accept at least this many proposed tokens per iteration, verified or "
-                          "not (approximate when > 1)"},
+                          "not (approximate when > 1), at most --blockwise-block-size"},
     )
     blockwise_int8_proposals: bool = field(
         default=False,
@@ -90,7 +90,10 @@ class OrdinalDistance:
 
 def ordinal_values(tgt_dict, pattern: str) -> Tensor:
     """Value of every target symbol matching ``pattern`` (nan for the others)."""
-    matcher = re.compile(pattern)
+    try:
+        matcher = re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"--blockwise-ordinal-symbols {pattern!r} is not a regular expression: {error}") from error
     values = torch.full((len(tgt_dict),), math.nan)
     for index, symbol in enumerate(tgt_dict.symbols):
         if matcher.search(symbol):
