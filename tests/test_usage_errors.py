@@ -28,7 +28,7 @@ MISUSES = {
                      "--blockwise-block-size must be an integer >= 1, got 0"),
     "cluster file": (["--decoder", "greedy", "--beam", "1", "--cluster-projection", "/nonexistent/clusters.pt"],
                      "/nonexistent/clusters.pt"),
-    # issue 55 item 11: fairseq's search ended in a RuntimeError traceback
+    # fairseq's search ended in a RuntimeError traceback
     "beam 0": (["--decoder", "beam", "--beam", "0"], "--beam must be an integer >= 1, got 0"),
 }
 

@@ -107,7 +107,7 @@ def test_sigterm_ends_the_workers_and_reports_the_shards_done(toy_model, tmp_pat
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
     report = re.search(r"fastgen-distill: stopped by SIGTERM; (\d) of 8 shards of 'valid' are done and kept", output)
     assert report and int(report[1]) >= 1, output[-3000:]
-    # issue 55 item 12: the workers' data loaders left their semaphores to the resource tracker, which said so
+    # the workers' data loaders left their semaphores to the resource tracker, which said so
     assert "leaked semaphore" not in output, output[-3000:]
     assert not (out / f"{SPLIT}.en-fr.fr.bin").exists()
     resumed = run_distill(toy_model, out, *args, env=ONE_THREAD)

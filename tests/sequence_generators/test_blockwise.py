@@ -454,10 +454,10 @@ def test_fairseq_generate_and_interactive(khead_k4, tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    # issue 55 item 3: accepted, every token then unverified (BLEU 0), where --blockwise-block-size 100 is refused
+    # accepted before it was bounded, every token then unverified (BLEU 0), where --blockwise-block-size 100 is refused
     (["--blockwise-min-block", "100"], "--blockwise-min-block 100: at most the 4 tokens proposed per iteration "
                                        "(--blockwise-block-size; the model has 4 heads); give 1 .. 4"),
-    # issue 55 item 4: re.error's traceback
+    # was re.error's traceback
     (["--blockwise-epsilon", "1", "--blockwise-ordinal-symbols", "(["],
      "--blockwise-ordinal-symbols '([' is not a regular expression: "),
 ])
