@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Every method at the base size (transformer_wmt_en_de shapes, 32k BPE vocabulary), beside CTranslate2 float32:
+# the rows of docs/benchmarks.md, "Model sizes". One fastgen-bench run per row, its configurations measured in one
+# process with interleaved passes, one thread; a row whose results.json exists is kept (rerun: delete its folder).
+#
+#   bash benchmarks/model_sizes.sh [MODEL_DIR] [OUT_DIR] [ROWS]
+#
+# MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
+# cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
+# ROWS picks rows by name: "bs1 int8 bs64 beam5 clusters relaxed big". CTranslate2 joins when installed.
+set -uo pipefail
+M=${1:-bench_out/multi30k-base}
+OUT=${2:-bench/sizes}
+ROWS=" ${3:-bs1 int8 bs64 beam5 clusters relaxed big} "
+BASE=$M/base/checkpoint_best.pt
+KHEAD=$M/khead4/checkpoint_last.pt
+export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
+mkdir -p "$OUT"
+wanted() { [[ "$ROWS" == *" $1 "* ]]; }
+# one fastgen-bench row into OUT/NAME (skipped when done), its table printed
+row() {
+  local name=$1; shift
+  if [ ! -f "$OUT/$name/results.json" ]; then
+    .venv/bin/fastgen-bench "$M/bin" --cpu --threads 1 --post-process sentencepiece --output-dir "$OUT/$name" "$@" \
+      > "$OUT/$name.log" 2>&1 || { tail -5 "$OUT/$name.log"; return; }
+  fi
+  echo "== $name"; grep "^|" "$OUT/$name/results.md"
+}
+FROZEN=(--variant "frozen=--step-engine compiled --compiled-freezing")
+
+# greedy and blockwise (the frozen-base k = 4 student) at batch 1 on static and on the frozen compiled engine
+wanted bs1 && row base-bs1 --path "$BASE" --khead-path "$KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 \
+  --max-sentences 100 --repeat 2 --reference greedy --step-engine static "${FROZEN[@]}"
+# the same with the proposals of heads 2-4 from int8 copies of the heads and of the vocabulary projection (exact
+# acceptance: greedy's tokens whatever the proposals)
+wanted int8 && row base-blockwise-int8-bs1 --path "$BASE" --khead-path "$KHEAD" --decoders greedy,blockwise --beam 1 \
+  --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy --step-engine static --no-ctranslate2 \
+  --variant "int8=--blockwise-int8-proposals" \
+  --variant "frozen-int8=--step-engine compiled --compiled-freezing --blockwise-int8-proposals"
+# greedy at batch 64, every sentence of test_2016_flickr
+wanted bs64 && row base-greedy-bs64 --path "$BASE" --decoders greedy --beam 1 --batch-size 64 --repeat 3 \
+  --reference greedy --step-engine static "${FROZEN[@]}"
+# stock beam 5 at batch 64: fairseq's own step, and the compiled engine (stock's hypotheses)
+wanted beam5 && row base-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 300 \
+  --repeat 3 --step-engine fairseq --variant "compiled=--step-engine compiled"
+# blockwise's relaxations (the paper's Table 1 / Figure 3 trade-off), int8 proposals: top-k acceptance, a minimum block
+wanted relaxed && row base-blockwise-relaxed --path "$BASE" --khead-path "$KHEAD" --decoders greedy,blockwise \
+  --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy --step-engine static \
+  --no-ctranslate2 --blockwise-int8-proposals --variant "top2=--blockwise-top-k 2" \
+  --variant "top3=--blockwise-top-k 3" --variant "minblock2=--blockwise-min-block 2"
+# the cluster-projected vocabulary: 1,000 clusters of 100,000 decoder states of train, teacher-forced, each cluster's
+# active set the top 3 (fastgen-train-clusters' default) and the top 20 tokens of its member states; each row beside
+# the same decoder without it (--reference self)
+if wanted clusters; then
+  for TOP in 3 20; do
+    FILE=$M/clusters1000k$TOP.pt
+    [ -f "$FILE" ] || .venv/bin/fastgen-train-clusters "$M/bin" --path "$BASE" --output "$FILE" --num-clusters 1000 \
+      --top-k $TOP --max-states 100000 --cpu > "$OUT/clusters-k$TOP.log" 2>&1 || tail -5 "$OUT/clusters-k$TOP.log"
+  done
+  CP=(--variant "k3=--cluster-projection $M/clusters1000k3.pt" --variant "k20=--cluster-projection $M/clusters1000k20.pt")
+  row base-clusters-bs1 --path "$BASE" --decoders greedy --beam 1 --batch-size 1 --max-sentences 50 --repeat 2 \
+    --reference self --step-engine static --no-ctranslate2 "${CP[@]}"
+  row base-clusters-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 192 \
+    --repeat 2 --reference self --step-engine fairseq --no-ctranslate2 "${CP[@]}"
+fi
+# the big shapes, untrained (one update at a learning rate of 1e-9, made here when missing; outputs capped at 25
+# tokens): speed only, greedy at batch 1 and 64
+BIG=${BIG:-bench_out/multi30k-big/base/checkpoint_last.pt}
+if wanted big; then
+  [ -f "$BIG" ] || .venv/bin/python -m fairseq_cli.train "$M/bin" --arch transformer_vaswani_wmt_en_de_big \
+    --share-all-embeddings --max-source-positions 256 --max-target-positions 256 --optimizer adam --lr 1e-9 \
+    --lr-scheduler fixed --max-tokens 256 --max-update 1 --disable-validation --cpu --num-workers 0 \
+    --save-dir "$(dirname "$BIG")" --no-epoch-checkpoints --no-save-optimizer-state \
+    --criterion label_smoothed_cross_entropy > "$OUT/big-train.log" 2>&1 || tail -5 "$OUT/big-train.log"
+  for BATCH in 1 64; do
+    row "big-greedy-bs$BATCH" --path "$BIG" --decoders greedy --beam 1 --batch-size "$BATCH" --max-len-a 0 \
+      --max-len-b 25 --max-sentences $((BATCH == 1 ? 50 : 256)) --repeat 2 --reference greedy --step-engine static \
+      "${FROZEN[@]}"
+  done
+fi
