@@ -74,7 +74,6 @@ if wanted big; then
     --criterion label_smoothed_cross_entropy > "$OUT/big-train.log" 2>&1 || tail -5 "$OUT/big-train.log"
   for BATCH in 1 64; do
     row "big-greedy-bs$BATCH" --path "$BIG" --decoders greedy --beam 1 --batch-size "$BATCH" --max-len-a 0 \
-      --max-len-b 25 --max-sentences $((BATCH == 1 ? 50 : 256)) --repeat 2 --reference greedy --step-engine static \
-      "${FROZEN[@]}"
+      --max-len-b 25 --max-sentences $((BATCH == 1 ? 30 : 128)) --repeat 2 --reference greedy --step-engine static
   done
 fi
