@@ -174,7 +174,7 @@ def explain_unreadable(path, error):
 
 def reader_said(error) -> str:
     """What torch's reader said first about a file it cannot read, in one line, after the error's type (not
-    torch's paragraphs of advice on ``weights_only=False``)."""
+    torch's paragraphs of advice on switching its protection off)."""
     said = _first_line(error)
     if "WeightsUnpickler error:" in str(error):  # torch's weights_only text hides the reader's own words
         said = str(error).split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0]

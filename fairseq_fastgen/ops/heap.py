@@ -8,7 +8,7 @@ buffers of that size: beam 5 at batch 64 over a 32k vocabulary makes
 (320, 32008) fp32 logits, 41 MB, and a log-softmax as large.  Measured on
 our 2-core AMD EPYC, one thread: filling a new tensor of that shape took
 18 ms, against 1.2 ms once it came from the heap; a log-softmax into one took
-22 ms against 6 ms (docs/benchmarks.md, issue 6).
+22 ms against 6 ms (docs/benchmarks.md).
 
 :func:`reuse_large_allocations` raises the mmap threshold (and the trim
 threshold above it) with glibc's ``mallopt``, so those buffers come from the

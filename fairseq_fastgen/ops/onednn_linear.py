@@ -3,7 +3,7 @@
 torch computes ``nn.Linear`` on the CPU with MKL, which takes a generic code
 path on CPUs that are not Intel's: on the AMD EPYC (AVX-512) of our
 development machines its products at decoding shapes run 2-4x slower than
-oneDNN's, which torch also ships (docs/benchmarks.md, issue 9).  oneDNN packs
+oneDNN's, which torch also ships (docs/benchmarks.md).  oneDNN packs
 a weight once into its blocked layout; the product then reads it as packed.
 
 Entry point: :func:`onednn_linear` (x, packed weight, bias); its reference is
