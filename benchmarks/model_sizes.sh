@@ -15,17 +15,7 @@ ROWS=" ${3:-bs1 int8 bs64 beam5 clusters relaxed big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=$M/khead4/checkpoint_last.pt
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
-mkdir -p "$OUT"
-wanted() { [[ "$ROWS" == *" $1 "* ]]; }
-# one fastgen-bench row into OUT/NAME (skipped when done), its table printed
-row() {
-  local name=$1; shift
-  if [ ! -f "$OUT/$name/results.json" ]; then
-    .venv/bin/fastgen-bench "$M/bin" --cpu --threads 1 --post-process sentencepiece --output-dir "$OUT/$name" "$@" \
-      > "$OUT/$name.log" 2>&1 || { tail -5 "$OUT/$name.log"; return; }
-  fi
-  echo "== $name"; grep "^|" "$OUT/$name/results.md"
-}
+source "$(dirname "$0")/bench_rows.sh"  # wanted, row
 FROZEN=(--variant "frozen=--step-engine compiled --compiled-freezing")
 
 # greedy and blockwise (the frozen-base k = 4 student) at batch 1 on static and on the frozen compiled engine

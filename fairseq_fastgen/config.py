@@ -85,6 +85,23 @@ class PluginOptions(FairseqDataclass):
                           "still, but summed in another order, so scores differ in the last bits and a token can "
                           "change where two candidates are that close (every decoder)"},
     )
+    quantize: Optional[ChoiceEnum(["int8", "bf16"])] = field(
+        default=None,
+        metadata={"help": "CPU: compute the model's linear layers (encoder, decoder, vocabulary projection) in "
+                          "reduced precision, from the ordinary float32 checkpoint at first use: 'int8' (weights of "
+                          "1M entries and more int8 per output row, smaller ones float32; inputs rounded per row "
+                          "at each call: a row's result does not depend on the rows beside it, so every "
+                          "exactness promise holds within int8), "
+                          "'bf16' (bfloat16 products summed in float32, their outputs bfloat16, the vocabulary "
+                          "projection float32; processors with AVX-512 BF16 or AMX); "
+                          "attention, norms and softmaxes stay float32; scores and a few tokens differ from "
+                          "float32's (docs/benchmarks.md, Precision); runs on --step-engine static (compiled "
+                          "falls back to it) and fairseq (every decoder)"},
+    )
+    float32_vocabulary_projection: bool = field(
+        default=False,
+        metadata={"help": "with --quantize int8: keep the vocabulary projection in float32 (bf16 always does)"},
+    )
     reuse_large_allocations: bool = field(
         default=False,
         metadata={"help": "keep buffers up to 1 GiB in the process's heap (glibc mallopt) instead of fresh pages "

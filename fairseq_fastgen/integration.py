@@ -86,7 +86,7 @@ from fairseq.tasks.fairseq_task import FairseqTask
 from fairseq_fastgen import checkpoint_safety
 from fairseq_fastgen.adapters.ensemble import restore_ensemble
 from fairseq_fastgen.adapters.generate import give_attributes, take_back_attributes, unwrap_generate
-from fairseq_fastgen.adapters.linear_forwards import use_onednn_linears
+from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears, QuantizedLinears, use_linear_forwards
 from fairseq_fastgen.adapters.output_layer import attach_to_stock_generator
 from fairseq_fastgen.cli.live_lines import LiveLines
 from fairseq_fastgen.cli.oversized_lines import TokenLimit, token_limit
@@ -217,8 +217,9 @@ def _install_build_generator():
             extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn
             extra["direction"] = direction
             generator = entry.builder(models, self.target_dictionary, args, options=options, **extra)
-        if common.onednn_linear:
-            use_onednn_linears(generator, models)  # every decoder
+        linears = linear_forwards(models, common)
+        if linears:
+            use_linear_forwards(generator, linears)  # every decoder
         if common.reuse_large_allocations:
             heap.reuse_large_allocations()  # the process's malloc settings
         if not common.no_inference_mode:
@@ -230,6 +231,20 @@ def _install_build_generator():
         return generator
 
     FairseqTask.build_generator = build_generator
+
+
+def linear_forwards(models, common):
+    """The stand-ins of the models' linear layers that ``--quantize`` or ``--onednn-linear`` ask for, or None."""
+    if common.quantize and common.onednn_linear:
+        raise ValueError("--onednn-linear and --quantize both replace the linear layers' products: choose one")
+    if common.float32_vocabulary_projection and not common.quantize:
+        raise ValueError("--float32-vocabulary-projection applies to --quantize int8 or bf16")
+    if common.quantize:
+        return [QuantizedLinears(model, str(common.quantize), common.float32_vocabulary_projection)
+                for model in models]
+    if common.onednn_linear:
+        return [OneDNNLinears(model) for model in models]
+    return None
 
 
 def restore_stock_generator(generator):

@@ -17,7 +17,7 @@ from fastgen_demo import toy
 from tests.test_foundation_cli import interactive
 from tests.test_usage_errors import assert_one_error_line
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_checkpoint_safety")
 
 
 def rewrite_checkpoint(src, dst, **extra_state):

@@ -10,7 +10,7 @@ import pytest
 
 from fastgen_demo import toy
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_foundation_cli")
 
 
 def generate(toy_model, *args, plugin=True, env=None):

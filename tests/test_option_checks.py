@@ -136,7 +136,7 @@ def test_build_generator_refuses_them_for_every_decoder(toy_model):
 
 
 # ---- fairseq-generate / fairseq-interactive ----------------------------------------------------------
-@pytest.mark.xdist_group("toy_cli")
+@pytest.mark.xdist_group("test_option_checks")
 def test_fairseq_generate_refuses_a_nan_delta(toy_model):
     """Issue 30's first bug: a NaN delta decoded every sentence to an empty hypothesis, exit status 0."""
     result = generate(toy_model, "--decoder", "var-batch", "--var-beam-delta", "nan")
@@ -145,7 +145,7 @@ def test_fairseq_generate_refuses_a_nan_delta(toy_model):
     assert "H-" not in result.stdout
 
 
-@pytest.mark.xdist_group("toy_cli")
+@pytest.mark.xdist_group("test_option_checks")
 @pytest.mark.parametrize("tool, options, message", [
     ("generate", ["--decoder", "blockwise", "--beam", "1", "--blockwise-block-size", "0"],
      "--blockwise-block-size must be an integer >= 1, got 0"),

@@ -12,7 +12,7 @@ from fairseq_fastgen.option_checks import UsageError
 from tests.bench.test_bench_cli import bench_command
 from tests.test_foundation_cli import generate, interactive
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_usage_errors")
 
 MISUSES = {
     "decoder vs options": (["--decoder", "greedy", "--nbest", "2"],

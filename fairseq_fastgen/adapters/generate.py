@@ -8,8 +8,8 @@ all, :func:`take_back_attributes` what :func:`give_attributes` set.
 import functools
 
 # what the plugin sets on a generator it built and reads back: the --decoder name, a stock generator's
-# cluster projection and its statistics, --onednn-linear's packed layers
-GIVEN_ATTRIBUTES = ("fastgen_decoder", "projection", "counters", "onednn_linears")
+# cluster projection and its statistics, the stand-ins of the linear layers (--onednn-linear, --quantize)
+GIVEN_ATTRIBUTES = ("fastgen_decoder", "projection", "counters", "linear_forwards")
 
 
 def wrap_generate(generator, wrapper):

@@ -1,60 +1,110 @@
-"""A model's linear layers through oneDNN's packed product while a generator generates (``--onednn-linear``).
+"""A model's linear layers through another product while a generator generates (``--onednn-linear``,
+``--quantize``).
 
-Each ``nn.Linear`` gets a :class:`~fairseq_fastgen.ops.onednn_linear.PackedForward`
-as an instance attribute ``forward`` shadowing the method, removed on exit (as
-the cluster projection attaches to ``output_layer``).  The op, its reference and
-its measurements: :mod:`fairseq_fastgen.ops.onednn_linear`.
+Each ``nn.Linear`` gets a :class:`~fairseq_fastgen.ops.linear_forward.LinearForward`
+(oneDNN's packed fp32, int8 rows, bfloat16) as an instance attribute ``forward``
+shadowing the method, removed on exit (as the cluster projection attaches to
+``output_layer``).  fairseq's attention modules compute a non-incremental
+attention (the encoder's) with torch's fused function, which reads the
+projection weights itself; while ``--quantize``'s stand-ins are attached they
+take fairseq's own path, which calls the projections.  The products, their references and measurements:
+:mod:`fairseq_fastgen.ops.onednn_linear`, :mod:`fairseq_fastgen.ops.precision_linear`.
 """
 
 import contextlib
-from typing import Dict
+from typing import Dict, Iterable, Type
 
 from torch import nn
 
+from fairseq.modules import MultiheadAttention
+
 from fairseq_fastgen.adapters.generate import generate_within, give_attributes
+from fairseq_fastgen.ops.linear_forward import LinearForward
 from fairseq_fastgen.ops.onednn_linear import PackedForward, onednn_available
+from fairseq_fastgen.ops.precision_linear import FORWARDS, precision_refusal
 
 
-class OneDNNLinears:
-    """The packed forwards of every ``nn.Linear`` of ``model``, attached while :meth:`attached` runs."""
+class LinearForwards:
+    """The stand-in forwards (``forward_class``) of every ``nn.Linear`` of ``model`` but ``kept``, attached while
+    :meth:`attached` runs."""
 
-    def __init__(self, model: nn.Module):
-        if not onednn_available():
-            raise ValueError("--onednn-linear needs a torch built with oneDNN (mkldnn); this one has none: "
-                             "leave the option out")
+    # fairseq's attention modules take their own path while attached, so that the stand-ins compute their
+    # projections too (else torch's fused attention reads those weights in float32)
+    attention_through_projections = False
+
+    def __init__(self, model: nn.Module, forward_class: Type[LinearForward], kept: Iterable[nn.Module] = ()):
         devices = {p.device.type for p in model.parameters()}
         if devices - {"cpu"}:
-            raise ValueError(f"--onednn-linear runs on the CPU; the model is on {', '.join(sorted(devices))}: "
+            raise ValueError(f"{forward_class.option} runs on the CPU; the model is on {', '.join(sorted(devices))}: "
                              f"leave the option out")
         self.model = model
-        self.forwards: Dict[int, PackedForward] = {}
+        self.forward_class = forward_class
+        self.kept = {id(module) for module in kept}  # layers that keep their own product
+        self.forwards: Dict[int, LinearForward] = {}
 
     def linears(self):
-        return [m for m in self.model.modules() if isinstance(m, nn.Linear)]
+        return [m for m in self.model.modules() if isinstance(m, nn.Linear) and id(m) not in self.kept]
 
     @contextlib.contextmanager
     def attached(self):
-        """Inside the block, the model's linear layers compute through oneDNN."""
-        attached = []
+        """Inside the block, the model's linear layers compute through their stand-ins."""
+        attached, attentions = [], []
         try:
             for linear in self.linears():  # looked up each time: a layer may have been replaced
                 if "forward" in linear.__dict__:
                     continue  # someone else's stand-in: leave it
                 forward = self.forwards.get(id(linear))
                 if forward is None or forward.linear is not linear:
-                    forward = self.forwards[id(linear)] = PackedForward(linear)
+                    forward = self.forwards[id(linear)] = self.forward_class(linear)
                 linear.__dict__["forward"] = forward  # an instance attribute, without nn.Module's setattr checks
                 attached.append(linear)
+            for attention in self.model.modules() if self.attention_through_projections else ():
+                if isinstance(attention, MultiheadAttention) and not attention.skip_embed_dim_check:
+                    attention.skip_embed_dim_check = True  # fairseq's path: it calls q_proj, k_proj, v_proj
+                    attentions.append(attention)
             yield
         finally:
             for linear in attached:
                 del linear.__dict__["forward"]
+            for attention in attentions:
+                attention.skip_embed_dim_check = False
 
 
-def use_onednn_linears(generator, models):
-    """``--onednn-linear``: ``generator.generate`` computes the linear layers of ``models``
-    through oneDNN (every decoder, stock beam search included)."""
-    linears = [OneDNNLinears(model) for model in models]
+class OneDNNLinears(LinearForwards):
+    """``--onednn-linear``: every linear layer through oneDNN's packed fp32 product."""
+
+    def __init__(self, model: nn.Module):
+        if not onednn_available():
+            raise ValueError("--onednn-linear needs a torch built with oneDNN (mkldnn); this one has none: "
+                             "leave the option out")
+        super().__init__(model, PackedForward)
+
+
+def output_projections(model: nn.Module):
+    """The vocabulary projections of ``model``'s decoder (fairseq's ``output_projection``)."""
+    decoder = getattr(model, "decoder", model)
+    projection = getattr(decoder, "output_projection", None)
+    return [projection] if isinstance(projection, nn.Linear) else []
+
+
+class QuantizedLinears(LinearForwards):
+    """``--quantize int8|bf16``: every linear layer in that precision, the vocabulary projection in float32 with
+    bf16 or ``float32_vocabulary``."""
+
+    attention_through_projections = True
+
+    def __init__(self, model: nn.Module, precision: str, float32_vocabulary: bool = False):
+        refusal = precision_refusal(precision)
+        if refusal:
+            raise ValueError(refusal)
+        # bfloat16 products give bfloat16 outputs: logits rounded so, candidates a hair apart would tie exactly
+        float32_vocabulary = float32_vocabulary or precision == "bf16"
+        super().__init__(model, FORWARDS[precision], output_projections(model) if float32_vocabulary else ())
+
+
+def use_linear_forwards(generator, linears):
+    """``generator.generate`` computes the linear layers of each model through ``linears`` (one
+    :class:`LinearForwards` a model; every decoder, stock beam search included)."""
 
     @contextlib.contextmanager
     def every_model_attached():
@@ -64,4 +114,4 @@ def use_onednn_linears(generator, models):
             yield
 
     generate_within(generator, every_model_attached)
-    give_attributes(generator, onednn_linears=linears)
+    give_attributes(generator, linear_forwards=linears)

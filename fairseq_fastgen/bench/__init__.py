@@ -119,7 +119,7 @@ def measure_all(bench, cfg):
         notes.append("whole fairseq-generate processes: each pass is one process, start-up to exit; "
                      "CTranslate2 is measured only in in-process runs")
     elif not bench.no_ctranslate2:
-        peer, note = CTranslate2Peer.create(inputs)
+        peer, note = CTranslate2Peer.create(inputs, bench.ctranslate2_compute_type)
         if note:
             notes.append(note)
         note = shared_threads_note(torch.get_num_threads(), inputs.use_cuda) if peer is not None else None

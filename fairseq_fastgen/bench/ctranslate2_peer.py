@@ -18,6 +18,7 @@ import torch
 from fairseq import utils
 
 from fairseq_fastgen.bench.measure import Candidate
+from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.safe_files import cached_build
 
 logger = logging.getLogger("fastgen_bench")
@@ -74,20 +75,32 @@ def shared_threads_note(threads: int, use_cuda: bool) -> Optional[str]:
             f"each in a process of its own")
 
 
+def matching_compute_type(cfg) -> str:
+    """CTranslate2's compute_type in the precision the decoders compute in (--quantize, --fp16)."""
+    quantize = getattr(cfg.generation, "quantize", None)
+    if quantize:
+        return {"int8": "int8", "bf16": "bfloat16"}[str(quantize)]
+    return "float16" if cfg.common.fp16 else "default"
+
+
 class CTranslate2Peer:
     """A converted model: one Translator shared by every CTranslate2 configuration."""
 
-    def __init__(self, ctranslate2, model_dir: Path, inputs):
+    def __init__(self, ctranslate2, model_dir: Path, inputs, compute_type: Optional[str] = None):
         device = "cuda" if inputs.use_cuda else "cpu"
-        self.translator = ctranslate2.Translator(
-            str(model_dir), device=device, compute_type="float16" if inputs.cfg.common.fp16 else "default",
-            intra_threads=torch.get_num_threads() if device == "cpu" else 0,
-        )
+        self.compute_type = compute_type or matching_compute_type(inputs.cfg)
+        try:
+            self.translator = ctranslate2.Translator(
+                str(model_dir), device=device, compute_type=self.compute_type,
+                intra_threads=torch.get_num_threads() if device == "cpu" else 0,
+            )
+        except ValueError as error:  # a compute type this build or device does not offer
+            raise UsageError(f"CTranslate2 cannot run compute_type {self.compute_type!r} here: {error}") from error
         self.inputs = inputs
         self.model_dir = model_dir
 
     @classmethod
-    def create(cls, inputs) -> Tuple[Optional["CTranslate2Peer"], Optional[str]]:
+    def create(cls, inputs, compute_type: Optional[str] = None) -> Tuple[Optional["CTranslate2Peer"], Optional[str]]:
         """(peer, None), or (None, note saying why CTranslate2 is not measured)."""
         ctranslate2, note = import_ctranslate2()
         if ctranslate2 is None:
@@ -105,8 +118,9 @@ class CTranslate2Peer:
             )
         except CONVERSION_ERRORS as error:
             return None, f"CTranslate2 could not convert {checkpoints[0]}: {error}: not measured"
-        logger.info("CTranslate2 %s model in %s", ctranslate2.__version__, model_dir)
-        return cls(ctranslate2, model_dir, inputs), None
+        peer = cls(ctranslate2, model_dir, inputs, compute_type)
+        logger.info("CTranslate2 %s model in %s, compute_type %s", ctranslate2.__version__, model_dir, peer.compute_type)
+        return peer, f"CTranslate2 {ctranslate2.__version__}, compute_type {peer.compute_type}"
 
     def candidate(self, gen_cfg, beam: int) -> "CTranslate2Candidate":
         return CTranslate2Candidate(self, gen_cfg, beam)

@@ -29,7 +29,8 @@ KHEAD_DECODERS = ("blockwise", "blockwise-stream")
 USAGE = """fastgen-bench DATA --path CKPT --decoders beam,greedy[,...] [--beam 1,5] [--batch-size 1,64]
                      [--max-tokens N,...] [--repeat N] [--threads N] [--subset test] [--max-sentences N]
                      [--khead-path CKPT] [--cluster-projection FILE] [--variant NAME=OPTIONS ...]
-                     [--reference CONFIG] [--output-dir DIR] [--no-ctranslate2] [fairseq-generate options]
+                     [--reference CONFIG] [--output-dir DIR] [--no-ctranslate2]
+                     [--ctranslate2-compute-type TYPE] [fairseq-generate options]
        fastgen-bench --plot-sizes OUT.png NAME=RESULTS NAME=RESULTS [NAME=RESULTS ...]"""
 
 
@@ -121,6 +122,10 @@ def bench_parser() -> argparse.ArgumentParser:
                         help="directory for results.json and the plots")
     parser.add_argument("--no-ctranslate2", action="store_true",
                         help="do not measure CTranslate2 even when it is installed")
+    parser.add_argument("--ctranslate2-compute-type", default=None,
+                        help="CTranslate2's compute_type (default: the precision of the decoders: int8 under "
+                             "--quantize int8, bfloat16 under --quantize bf16, float16 under --fp16, else its "
+                             "default, float32 on the CPU)")
     parser.add_argument("--whole-process", action="store_true",
                         help="time whole fairseq-generate processes (start-up, loading, decoding, post-processing, "
                              "printing) instead of decoding in this process; adds stock fairseq-generate without "

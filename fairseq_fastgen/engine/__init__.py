@@ -25,6 +25,9 @@ ENGINES = ("fairseq", "static", "compiled")
 logger = logging.getLogger("fairseq_fastgen.engine")
 
 
+_quantized_fallback_named = []  # the line saying compiled falls back under --quantize: once per process
+
+
 def cache_capacity(max_len) -> int:
     """Target positions a cache needs for rows whose length limits are ``max_len`` (rows,): the bos,
     up to ``max_len`` tokens and the forced eos."""
@@ -40,6 +43,12 @@ def engine_setting(options: PluginOptions) -> str:
         if getattr(options, name) and engine != "compiled":
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} applies to --step-engine compiled; got --step-engine {engine}")
+    if engine == "compiled" and options.quantize:
+        if not _quantized_fallback_named:
+            _quantized_fallback_named.append(True)
+            logger.warning(f"--step-engine compiled computes its units in float32: --quantize {options.quantize} "
+                           f"runs on --step-engine static")
+        return "static"
     return engine
 
 

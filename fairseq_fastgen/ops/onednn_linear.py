@@ -18,9 +18,8 @@ loop) are stated without it.
 :class:`fairseq_fastgen.adapters.linear_forwards.OneDNNLinears` puts one in
 place of the ``forward`` of every ``nn.Linear`` of a model while attached.
 Packed weights are kept between batches and packed again when the layer's
-weight changes (a new tensor, or an in-place update: the tensor's version
-counter).  Where the product needs a gradient, or a layer's weight is not
-fp32, the layer keeps its own forward.
+weight changes (``ops/linear_forward.py``).  Where the product needs a
+gradient, or a layer's weight is not fp32, the layer keeps its own forward.
 """
 
 from typing import Optional
@@ -28,6 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from fairseq_fastgen.ops.linear_forward import LinearForward
 
 # oneDNN chooses the packed layout for an expected number of rows; measured
 # (8008 x 256, one thread): a hint of 64 rows packs a layout as fast at 1 and 4
@@ -99,28 +100,16 @@ def linear_like(linear: nn.Linear, x: Tensor, weight: Tensor, bias: Optional[Ten
     return F.linear(x, weight, bias)
 
 
-class PackedForward:
+class PackedForward(LinearForward):
     """Stands in for ``linear.forward``: the product through the packed weight."""
 
-    def __init__(self, linear: nn.Linear):
-        self.linear = linear
-        self.source: Optional[Tensor] = None
-        self.version = -1
-        self.packed: Optional[Tensor] = None
+    option = "--onednn-linear"
 
-    def is_current(self) -> bool:
-        weight = self.linear.weight
-        return weight is self.source and weight._version == self.version
+    def prepare(self, weight: Tensor) -> Tensor:
+        return pack_weight(weight)
 
-    def __call__(self, x: Tensor) -> Tensor:
-        linear = self.linear
-        weight = linear.weight
-        if x.device.type != "cpu" or weight.device.type != "cpu":
-            raise ValueError(f"--onednn-linear runs on the CPU; this layer's input is on {x.device} and its weight "
-                             f"on {weight.device}: leave the option out")
-        if not onednn_serves(x, weight):  # gradients, other dtypes, and small products (MKL's call costs less)
-            return F.linear(x, weight, linear.bias)
-        if not self.is_current():
-            self.packed = pack_weight(weight)
-            self.source, self.version = weight, weight._version
-        return onednn_linear(x, self.packed, linear.bias)
+    def serves(self, x: Tensor, weight: Tensor) -> bool:  # gradients, other dtypes, small products: MKL's
+        return onednn_serves(x, weight)
+
+    def product(self, x: Tensor, packed: Tensor, bias: Optional[Tensor]) -> Tensor:
+        return onednn_linear(x, packed, bias)

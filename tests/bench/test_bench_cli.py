@@ -15,7 +15,7 @@ from fairseq_fastgen.bench.ctranslate2_peer import import_ctranslate2
 from fairseq_fastgen.safe_files import KILL_AT_WRITE_STEP_ENV
 from fairseq_fastgen.sequence_generators.registry import DECODERS, register_builder
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_bench_cli")
 
 SENTENCES = 16  # ids 0..15 of the toy test set: enough for every batch to be full, quick to decode
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -13,7 +13,7 @@ import pytest
 from tests.bench.test_bench_cli import bench_command
 from tests.processes import descendants, finish, start_reading_until, wait_for_children
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_bench_signals")
 
 
 def start_bench(toy_model, output_dir, *extra):

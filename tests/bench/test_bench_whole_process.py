@@ -11,7 +11,7 @@ from fairseq_fastgen.bench.options import BenchConfig
 from fairseq_fastgen.bench.whole_process import generate_command, parse_output, without_option
 from fastgen_demo import toy
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_bench_whole_process")
 
 
 def parsed(argv):

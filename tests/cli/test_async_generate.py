@@ -18,7 +18,7 @@ import pytest
 from fastgen_demo import synthetic, toy
 from tests.processes import children, finish, start_reading_until
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_async_generate")
 
 SPM_TEST_SENTENCES = 400
 SPM_VOCABULARY = 1000

@@ -8,7 +8,7 @@ import pytest
 
 from tests.test_foundation_cli import generate, hypotheses
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_oversized_sentences")
 
 MAX_TOKENS = 24
 

@@ -20,7 +20,7 @@ from fastgen_demo import toy
 from tests.cli.test_async_generate import assert_whole_sentences
 from tests.processes import children, finish, start_reading_until, wait_for_children
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_stop_signals")
 
 TRAIN_SENTENCES = 4000  # the toy's training split: far more than a test lets run
 

@@ -8,7 +8,7 @@ import pytest
 
 from fairseq_fastgen import bench
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_cluster_bench")
 
 SENTENCES = 12
 

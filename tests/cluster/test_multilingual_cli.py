@@ -21,7 +21,7 @@ from tests.cluster.conftest import MULTILINGUAL_SIZES, full_coverage_file
 from tests.cluster.test_cluster_cli import projection_statistics
 from tests.test_usage_errors import assert_one_error_line
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_multilingual_cli")
 
 CLUSTERS, TOP_K, STATES = 8, 2, 1500  # STATES per direction
 

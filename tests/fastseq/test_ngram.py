@@ -12,7 +12,7 @@ from fairseq_fastgen.fastseq import RepeatedNgramBlocker, optimize_stock_generat
 from fairseq_fastgen.options import parse_options
 from fastgen_demo import toy
 
-pytestmark = pytest.mark.xdist_group("toy_cli")
+pytestmark = pytest.mark.xdist_group("test_ngram")
 
 
 def banned_by_python(tokens, step, n):

@@ -29,7 +29,7 @@ def test_decoding_with_onednn_gives_the_same_tokens(loaded_toy, translate, decod
     plain, _ = decode_all(loaded_toy, translate, batch_size, **options)
     onednn, generator = decode_all(loaded_toy, translate, batch_size, onednn_linear=True, **options)
     # oneDNN did compute: the output projection (rows x 64 x vocab) is above the threshold at these batches
-    packed = [f for linears in generator.onednn_linears for f in linears.forwards.values() if f.packed is not None]
+    packed = [f for linears in generator.linear_forwards for f in linears.forwards.values() if f.packed is not None]
     assert packed
     assert all("forward" not in m.__dict__ for m in loaded_toy.models[0].modules())  # detached after generate
     assert sorted(onednn) == sorted(plain)

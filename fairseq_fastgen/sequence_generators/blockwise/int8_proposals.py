@@ -18,11 +18,12 @@ stale weights.  Writes through ``weight.data`` bypass the version counter;
 in exact mode a stale copy costs speed, never output.
 """
 
-import warnings
 from typing import List
 
 import torch
 from torch import Tensor
+
+from fairseq_fastgen.ops.precision_linear import prepack_int8_rows
 
 
 class Int8Linear:
@@ -33,14 +34,8 @@ class Int8Linear:
     """
 
     def __init__(self, weight: Tensor, bias=None):
-        weight = weight.detach().float().contiguous()  # (out, in)
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # (out,)
-        zero_points = torch.zeros(weight.size(0), dtype=torch.long)
         # torch announces the removal of quantized tensors; once they are gone, Int8Proposer refuses the option
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-        self.packed = torch.ops.quantized.linear_prepack(quantized, None if bias is None else bias.detach().float())
+        self.packed = prepack_int8_rows(weight, bias)
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: (..., in) float -> (..., out) float."""

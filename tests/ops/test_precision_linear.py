@@ -1,0 +1,98 @@
+"""``--quantize``'s products against ``F.linear`` on the float32 weight: int8 rows rounded per input row (a row's
+output bitwise the same whatever rows share its call), bfloat16 within its rounding, the stand-ins following
+weight updates and leaving gradients to torch, and a processor without the instructions refused in one line."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq_fastgen.adapters.linear_forwards import QuantizedLinears
+from fairseq_fastgen.ops.precision_linear import (
+    MIN_INT8_WEIGHT, BFloat16Forward, Int8Forward, Int8Rows, bf16_linear, int8_linear, precision_refusal,
+)
+
+int8_here = pytest.mark.skipif(precision_refusal("int8") is not None, reason="no int8 products on this CPU")
+bf16_here = pytest.mark.skipif(precision_refusal("bf16") is not None, reason="no bfloat16 products on this CPU")
+
+
+def weight_and_bias(out_features=384, in_features=256, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
+    return weight, torch.randn(out_features, generator=generator)
+
+
+def relative_error(got, expected):
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+@int8_here
+def test_int8_rows_give_each_row_the_same_bits_whatever_rows_share_the_call():
+    weight, bias = weight_and_bias()
+    rows = Int8Rows(weight)
+    # rows of very different magnitudes: one range for the whole input would round the small ones coarsely
+    x = torch.randn(64, 256) * torch.logspace(-2, 2, 64).unsqueeze(1)
+    together = int8_linear(x, rows, bias)  # (64, 384)
+    alone = torch.cat([int8_linear(x[i:i + 1], rows, bias) for i in range(64)])
+    assert torch.equal(together, alone)
+    assert torch.equal(int8_linear(x[5:12], rows, bias), together[5:12])
+    blocks = x.view(16, 4, 256)  # (rows, block positions, dim), as blockwise verification shapes it
+    assert torch.equal(int8_linear(blocks, rows, bias), together.view(16, 4, 384))
+    expected = F.linear(x, weight, bias)
+    per_row = [relative_error(together[i], expected[i]) for i in range(64)]
+    assert max(per_row) < 0.03  # every row rounded on its own scale, the smallest ones too
+
+
+@int8_here
+def test_int8_rows_of_zeros_give_the_bias():
+    weight, bias = weight_and_bias()
+    assert torch.equal(int8_linear(torch.zeros(3, 256), Int8Rows(weight), bias), bias.expand(3, -1))
+
+
+@bf16_here
+def test_bf16_products_stay_within_bfloat16_rounding():
+    weight, bias = weight_and_bias()
+    x = torch.randn(16, 256)
+    got = bf16_linear(x, weight.bfloat16(), bias)
+    assert got.dtype == torch.float32
+    assert relative_error(got, F.linear(x, weight, bias)) < 0.01
+
+
+@pytest.mark.parametrize("forward_class", [pytest.param(Int8Forward, marks=int8_here),
+                                           pytest.param(BFloat16Forward, marks=bf16_here)])
+def test_the_stand_in_follows_weight_updates_and_leaves_gradients_to_torch(forward_class):
+    linear = torch.nn.Linear(1024, 1024)  # as large as MIN_INT8_WEIGHT
+    forward = forward_class(linear)
+    x = torch.randn(8, 1024)
+    with torch.no_grad():
+        first = forward(x)
+        packed = forward.packed
+        assert forward(x) is not None and forward.packed is packed  # prepared once
+        linear.weight.mul_(2)  # in place: the version counter moves
+        second = forward(x)
+    assert forward.packed is not packed
+    assert relative_error(second - linear.bias, 2 * (first - linear.bias)) < 0.03
+    y = forward(x)  # the weight needs a gradient: torch's own product
+    assert y.grad_fn is not None and torch.equal(y, F.linear(x, linear.weight, linear.bias))
+
+
+@int8_here
+def test_int8_keeps_the_float32_product_of_a_weight_below_the_threshold():
+    small = torch.nn.Linear(512, 512)  # a base model's attention projection: int8 rows cost more than they save
+    large = torch.nn.Linear(512, 2048)  # its first feed-forward layer
+    assert small.weight.numel() < MIN_INT8_WEIGHT <= large.weight.numel()
+    x = torch.randn(3, 512)
+    with torch.no_grad():
+        assert torch.equal(Int8Forward(small)(x), F.linear(x, small.weight, small.bias))
+        forward = Int8Forward(large)
+        assert not torch.equal(forward(x), F.linear(x, large.weight, large.bias)) and forward.packed is not None
+
+
+def test_a_processor_without_the_instructions_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx2_supported", lambda: False)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    for precision, needed in [("bf16", "AVX-512 BF16 or AMX"), ("int8", "AVX2")]:
+        with pytest.raises(ValueError, match=needed) as refusal:
+            QuantizedLinears(model, precision)
+        assert "\n" not in str(refusal.value)
