@@ -5,7 +5,13 @@ the sources that produce them) and shared by the pytest-xdist workers.
 """
 
 import inspect
+import os
 import sys
+
+# The test machines have 2 cores and pytest runs 2 workers: one thread per process (each worker and every fairseq
+# process a test starts; a test that wants more says so) keeps thread pools from oversubscribing the cores, where a
+# run of small products goes several times slower. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 from dataclasses import dataclass
 from pathlib import Path
 
