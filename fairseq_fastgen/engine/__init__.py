@@ -9,7 +9,8 @@
   float rounding).
 
 A model the engine cannot serve falls back to ``fairseq`` with one warning
-saying why.  Blockwise decoding verifies its blocks through the runner's
+saying why; under ``--quantize`` ``compiled`` falls back to ``static`` (its
+units compute in float32), also in one line.  Blockwise decoding verifies its blocks through the runner's
 ``step_block`` (several positions per row) on every engine.  Stock beam search (``--decoder beam``) runs fairseq's own
 search loop over the compiled step (``stock_search.py``); with ``static`` it
 keeps fairseq's step over the shared encoder cache.
