@@ -226,10 +226,11 @@ class FastgenGenerator(nn.Module):
 
     def make_pool(self, net_input, prefix_tokens):
         src_tokens = net_input["src_tokens"]
-        src_lengths = (src_tokens.ne(self.eos) & src_tokens.ne(self.pad)).long().sum(dim=1)
+        source_widths = src_tokens.ne(self.pad).long().sum(dim=1)  # (sentences,) eos included
+        src_lengths = source_widths - src_tokens.eq(self.eos).long().sum(dim=1)  # (sentences,) without eos
         max_positions = self.model.max_decoder_positions()
         return SourcePool(
-            net_input, src_lengths, row_max_len(src_lengths, self.gen_cfg, max_positions), prefix_tokens, self.pad
+            net_input, src_lengths, row_max_len(source_widths, self.gen_cfg, max_positions), prefix_tokens, self.pad
         )
 
 

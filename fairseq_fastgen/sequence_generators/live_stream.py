@@ -55,7 +55,7 @@ class LivePool:
     def __init__(self, pad: int, eos: int, left_pad: bool, max_len_of: Callable, arrivals: Callable,
                  admitted: Callable, device):
         self.pad, self.eos, self.left_pad, self.device = pad, eos, left_pad, device
-        self.max_len_of = max_len_of  # (sentences,) real source lengths -> (sentences,) hypothesis length limits
+        self.max_len_of = max_len_of  # (sentences,) source widths, eos included -> (sentences,) length limits
         self.arrivals = arrivals  # () -> list of net_input dicts, the lines read since the last call
         self.on_admitted = admitted  # (count) -> None: sources that entered the decoding
         self.tokens: List = []  # per sentence: its source tokens with eos, (length,), None once admitted
@@ -88,7 +88,8 @@ class LivePool:
         self.tokens += [row[keep] for row, keep in zip(tokens, kept)]
         source_len = kept.sum(dim=1)  # (batch,)
         real = source_len - tokens.eq(self.eos).sum(dim=1)  # (batch,) without eos
-        for name, values in (("source_len", source_len), ("src_lengths", real), ("max_len", self.max_len_of(real))):
+        limits = self.max_len_of(source_len)  # (batch,)
+        for name, values in (("source_len", source_len), ("src_lengths", real), ("max_len", limits)):
             self.lengths[name].append(values)
         self.results.extend([None] * tokens.size(0))
         return range(first, self.size)
@@ -126,7 +127,7 @@ class LiveStream:
     def __init__(self, generator, arrivals: Callable, admitted: Callable, left_pad: bool = True, device="cpu"):
         max_positions = generator.model.max_decoder_positions()
         self.pool = LivePool(generator.pad, generator.eos, left_pad,
-                             lambda real: row_max_len(real, generator.gen_cfg, max_positions), arrivals, admitted,
+                             lambda widths: row_max_len(widths, generator.gen_cfg, max_positions), arrivals, admitted,
                              device)
         self.ctx = DecodeContext(
             generator.runner, build_processors(generator.tgt_dict, generator.gen_cfg), self.pool, generator.eos,

@@ -187,9 +187,12 @@ class RowStepProcessors:
                 processor(lprobs, None)
 
 
-def row_max_len(src_lengths, gen_cfg, max_positions):
-    """Per-sentence length limit (stock fairseq uses the longest source of the batch;
-    per sentence keeps results independent of batching)."""
+def row_max_len(source_widths, gen_cfg, max_positions):
+    """Per-sentence length limit ``min(int(max_len_a * width + max_len_b), max_positions - 1)``.
+
+    ``source_widths`` (sentences,): each source's tokens without padding, its eos included.  Stock fairseq
+    takes the width of the batch's source tensor (``src_tokens.size(1)``: the longest source, eos included),
+    so at batch 1 the two limits agree; per sentence keeps results independent of batching."""
     # in double precision, as fairseq's Python arithmetic: in float32 int(0.7 * 90) would be 63, not 62
-    limit = (gen_cfg.max_len_a * src_lengths.double() + gen_cfg.max_len_b).long()
+    limit = (gen_cfg.max_len_a * source_widths.double() + gen_cfg.max_len_b).long()
     return limit.clamp(max=max_positions - 1)

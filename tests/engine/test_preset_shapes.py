@@ -3,8 +3,8 @@ presets: ``transformer_wmt_en_de`` and ``transformer_vaswani_wmt_en_de_big`` wit
 16 attention heads and shared embeddings, widths scaled down to 64 (tests/models/preset_toy.py).
 
 Sentence by sentence on 28 sentences of the toy test split: greedy on fairseq's step is stock beam 1 (at a fixed
-length limit: at ``--max-len-a`` they differ, the xfail below); greedy on ``static`` is bitwise greedy on fairseq's
-step; blockwise exact mode on the k = 4 identity-first student gives its base model's greedy tokens on each engine,
+length limit, and at batch 1 at a limit relative to the source's length); greedy on ``static`` is bitwise greedy on
+fairseq's step; blockwise exact mode on the k = 4 identity-first student gives its base model's greedy tokens on each engine,
 at batch 1 and 7.
 
 The compiled engine runs on the base preset only, blockwise at batch 1 (its block unit and its row buckets, scores
@@ -70,12 +70,13 @@ def test_greedy_on_fairseqs_step_is_stock_beam_1(preset):
     assert len({tuple(hypotheses[0]["tokens"].tolist()) for hypotheses in expected.values()}) >= 5
 
 
-@pytest.mark.xfail(strict=True, reason="a limit from --max-len-a: stock counts the source's eos "
-                                       "(src_tokens.size(1)), the plugin's row_max_len does not")
 def test_greedy_is_stock_beam_1_at_a_source_relative_limit(preset):
     """At batch 1, where stock's limit (from the batch's longest source) is a row's own."""
     _, expected = decode(preset.base, IDS, 1, decoder="beam", beam=1, step_engine="fairseq", **SOURCE_LENGTH)
-    assert_identical(expected, preset.greedy, across_batches=True)
+    _, greedy = decode(preset.base, IDS, 1, decoder="greedy", beam=1, step_engine="fairseq", **SOURCE_LENGTH)
+    assert_identical(expected, greedy)
+    cut = [s for s in IDS if greedy[s][0]["tokens"].numel() == preset.base.dataset.src_sizes[s] + 1]  # limit and eos
+    assert len(cut) >= 5  # the limit counts each source's eos, as stock's does
 
 
 def test_greedy_on_the_static_engine_is_bitwise_greedy_on_fairseqs_step(preset):

@@ -55,8 +55,8 @@ def test_greedy_stream_gives_greedys_tokens_over_many_refills(toy, eps, limits, 
         assert_identical(static, streamed, across_batches=True)
     assert generator.counters.counts["refills"] >= TEST_SENTENCES / CAPACITY - 1
     sample = toy.sample(ids)
-    source_len = sample["net_input"]["src_lengths"] - 1  # without the eos
-    limit = dict(zip(sample["id"].tolist(), (source_len * limits["max_len_a"] + limits["max_len_b"]).tolist()))
+    source_width = sample["net_input"]["src_lengths"]  # its eos included, as fairseq's src_tokens.size(1)
+    limit = dict(zip(sample["id"].tolist(), (source_width * limits["max_len_a"] + limits["max_len_b"]).tolist()))
     cut = [s for s in ids if streamed[s][0]["tokens"].numel() == limit[s] + 1]  # the limit's tokens and eos
     assert len(cut) >= 20  # sentences cut at the length limit are among them
 

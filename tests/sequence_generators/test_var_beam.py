@@ -175,14 +175,14 @@ def test_nbest_lenpen_length_limits_and_ngram_blocking(toy):
     options = dict(beam=4, nbest=3, lenpen=0.6, no_repeat_ngram_size=2, max_len_a=0.8, max_len_b=2)
     results = toy.translate(toy.generator(decoder="var-batch", var_beam_delta=3.0, **options), ids)
     for sentence, hypotheses in results.items():
-        source_tokens = toy.dataset[sentence]["source"].numel() - 1  # without eos
+        source_width = toy.dataset[sentence]["source"].numel()  # eos included, as stock's src_tokens.size(1)
         assert 1 <= len(hypotheses) <= 3
         scores = [float(h["score"]) for h in hypotheses]
         assert scores == sorted(scores, reverse=True)
         for h in hypotheses:
             tokens = h["tokens"].tolist()
             assert tokens[-1] == toy.task.target_dictionary.eos() and tokens.count(toy.task.target_dictionary.eos()) == 1
-            assert len(tokens) - 1 <= math.floor(0.8 * source_tokens + 2 + 1e-4)
+            assert len(tokens) - 1 <= math.floor(0.8 * source_width + 2 + 1e-4)
             bigrams = list(zip(tokens, tokens[1:]))
             assert len(bigrams) == len(set(bigrams)), (sentence, tokens)
             normalised = h["positional_scores"].sum() / len(tokens) ** 0.6
