@@ -89,8 +89,8 @@ class PluginOptions(FairseqDataclass):
         default=None,
         metadata={"help": "CPU: compute the model's linear layers (encoder, decoder, vocabulary projection) in "
                           "reduced precision, from the ordinary float32 checkpoint at first use: 'int8' (weights of "
-                          "1M entries and more int8 per output row, smaller ones float32; inputs rounded per row "
-                          "at each call: a row's result does not depend on the rows beside it, so every "
+                          "512 x 512 entries and more int8 per output row, smaller ones float32; inputs rounded "
+                          "per row at each call: a row's result does not depend on the rows beside it, so every "
                           "exactness promise holds within int8), "
                           "'bf16' (bfloat16 products summed in float32, their outputs bfloat16, the vocabulary "
                           "projection float32; processors with AVX-512 BF16 or AMX); "

@@ -97,18 +97,20 @@ def build_runner(model, options: PluginOptions, temperature: float, projection):
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         engine = "fairseq"
     return make_runner(engine, model, temperature, projection, options.compiled_freezing,
-                       background=options.compile_in_background)
+                       background=options.compile_in_background, blocks_by_position=options.quantize == "int8")
 
 
 def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1,
-                background: bool = False):
+                background: bool = False, blocks_by_position: bool = False):
     """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job);
     ``beams``: the rows of a sentence in fairseq's beam search (the compiled engine shares their
-    encoder-decoder keys); ``freezing``, ``background``: --compiled-freezing, --compile-in-background."""
+    encoder-decoder keys); ``freezing``, ``background``: --compiled-freezing, --compile-in-background;
+    ``blocks_by_position``: the static engine's blocks attend position by position (--quantize int8:
+    ``DecoderStep``'s exact form)."""
     if engine == "static":
         from fairseq_fastgen.engine.runners import StaticRunner
 
-        return StaticRunner(model, temperature, projection)
+        return StaticRunner(model, temperature, projection, blocks_by_position)
     if engine == "compiled":
         from fairseq_fastgen.engine.compiled import CompiledRunner
 

@@ -11,7 +11,14 @@ buffers instead of a dict of tensors grown with ``torch.cat``.  Three forms:
   and masked as fairseq's k-head decoder pads them after a rollback.  The
   products, softmaxes and additions are fairseq's, in fairseq's order and
   layouts, so its features are bitwise fairseq's on the CPU
-  (``tests/engine/test_static_engine.py``).
+  (``tests/engine/test_static_engine.py``).  With ``blocks_by_position`` (the
+  static engine under ``--quantize int8``) a block's positions attend one by
+  one over their own prefix, as one-position steps do: a block's attention
+  then sums in the steps' order, so in int8, whose linear layers give each row
+  the same bits whatever rows share the call, blockwise verification computes
+  bitwise what greedy's steps compute (in float32 the sums of a fused softmax
+  over a longer, masked row already differ in the last bits, which int8's
+  rounding of each row would magnify into other tokens).
 * :meth:`DecoderStep.fast`: the exact form's single-position step in fewer,
   larger calls (one query/key/value product, fused attention over the buffers
   in place), for the compiled engine's eager rows; scores move in the last bits.
@@ -97,9 +104,11 @@ def position_table(embed_positions, length: int) -> Optional[Tensor]:
 class DecoderStep(nn.Module):
     """The incremental step of ``decoder`` (shares its parameters)."""
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, blocks_by_position: bool = False):
         super().__init__()
         self.decoder = decoder
+        # a block's positions attend one by one, each as a one-position step would (see exact())
+        self.blocks_by_position = blocks_by_position
         self.layers = decoder.layers
         attention = decoder.layers[0].self_attn
         self.heads, self.head_dim = attention.num_heads, attention.head_dim
@@ -191,16 +200,13 @@ class DecoderStep(nn.Module):
             written = (rows * self.heads, end, self.head_dim)
             keys = key_buffer[:, :, :end].reshape(written)  # a view: rows and heads merge
             values = value_buffer[:, :, :end].reshape(written)
-            weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, n, end)
-            if causal is not None:
-                weights += causal.unsqueeze(0)
-            if padding is not None:
-                weights = weights.view(rows, self.heads, n, end).masked_fill(
-                    padding[:, None, None, :], float("-inf")
-                ).view(rows * self.heads, n, end)
-            weights = F.softmax(weights, dim=-1, dtype=torch.float32)
-            x = self.merge_heads(torch.bmm(weights, values), rows)
-            x = layer.residual_connection(attention.out_proj(x), residual)
+            if n > 1 and self.blocks_by_position:
+                x = torch.cat([self.attend_self(q[:, j:j + 1], keys[:, :start + j + 1], values[:, :start + j + 1],
+                                                   None, None if padding is None else padding[:, :start + j + 1])
+                               for j in range(n)], dim=1)  # (rows * heads, n, head_dim)
+            else:
+                x = self.attend_self(q, keys, values, causal, padding)  # (rows * heads, n, head_dim)
+            x = layer.residual_connection(attention.out_proj(self.merge_heads(x, rows)), residual)
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
 
@@ -211,6 +217,21 @@ class DecoderStep(nn.Module):
             x = self.feed_forward(layer, x)
         cache.length = end
         return self.finish(x, first_head), attn
+
+    def attend_self(self, q: Tensor, keys: Tensor, values: Tensor, causal: Optional[Tensor],
+                       padding: Optional[Tensor]) -> Tensor:
+        """q (rows * heads, n, head_dim) over keys and values (rows * heads, end, head_dim), ``causal`` (n, end)
+        added and ``padding`` (rows, end) masked as fairseq does: (rows * heads, n, head_dim)."""
+        n, end = q.size(1), keys.size(1)
+        weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, n, end)
+        if causal is not None:
+            weights += causal.unsqueeze(0)
+        if padding is not None:
+            weights = weights.view(-1, self.heads, n, end).masked_fill(
+                padding[:, None, None, :], float("-inf")
+            ).view(-1, n, end)
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32)
+        return torch.bmm(weights, values)
 
     def exact_encoder_attention(self, layer, x, index, cache, need_weights: bool):
         n, rows = x.size(0), x.size(1)
@@ -223,14 +244,12 @@ class DecoderStep(nn.Module):
         q = self.split_heads(q)  # (rows * heads, n, head_dim)
         keys = cache.cross_keys[index].view(rows * self.heads, -1, self.head_dim)  # (rows * heads, src_len, hd)
         values = cache.cross_values[index].view(rows * self.heads, -1, self.head_dim)
-        weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, n, src_len)
-        if cache.cross_mask is not None:
-            src_len = weights.size(2)
-            weights = weights.view(rows, self.heads, n, src_len).masked_fill(
-                cache.cross_mask[:, None, None, :], float("-inf")
-            ).view(rows * self.heads, n, src_len)
-        weights = F.softmax(weights, dim=-1, dtype=torch.float32)
-        x = self.merge_heads(torch.bmm(weights, values), rows)
+        if n > 1 and self.blocks_by_position:
+            attended = [self.attend_encoder(q[:, j:j + 1], keys, values, cache.cross_mask) for j in range(n)]
+            x, weights = (torch.cat(parts, dim=1) for parts in zip(*attended))
+        else:
+            x, weights = self.attend_encoder(q, keys, values, cache.cross_mask)
+        x = self.merge_heads(x, rows)
         x = layer.residual_connection(attention.out_proj(x), residual)
         if not layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
@@ -240,6 +259,18 @@ class DecoderStep(nn.Module):
     def sublayer_input(layer, norm, x: Tensor) -> Tuple[Tensor, Tensor]:
         """The input of a sublayer (through ``norm`` first when the layer normalizes before) and its residual."""
         return (norm(x) if layer.normalize_before else x), x
+
+    def attend_encoder(self, q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor]):
+        """q (rows * heads, n, head_dim) over the encoder's keys and values (rows * heads, src_len, head_dim),
+        ``mask`` (rows, src_len) or None: (rows * heads, n, head_dim) and the weights (rows * heads, n, src_len)."""
+        n, src_len = q.size(1), keys.size(1)
+        weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, n, src_len)
+        if mask is not None:
+            weights = weights.view(-1, self.heads, n, src_len).masked_fill(
+                mask[:, None, None, :], float("-inf")
+            ).view(-1, n, src_len)
+        weights = F.softmax(weights, dim=-1, dtype=torch.float32)
+        return torch.bmm(weights, values), weights
 
     def merge_heads(self, x: Tensor, rows: int) -> Tensor:
         """(rows * heads, n, head_dim) -> (n, rows, dim), fairseq's layout."""

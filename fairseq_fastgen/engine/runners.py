@@ -27,9 +27,9 @@ INITIAL_POSITIONS = 32  # target positions a new cache holds before it first gro
 class StaticRunner(ModelRunner):
     engine = "static"
 
-    def __init__(self, model, temperature: float = 1.0, projection=None):
+    def __init__(self, model, temperature: float = 1.0, projection=None, blocks_by_position: bool = False):
         super().__init__(model, temperature, projection)
-        self.decoder_step = DecoderStep(model.decoder)
+        self.decoder_step = DecoderStep(model.decoder, blocks_by_position)
 
     # ---- cache ------------------------------------------------------------------------------
     @staticmethod

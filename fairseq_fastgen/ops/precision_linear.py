@@ -4,15 +4,13 @@ At a few rows a decoder step reads every weight once and does little else, so
 it runs at the speed of memory: fewer bytes per weight go faster.
 
 * int8: each weight row rounded once to int8 with a float32 scale of its own,
-  the input rounded at each call, one scale per input row, and the integer
-  product summed in int32 by fbgemm's dynamic quantized linear (torch's
-  ``quantized::linear_dynamic``, VNNI where the processor has it).  fbgemm
-  takes one range for the whole input; each row is therefore divided by its
-  largest magnitude first, and two fence rows ``[1, 0, ...]`` and ``[-1, 0, ...]`` pin that range
-  to [-1, 1]: a row is rounded the same whatever rows share its call, the int32
-  sums are exact, so its output is bitwise the same at batch 1 and 64, in a
-  blockwise block or a stream's refill (``tests/ops/test_precision_linear.py``).
-  Within int8 the decoders' exactness promises therefore hold as in float32.
+  each input row rounded at each call to integers on a scale of its own, and
+  their product summed exactly in int32 (VNNI where the processor has it):
+  by fbgemm's dynamic linear at a few rows, by oneDNN's int8 linear at more
+  (:class:`Int8Rows`).  A row's output is bitwise the same at batch 1 and 64,
+  in either kernel, in a blockwise block or a stream's refill
+  (``tests/ops/test_precision_linear.py``): within int8 the decoders'
+  exactness promises hold as in float32.
 * bfloat16: the weight stored in bfloat16, the input rounded to bfloat16, the
   product summed in float32 by oneDNN (AMX or AVX-512 BF16 where present) and
   its output rounded to bfloat16 (torch has no bfloat16 product with a float32
@@ -37,13 +35,13 @@ from torch import Tensor
 from fairseq_fastgen.ops.linear_forward import LinearForward
 
 PRECISIONS = ("int8", "bf16")
-# int8 rows cost four more small torch calls a product (the rows' magnitudes, the division, the fence, the
-# rescale), which a small weight does not win back: on one thread of our Xeon a 512 x 512 weight takes about 3x
-# float32's time at one row in int8 rows and the same at 64, a 2048 x 512 one about as long at one row and 0.6x
-# at 64, the 32k x 512 vocabulary projection 0.2x and 0.5x (benchmarks/precision_products.py). Weights below this
-# many entries keep their float32 product; the choice depends on the weight's shape only, so a row's result still
-# does not depend on the rows beside it.
-MIN_INT8_WEIGHT = 1 << 20
+# int8 rows cost five more small torch calls a product (the rows' magnitudes, their scales, the division and
+# rounding, the rescale), which a small weight does not win back. Timed over 200 weights of one shape (read from
+# memory, as a decoder step reads them) on one thread of our Xeon: 256 x 256 (the toy model's attention) takes
+# 4.3x float32's time at 1 row and the same at 64; 512 x 512 (the base model's) the same at 1 row and 0.45x at 64.
+# Weights below this many entries keep their float32 product; the choice depends on the weight's shape only, so a
+# row's result still does not depend on the rows beside it.
+MIN_INT8_WEIGHT = 1 << 18
 
 
 def precision_refusal(precision: str) -> Optional[str]:
@@ -77,25 +75,65 @@ def prepack_int8_rows(weight: Tensor, bias: Optional[Tensor] = None):
     return torch.ops.quantized.linear_prepack(rows, None if bias is None else bias.detach().float())
 
 
+# Each input row is rounded to integers in [-INPUT_LEVELS, INPUT_LEVELS] on a scale of its own. Without VNNI the
+# int8 kernels sum pairs of products in int16 and need 7-bit inputs to stay clear of saturation.
+INPUT_LEVELS = 127 if torch.cpu._is_vnni_supported() else 63
+# From this many rows a call goes to oneDNN's int8 product, below to fbgemm's; the two give the same bits
+# (tests/ops/test_precision_linear.py). On one thread of our Xeon a base model's decoder step with every product
+# in fbgemm takes 0.8-0.9x oneDNN's time at 1 to 4 rows, the same at 8 and 16, 1.2-1.3x at 32 and 64.
+ONEDNN_MIN_ROWS = 16
+
+
+def onednn_int8_available() -> bool:
+    return (torch.cpu._is_vnni_supported() and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.onednn, "qlinear_pointwise"))
+
+
 class Int8Rows:
-    """A weight (out, in) as int8 rows with one scale each, prepared for fbgemm's dynamic linear."""
+    """A weight (out, in) as int8 rows with one float32 scale each, packed for fbgemm's and oneDNN's products.
+
+    An input row is divided by its own scale (its largest magnitude over ``INPUT_LEVELS``) and rounded to
+    integers; the product of those integers with the weight's is summed exactly in int32, scaled by the weight
+    row's scale, then by the input row's.  At a few rows fbgemm computes it (``quantized::linear_dynamic``: it
+    rounds its input once more, on one range for the whole call, which two fence rows of +-(INPUT_LEVELS + 0.5)
+    pin to a scale of exactly 1, so the integers pass unchanged); at more rows oneDNN does
+    (``onednn::qlinear_pointwise`` on int8 inputs).  Either way the int32 sums and the two scalings are the same:
+    a row's result does not depend on the kernel nor on the rows beside it."""
 
     def __init__(self, weight: Tensor):
-        self.packed = prepack_int8_rows(weight)
-        # (2, in): two rows [1, 0, ...] and [-1, 0, ...] that fix fbgemm's input range to [-1, 1]
+        weight = weight.detach().float().contiguous()
+        self.out_features = weight.size(0)
+        self.scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
+        integers = torch.round(weight / self.scales.unsqueeze(1)).to(torch.int8)  # (out, in)
+        self.zero_points = torch.zeros(weight.size(0), dtype=torch.long)  # (out,)
+        with warnings.catch_warnings():  # torch announces the removal of quantized tensors
+            warnings.filterwarnings("ignore", message=".*quantized tensor.*")
+            rows = torch._make_per_channel_quantized_tensor(integers, self.scales.double(), self.zero_points, 0)
+            self.fbgemm = torch.ops.quantized.linear_prepack(rows, None)
+        self.has_onednn = onednn_int8_available()
+        self.integers = integers if self.has_onednn else None  # packed for oneDNN on first use, then dropped
+        self.onednn = None
+        # (2, in): two rows that fix fbgemm's input range to +-(INPUT_LEVELS + 0.5), a scale of 1
         self.fence = torch.zeros(2, weight.size(1))
-        self.fence[0, 0], self.fence[1, 0] = 1.0, -1.0
-        # without VNNI fbgemm sums pairs of products in int16 and needs 7-bit inputs to stay clear of saturation
-        self.reduce_range = not torch.cpu._is_vnni_supported()
+        self.fence[0, 0], self.fence[1, 0] = INPUT_LEVELS + 0.5, -INPUT_LEVELS - 0.5
+        self.reduce_range = INPUT_LEVELS < 127  # fbgemm's 7-bit inputs
 
     def __call__(self, x: Tensor) -> Tensor:
         """x (..., in) float32 -> (..., out) float32, each row rounded on a scale of its own."""
         rows = x.reshape(-1, x.size(-1))  # (rows, in)
         # (rows, 1); abs().amax: torch's infinity norm over rows takes 10x longer at 64 rows and more
-        magnitudes = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
-        unit_rows = torch.cat([rows / magnitudes, self.fence])  # (rows + 2, in), every value in [-1, 1]
-        out = torch.ops.quantized.linear_dynamic(unit_rows, self.packed, self.reduce_range)  # (rows + 2, out)
-        return out[:-2].mul_(magnitudes).view(*x.shape[:-1], out.size(-1))
+        input_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30).div_(INPUT_LEVELS)
+        integers = torch.round(rows / input_scales)  # (rows, in) whole numbers in [-INPUT_LEVELS, INPUT_LEVELS]
+        if self.has_onednn and rows.size(0) >= ONEDNN_MIN_ROWS:
+            if self.onednn is None:  # a run that never has this many rows never packs it
+                self.onednn, self.integers = torch.ops.onednn.qlinear_prepack(self.integers, None), None
+            out = torch.ops.onednn.qlinear_pointwise(
+                integers.to(torch.int8), 1.0, 0, self.onednn, self.scales, self.zero_points, None, 1.0, 0,
+                torch.float32, "none", [], "")  # (rows, out)
+        else:
+            out = torch.ops.quantized.linear_dynamic(torch.cat([integers, self.fence]), self.fbgemm,
+                                                     self.reduce_range)[:-2]  # (rows, out)
+        return out.mul_(input_scales).view(*x.shape[:-1], self.out_features)
 
 
 def int8_linear(x: Tensor, rows: Int8Rows, bias: Optional[Tensor]) -> Tensor:

@@ -68,6 +68,21 @@ def test_blockwise_exact_mode_is_greedy_within_the_precision(loaded_khead, trans
     assert best_tokens(blockwise) == best_tokens(greedy)
 
 
+@pytest.mark.skipif(precision_refusal("int8") is not None, reason="no int8 products on this CPU")
+def test_blockwise_at_batch_1_computes_int8_greedys_bits(loaded_khead, translate):
+    """In int8 a block's rows are rounded each on its own scale and its positions attend one by one as greedy's
+    steps do: every verified position gives greedy's scores bitwise, not only its tokens."""
+    keep = set(range(0, 200, 10))
+    greedy = translate(loaded_khead, loaded_khead.task.build_generator(
+        loaded_khead.models, GenerationConfig(decoder="greedy", beam=1, quantize="int8")), 1, keep_ids=keep)
+    blockwise = translate(loaded_khead, loaded_khead.task.build_generator(
+        loaded_khead.models, GenerationConfig(decoder="blockwise", beam=1, quantize="int8")), 1, keep_ids=keep)
+    assert sorted(blockwise) == sorted(greedy) and len(greedy) >= 10
+    for sentence, (best, *_) in greedy.items():
+        assert torch.equal(blockwise[sentence][0]["tokens"], best["tokens"]), sentence
+        assert torch.equal(blockwise[sentence][0]["positional_scores"], best["positional_scores"]), sentence
+
+
 @pytest.mark.parametrize("precision", PRECISION_PARAMS)
 @pytest.mark.parametrize("with_clusters", [False, True])
 def test_var_stream_is_var_batch_within_the_precision(loaded_toy, translate, tmp_path, precision, with_clusters):

@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from fairseq_fastgen.adapters.linear_forwards import QuantizedLinears
+from fairseq_fastgen.ops import precision_linear
 from fairseq_fastgen.ops.precision_linear import (
-    MIN_INT8_WEIGHT, BFloat16Forward, Int8Forward, Int8Rows, bf16_linear, int8_linear, precision_refusal,
+    MIN_INT8_WEIGHT, BFloat16Forward, Int8Forward, Int8Rows, bf16_linear, int8_linear, onednn_int8_available,
+    precision_refusal,
 )
 
 int8_here = pytest.mark.skipif(precision_refusal("int8") is not None, reason="no int8 products on this CPU")
@@ -40,6 +42,24 @@ def test_int8_rows_give_each_row_the_same_bits_whatever_rows_share_the_call():
     expected = F.linear(x, weight, bias)
     per_row = [relative_error(together[i], expected[i]) for i in range(64)]
     assert max(per_row) < 0.03  # every row rounded on its own scale, the smallest ones too
+
+
+@int8_here
+@pytest.mark.skipif(not onednn_int8_available(), reason="no oneDNN int8 product on this CPU: fbgemm's only")
+@pytest.mark.parametrize("shape", [(384, 256), (2048, 512), (512, 2048)])  # (out, in)
+def test_int8_rows_give_the_same_bits_in_fbgemm_and_in_onednn(monkeypatch, shape):
+    weight, bias = weight_and_bias(*shape)
+    rows = Int8Rows(weight)
+    x = torch.randn(40, shape[1]) * torch.logspace(-2, 2, 40).unsqueeze(1)
+    x[0] = weight[0].sign()  # an int32 sum near its largest for one output
+    monkeypatch.setattr(precision_linear, "ONEDNN_MIN_ROWS", 10 ** 9)
+    in_fbgemm = [int8_linear(x, rows, bias), int8_linear(x[:3], rows, bias)]
+    assert rows.onednn is None  # not packed: no call had the rows for it
+    monkeypatch.setattr(precision_linear, "ONEDNN_MIN_ROWS", 1)
+    in_onednn = [int8_linear(x, rows, bias), int8_linear(x[:3], rows, bias)]
+    assert rows.onednn is not None
+    for fbgemm, onednn in zip(in_fbgemm, in_onednn):
+        assert torch.equal(fbgemm, onednn)
 
 
 @int8_here
@@ -77,13 +97,14 @@ def test_the_stand_in_follows_weight_updates_and_leaves_gradients_to_torch(forwa
 
 @int8_here
 def test_int8_keeps_the_float32_product_of_a_weight_below_the_threshold():
-    small = torch.nn.Linear(512, 512)  # a base model's attention projection: int8 rows cost more than they save
-    large = torch.nn.Linear(512, 2048)  # its first feed-forward layer
+    small = torch.nn.Linear(256, 256)  # a toy model's attention projection: int8 rows cost more than they save
+    large = torch.nn.Linear(512, 512)  # a base model's
     assert small.weight.numel() < MIN_INT8_WEIGHT <= large.weight.numel()
-    x = torch.randn(3, 512)
     with torch.no_grad():
+        x = torch.randn(3, 256)
         assert torch.equal(Int8Forward(small)(x), F.linear(x, small.weight, small.bias))
         forward = Int8Forward(large)
+        x = torch.randn(3, 512)
         assert not torch.equal(forward(x), F.linear(x, large.weight, large.bias)) and forward.packed is not None
 
 
