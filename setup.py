@@ -24,6 +24,7 @@ setup(
         "tqdm",
         "faiss-cpu",
         "matplotlib",
+        "aiohttp>=3.9",  # fastgen-serve
     ],
     extras_require={
         "gpu": ["cupy-cuda12x", "faiss-gpu-cu12"],
@@ -33,6 +34,7 @@ setup(
         "console_scripts": [
             "fastgen-bench=fairseq_fastgen.bench:cli_main",
             "fastgen-distill=fairseq_fastgen.distill:cli_main",
+            "fastgen-serve=fairseq_fastgen.serve:cli_main",
             "fastgen-train-clusters=fairseq_fastgen.cluster.train:cli_main",
         ]
     },

@@ -67,6 +67,9 @@ OPTION_PREPARATION = {
         "fairseq-generate's own default --max-tokens, as its _main sets it",
     ("cluster/multilingual.py", "direction_task"): "one direction of a multilingual task, on a deep copy of its args",
     ("distill.py", "parse"): "fastgen-distill's default --max-tokens, in the args of its own parser",
+    ("serve/options.py", "parse_command_line"):
+        "fastgen-serve's defaults of --batch-size and --fixed-batch-size and fairseq-interactive's --buffer-size "
+        "rule, in the args of its own parser",
     ("models/transformer_khead.py", "khead_defaults"): "a registered model's defaults, fairseq's architecture idiom",
     ("models/transformer_khead.py", "KHeadTransformerModel.build_model"):
         "the warm start recorded in the model's args, so a saved checkpoint does not read the base again",
@@ -77,6 +80,9 @@ OPTION_PREPARATION = {
 OWN_OBJECTS = {
     ("models/transformer_khead.py", "KHeadTransformerModel.build_model"):
         "the plugin's model gives its own decoder (KHeadTransformerDecoder) its k heads while it is built",
+    ("serve/batching.py", "ContinuousBatching.run"):
+        "the plugin's own generator (sequence_generators/generator.py) is handed the server's stream, as "
+        "fairseq-interactive's lines hand it theirs (integration.py), and takes it back after",
     ("engine/decoder_step.py", "position_table"):
         "grows a sinusoidal position table as fairseq's own forward grows it (the same values, a cache); the "
         "encoder's and decoder's forms of the engine read their tables through it",

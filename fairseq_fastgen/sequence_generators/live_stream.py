@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from fairseq_fastgen.sequence_generators.generator import DecodeContext
 from fairseq_fastgen.sequence_generators.processors import build_processors, row_max_len
-from fairseq_fastgen.sequence_generators.streaming import StreamRun
+from fairseq_fastgen.sequence_generators.streaming import PADDING_SENTENCE, StreamRun, finished_rows_wait, select_padded
 
 RETURNED: list = []  # a sentence's results once handed to its generate() call
 
@@ -148,6 +148,42 @@ class LiveStream:
         for sentence in sentences:
             results[sentence] = RETURNED
         return answers
+
+    # ---- a caller that reads the results itself (fastgen-serve: fairseq_fastgen/serve/batching.py) ----
+    @property
+    def rows(self) -> int:
+        """Rows of the running states, padding rows included: what each model call computes."""
+        return sum(cohort.rows for cohort in self.run.cohorts)
+
+    def cancel(self, sentences) -> List[int]:
+        """The rows of ``sentences`` (pool positions) leave the stream unanswered (their client gave up); returns
+        the sentences found running (one not admitted yet is not: cancel it again once it is).  A policy whose
+        refills take finished rows' places keeps their rows as waiting padding rows, as a finished row
+        (``finished_rows_wait``); a policy of padded cohorts keeps its other rows, padded again (``select_padded``)."""
+        wanted = torch.as_tensor(sorted(sentences), dtype=torch.long)  # (n,)
+        found = set()
+        for cohort in self.run.cohorts:
+            gone = torch.isin(cohort.sentence, wanted.to(cohort.sentence.device))  # (rows,)
+            if not bool(gone.any()):
+                continue
+            found.update(cohort.sentence[gone].tolist())
+            if self.run.joins_lengths:
+                finished_rows_wait(cohort, gone)
+            else:
+                select_padded(cohort, (~gone & cohort.sentence.ne(PADDING_SENTENCE)).nonzero().squeeze(1))
+        self.run.cohorts = [cohort for cohort in self.run.cohorts if cohort.rows > 0]
+        return sorted(found)
+
+    def decided_tokens(self, sentences) -> Dict[int, torch.Tensor]:
+        """For decoders with one row per sentence (greedy, blockwise and their streams): the tokens each of
+        ``sentences`` (a set of pool positions) running in the stream has so far, (length,) each; those are
+        its answer's first tokens."""
+        decided = {}
+        for cohort in self.run.cohorts:
+            for row, sentence in enumerate(cohort.sentence.tolist()):
+                if sentence in sentences and sentence not in decided:
+                    decided[sentence] = cohort.tokens[row, 1: 1 + cohort.row_length(row)].clone()
+        return decided
 
     def _sentences_of(self, net_input) -> range:
         """The pool positions of a batch: taken in ahead of this call (then the first such batch), or now."""

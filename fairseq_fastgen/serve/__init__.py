@@ -1,0 +1,75 @@
+"""fastgen-serve: a translation server over one model, sentences of every client decoded in one running batch.
+
+Read top to bottom: ``options.py`` (the command line: fairseq-interactive's plus the server's), ``translator.py``
+(the model and fairseq-interactive's pre- and post-processing, loaded once), ``batching.py`` (the decoding thread:
+continuous batching through one live stream, or fixed batches), ``metrics.py`` (Prometheus' text format) and
+``app.py`` (the HTTP routes, refusals, streaming and the SIGTERM shutdown).  Usage: docs/serving.md.
+"""
+
+import asyncio
+import logging
+import sys
+from typing import List, Optional
+
+from fairseq_fastgen.serve.options import PROGRAM, parse_command_line
+
+
+def cli_main(argv: Optional[List[str]] = None):
+    logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
+                        level=logging.INFO, stream=sys.stderr, force=True)  # (fairseq configured it at import)
+    args, cfg = parse_command_line(argv)
+    from fairseq_fastgen.integration import exit_on_usage_error
+
+    exit_on_usage_error(PROGRAM)(serve)(args, cfg)
+
+
+def serve(args, cfg):
+    from fairseq_fastgen.serve.app import Server
+    from fairseq_fastgen.serve.batching import ContinuousBatching, FixedBatching
+    from fairseq_fastgen.serve.metrics import Metrics
+    from fairseq_fastgen.serve.translator import Translator
+
+    prepare(args, cfg)
+    limits = [(option, value) for option, value in (("--max-source-tokens", args.max_source_tokens),
+                                                    ("--max-tokens", args.max_tokens)) if value is not None]
+    from fairseq_fastgen.integration import usage_errors
+
+    with usage_errors():  # a decoder that does not fit the model: one line
+        translator = Translator(cfg, limits)
+    metrics = Metrics()
+    if args.batching == "continuous":
+        batching = ContinuousBatching(translator, metrics, args.max_queue)
+    else:
+        batching = FixedBatching(translator, metrics, args.max_queue, args.fixed_batch_size,
+                                 args.fixed_batch_wait_ms / 1000)
+    batching.start()
+    asyncio.run(Server(args, translator, batching, metrics).run())
+
+
+def prepare(args, cfg):
+    """The plugin's checks of the options before the model loads (as fairseq-interactive's run), and the stream's
+    capacity for continuous batching: ``--batch-size`` (or ``--max-tokens``)."""
+    from fairseq_fastgen.integration import check_checkpoint_files, usage_errors
+    from fairseq_fastgen.option_checks import UsageError, check_fairseq_generation_options, check_generation_options
+    from fairseq_fastgen.options import parse_options
+    from fairseq_fastgen.sequence_generators.registry import DECODERS
+    from fairseq_fastgen.sequence_generators.streaming import prepare_streaming_cli
+
+    with usage_errors():
+        options = parse_options(cfg.generation)
+        check_fairseq_generation_options(cfg.generation)
+        check_generation_options(options)
+        name = str(options.common.decoder)
+        entry = DECODERS.get(name)
+        if entry is None:
+            raise UsageError(f"unknown --decoder {name!r}; choose one of: {', '.join(DECODERS)}")
+        if cfg.generation.constraints:
+            raise UsageError("fastgen-serve does not take lexical constraints (--constraints)")
+        streams = entry.prepare_cli is prepare_streaming_cli
+        if args.batching == "continuous":
+            if not streams:
+                raise UsageError(f"--batching continuous runs one stream across requests, which --decoder {name} "
+                                 f"does not: use a streaming decoder (greedy-stream, blockwise-stream, var-stream, "
+                                 f"fixed-stream) or --batching fixed")
+            prepare_streaming_cli(cfg, "interactive")  # the capacity from --batch-size / --max-tokens
+    check_checkpoint_files(cfg)
