@@ -201,11 +201,11 @@ class DecoderStep(nn.Module):
             keys = key_buffer[:, :, :end].reshape(written)  # a view: rows and heads merge
             values = value_buffer[:, :, :end].reshape(written)
             if n > 1 and self.blocks_by_position:
-                x = torch.cat([self.attend_self(q[:, j:j + 1], keys[:, :start + j + 1], values[:, :start + j + 1],
-                                                   None, None if padding is None else padding[:, :start + j + 1])
+                x = torch.cat([self.attend(q[:, j:j + 1], keys[:, :start + j + 1], values[:, :start + j + 1],
+                                           None, None if padding is None else padding[:, :start + j + 1])[0]
                                for j in range(n)], dim=1)  # (rows * heads, n, head_dim)
             else:
-                x = self.attend_self(q, keys, values, causal, padding)  # (rows * heads, n, head_dim)
+                x, _ = self.attend(q, keys, values, causal, padding)  # (rows * heads, n, head_dim)
             x = layer.residual_connection(attention.out_proj(self.merge_heads(x, rows)), residual)
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
@@ -218,10 +218,11 @@ class DecoderStep(nn.Module):
         cache.length = end
         return self.finish(x, first_head), attn
 
-    def attend_self(self, q: Tensor, keys: Tensor, values: Tensor, causal: Optional[Tensor],
-                       padding: Optional[Tensor]) -> Tensor:
+    def attend(self, q: Tensor, keys: Tensor, values: Tensor, causal: Optional[Tensor] = None,
+               padding: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
         """q (rows * heads, n, head_dim) over keys and values (rows * heads, end, head_dim), ``causal`` (n, end)
-        added and ``padding`` (rows, end) masked as fairseq does: (rows * heads, n, head_dim)."""
+        added and ``padding`` (rows, end) masked as fairseq does: the result (rows * heads, n, head_dim) and the
+        weights (rows * heads, n, end)."""
         n, end = q.size(1), keys.size(1)
         weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, n, end)
         if causal is not None:
@@ -231,7 +232,7 @@ class DecoderStep(nn.Module):
                 padding[:, None, None, :], float("-inf")
             ).view(-1, n, end)
         weights = F.softmax(weights, dim=-1, dtype=torch.float32)
-        return torch.bmm(weights, values)
+        return torch.bmm(weights, values), weights
 
     def exact_encoder_attention(self, layer, x, index, cache, need_weights: bool):
         n, rows = x.size(0), x.size(1)
@@ -245,10 +246,10 @@ class DecoderStep(nn.Module):
         keys = cache.cross_keys[index].view(rows * self.heads, -1, self.head_dim)  # (rows * heads, src_len, hd)
         values = cache.cross_values[index].view(rows * self.heads, -1, self.head_dim)
         if n > 1 and self.blocks_by_position:
-            attended = [self.attend_encoder(q[:, j:j + 1], keys, values, cache.cross_mask) for j in range(n)]
+            attended = [self.attend(q[:, j:j + 1], keys, values, padding=cache.cross_mask) for j in range(n)]
             x, weights = (torch.cat(parts, dim=1) for parts in zip(*attended))
         else:
-            x, weights = self.attend_encoder(q, keys, values, cache.cross_mask)
+            x, weights = self.attend(q, keys, values, padding=cache.cross_mask)
         x = self.merge_heads(x, rows)
         x = layer.residual_connection(attention.out_proj(x), residual)
         if not layer.normalize_before:
@@ -259,18 +260,6 @@ class DecoderStep(nn.Module):
     def sublayer_input(layer, norm, x: Tensor) -> Tuple[Tensor, Tensor]:
         """The input of a sublayer (through ``norm`` first when the layer normalizes before) and its residual."""
         return (norm(x) if layer.normalize_before else x), x
-
-    def attend_encoder(self, q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor]):
-        """q (rows * heads, n, head_dim) over the encoder's keys and values (rows * heads, src_len, head_dim),
-        ``mask`` (rows, src_len) or None: (rows * heads, n, head_dim) and the weights (rows * heads, n, src_len)."""
-        n, src_len = q.size(1), keys.size(1)
-        weights = torch.bmm(q, keys.transpose(1, 2))  # (rows * heads, n, src_len)
-        if mask is not None:
-            weights = weights.view(-1, self.heads, n, src_len).masked_fill(
-                mask[:, None, None, :], float("-inf")
-            ).view(-1, n, src_len)
-        weights = F.softmax(weights, dim=-1, dtype=torch.float32)
-        return torch.bmm(weights, values), weights
 
     def merge_heads(self, x: Tensor, rows: int) -> Tensor:
         """(rows * heads, n, head_dim) -> (n, rows, dim), fairseq's layout."""
