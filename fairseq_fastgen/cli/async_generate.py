@@ -54,6 +54,7 @@ from fairseq_cli.generate import get_symbols_to_strip_from_output
 
 from fairseq_fastgen.cli.batched_output import WrittenTally
 from fairseq_fastgen.stop_signals import StopSignals, Stopped, exit_stopped, ignore_in_worker
+from fairseq_fastgen.text_codec import decode_text
 
 logger = logging.getLogger("fairseq_cli.generate")
 
@@ -319,11 +320,7 @@ class BatchFormatter:
         )
 
     def decode(self, text):
-        if self.bpe is not None:
-            text = self.bpe.decode(text)
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(text)
-        return text
+        return decode_text(text, self.tokenizer, self.bpe)
 
     def format_batch(self, batch: DecodedBatch) -> BatchOutput:
         output = BatchOutput(batch.index, text="", sentences=len(batch.ids))

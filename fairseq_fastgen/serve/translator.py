@@ -19,6 +19,8 @@ from typing import Dict, List, Sequence, Tuple
 import numpy
 import torch
 
+from fairseq_fastgen.text_codec import decode_text, encode_text
+
 logger = logging.getLogger("fairseq_fastgen.serve")
 
 
@@ -78,18 +80,10 @@ class Translator:
 
     # ---- fairseq-interactive's encode_fn and decode_fn ----------------------------------------------
     def encode_fn(self, text: str) -> str:
-        if self.tokenizer is not None:
-            text = self.tokenizer.encode(text)
-        if self.bpe is not None:
-            text = self.bpe.encode(text)
-        return text
+        return encode_text(text, self.tokenizer, self.bpe)
 
     def decode_fn(self, text: str) -> str:
-        if self.bpe is not None:
-            text = self.bpe.decode(text)
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(text)
-        return text
+        return decode_text(text, self.tokenizer, self.bpe)
 
     # ---- a request's sentences in -----------------------------------------------------------------
     def sources(self, texts: List[str]) -> List[Source]:
