@@ -21,7 +21,7 @@ from fairseq_fastgen.models.transformer_khead import KHeadTransformerDecoder
 from fairseq_fastgen.sequence_generators.blockwise.policy import BlockwisePolicy
 from fairseq_fastgen.sequence_generators.greedy import GreedyPolicy
 from fairseq_fastgen.sequence_generators.processors import RowStepProcessors
-from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
 PARTS = [

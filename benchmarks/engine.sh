@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The decoder-step engine (--step-engine fairseq / static / compiled) beside CTranslate2 float32:
-# the rows of docs/benchmarks.md, "The decoder-step engine". One fastgen-bench run per row, every
-# configuration of a row measured in the same process with interleaved passes.
+# The decoder-step engine (--step-engine fairseq / static / compiled) beside CTranslate2 float32 on the toy model:
+# the figures of docs/benchmarks.md, "Beside CTranslate2 (toy model)" (under "The decoder-step engine"). One
+# fastgen-bench run per row, every configuration of a row measured in the same process with interleaved passes.
 #
 #   bash benchmarks/engine.sh [MODEL_DIR] [OUT_DIR] [THREADS] [SENTENCES]
 #

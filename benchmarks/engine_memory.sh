@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Peak RSS of whole fairseq-generate processes, --step-engine fairseq against compiled (docs/benchmarks.md, the
-# engine's peak RSS): beam 5, batch 64, the 1,000 test sentences, one thread; a warm-up run compiles the unit for
-# many rows into $FASTGEN_COMPILED_DIR, then RUNS interleaved runs of each (default 3).
+# Peak RSS of whole fairseq-generate processes, --step-engine fairseq against compiled (docs/benchmarks.md,
+# "Beside CTranslate2 (toy model)"): beam 5, batch 64, the 1,000 test sentences, one thread; a warm-up run
+# compiles the unit for many rows into $FASTGEN_COMPILED_DIR, then RUNS interleaved runs of each (default 3).
 #
 #   bash benchmarks/engine_memory.sh [MODEL_DIR] [COMPILED_DIR]
 set -euo pipefail

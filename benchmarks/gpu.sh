@@ -10,8 +10,7 @@
 # 3. blockwise against greedy decoding of the same k-head model at batch 1 (300 sentences, 5 timed passes);
 # 4. beam search at beam 4 and 5, batch 64, --no-repeat-ngram-size 3: the plugin's optimizations on, each off, all
 #    off (identical outputs, speed, peak CUDA memory).
-# 5. the same as whole fairseq-generate processes at beam 4, stock fairseq-generate beside the plugin (about 25 s a
-#    process on an H100 machine, 12 processes).
+# 5. the same as whole fairseq-generate processes at beam 4, stock fairseq-generate beside the plugin (12 processes).
 # 6. the decoder-step engines on CUDA (--step-engine fairseq / static / compiled, CUDA graphs): the cost of one step
 #    per row count, then greedy at batch 1 (200 sentences) and 64, stock beam 5 at batch 64, blockwise beside
 #    greedy at batch 1 on the static and compiled engines;

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# fairseq-interactive with lines entering the stream as they arrive (issue 28) against the same decoder on
-# fixed --buffer-size blocks: whole processes on the Multi30k en-fr base model (benchmarks/multi30k.py),
+# fairseq-interactive with lines entering the stream as they arrive against the same decoder on fixed
+# --buffer-size blocks (docs/benchmarks.md, "fairseq-interactive: lines entering the stream as they arrive"):
+# whole processes on the Multi30k en-fr base model (benchmarks/multi30k.py),
 # the first N lines of test_2016_flickr piped in, one thread, REPEAT interleaved runs, median wall seconds,
 # and whether the hypotheses are identical.  Usage: bash benchmarks/interactive_stream.sh [N] [REPEAT]
 set -euo pipefail

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every method at the base size (transformer_wmt_en_de shapes, 32k BPE vocabulary), beside CTranslate2 float32:
-# the rows of docs/benchmarks.md, "Model sizes". One fastgen-bench run per row, its configurations measured in one
-# process with interleaved passes, one thread; a row whose results.json exists is kept (rerun: delete its folder).
+# the rows of docs/benchmarks.md, "Beside CTranslate2 (base size)" (the step engines), "At batch 1 (base size)" and
+# "Relaxations (base size)" (blockwise) and "Base size (32k tokens)" (the cluster projection). One fastgen-bench run
+# per row, its configurations measured in one process with interleaved passes, one thread; a row whose results.json
+# exists is kept (rerun: delete its folder).
 #
 #   bash benchmarks/model_sizes.sh [MODEL_DIR] [OUT_DIR] [ROWS]
 #

@@ -18,7 +18,7 @@ Steps, each skipped when its output exists (so a rerun resumes):
 2. fairseq-preprocess with a joined dictionary (splits: train, valid = val,
    test = test_2016_flickr, test1 = test_2017_flickr); with ``--dict-from-spm`` the
    dictionary holds every sentencepiece piece, used in the training text or not (the
-   32k-vocabulary model of issue 6: ``--spm-vocab 32000 --spm-type bpe --dict-from-spm``;
+   32k-vocabulary toy model: ``--spm-vocab 32000 --spm-type bpe --dict-from-spm``;
    a unigram model of this corpus cannot reach 32k pieces, BPE can);
 3. a base ``transformer`` (``--layers`` + ``--layers``, ``--dim``), trained with fairseq-train;
 4. k-head students on top of it for each ``--khead-k`` (``transformer_khead``,

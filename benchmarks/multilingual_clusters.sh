@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Cluster projection on a multilingual model (issue 31): an English + Czech -> French transformer trained on
+# Cluster projection on a multilingual model (docs/benchmarks.md, "Multilingual models: one file per direction or
+# per target language"): an English + Czech -> French transformer trained on
 # Multi30k as fairseq trains multilingual models, the paper's Figure 2 per direction (largest and mean active
 # share of the vocabulary for 100-500 clusters at K = 1, one file per direction vs one per target language),
 # then fastgen-bench at beam 5, batch 64 with the chosen setting's directories (projection speedup, sentences/s

@@ -4,9 +4,8 @@
         [--engine-options=--compiled-freezing] [--sentences 1000] [--rounds 3]
 
 fastgen-bench measures CTranslate2 in its own process, its passes interleaved with the plugin's. With more than
-one thread that costs CTranslate2 about 40% of its speed on the 2-core machine of docs/benchmarks.md: once torch
-has run on several threads, its idle thread pool slows CTranslate2's (greedy, batch 64, two threads: 222 against
-368 sentences/s after a single torch product), so for ``--threads`` above 1 its rows say little. Here every
+one thread that slows CTranslate2: once torch has run on several threads, its idle thread pool slows
+CTranslate2's, so for ``--threads`` above 1 its rows say little. Here every
 round starts one process for the plugin (``--decoder greedy`` at beam 1, stock beam search above, on
 ``--step-engine compiled`` and ``--engine-options``) and one for CTranslate2 (float32, the same batches: fairseq's
 batches of the test split, sorted by source length), one after the other; each decodes the sentences once to warm

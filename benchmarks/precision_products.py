@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fairseq_fastgen.ops import precision_linear
 from fairseq_fastgen.ops.precision_linear import Int8Rows, bf16_linear, int8_linear
-from fairseq_fastgen.sequence_generators.blockwise.int8_proposals import Int8Linear
+from fairseq_fastgen.engine.int8_proposals import Int8Linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from onednn_products import median_ms  # noqa: E402  (the timing of one call, shared with that script)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Streaming that joins lengths beside fixed batches (docs/benchmarks.md, "Streaming that joins lengths"):
+# Streams whose refills take finished rows' places beside fixed batches (docs/benchmarks.md, "greedy-stream" and
+# "blockwise-stream"):
 # greedy beside greedy-stream --stream-join-lengths, blockwise (the frozen k = 4 student) beside
 # blockwise-stream, at capacities 8 and 16 with a refill as soon as a row finishes (their default --stream-eps).
 # One fastgen-bench run per decoder family and capacity, passes interleaved.

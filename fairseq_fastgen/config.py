@@ -4,7 +4,7 @@ fairseq reads every generation option from one dataclass (``GenerationConfig``)
 and hands ``cfg.generation`` to ``task.build_generator``.  The plugin therefore
 adds its options by subclassing that dataclass: :class:`PluginOptions` holds
 the options every decoder shares, and each registered decoder contributes its
-own options dataclass (see ``sequence_generators/registry.py``).
+own options dataclass (see ``registry.py``).
 """
 
 import dataclasses
@@ -14,7 +14,7 @@ from typing import Optional
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.configs import GenerationConfig
 
-from fairseq_fastgen.sequence_generators.registry import DECODERS
+from fairseq_fastgen.registry import DECODERS
 
 
 @dataclass
@@ -40,9 +40,9 @@ class PluginOptions(FairseqDataclass):
         default=False,
         metadata={"help": "--step-engine compiled on the CPU: freeze the weights into the steps of 1, 2 and 4 rows "
                           "too (inductor's freezing, its C++ products), compiled ahead of time once per model and "
-                          "kept on disk beside the step for more rows: about 2x faster a step at 1-4 rows, at the "
-                          "price of tens of seconds of compilation per row bucket the first time a model (or a "
-                          "change of its weights) is decoded"},
+                          "kept on disk beside the step for more rows: faster steps at 1-4 rows, at the price of "
+                          "a long compilation per row bucket the first time a model (or a change of its weights) "
+                          "is decoded"},
     )
     compile_in_background: bool = field(
         default=False,
@@ -51,7 +51,7 @@ class PluginOptions(FairseqDataclass):
                           "it in a child process while the decode runs those steps eager (oneDNN's products), and "
                           "switch to it once it is ready; the child finishes and stores it even if the decode "
                           "ends first (later runs load it), so a first run on a new model or machine does not "
-                          "wait tens of seconds for the compiler"},
+                          "wait for the compiler"},
     )
     decoder_stats_json: Optional[str] = field(
         default=None,
@@ -80,10 +80,11 @@ class PluginOptions(FairseqDataclass):
     onednn_linear: bool = field(
         default=False,
         metadata={"help": "CPU: compute the model's linear layers (vocabulary projection included) with oneDNN's "
-                          "prepacked fp32 product instead of torch's default (MKL), 2-4x faster on CPUs where MKL "
-                          "takes a generic path, such as AMD's (slower on Intel Xeons: leave it off there); fp32 "
-                          "still, but summed in another order, so scores differ in the last bits and a token can "
-                          "change where two candidates are that close (every decoder)"},
+                          "prepacked fp32 product instead of torch's default (MKL), faster on CPUs where MKL "
+                          "takes a generic path, such as AMD's (slower on Intel Xeons, where MKL takes its fast "
+                          "path: leave it off there); fp32 still, but summed in another order, so scores differ "
+                          "in the last bits and a token can change where two candidates are that close (every "
+                          "decoder)"},
     )
     quantize: Optional[ChoiceEnum(["int8", "bf16"])] = field(
         default=None,
@@ -106,9 +107,10 @@ class PluginOptions(FairseqDataclass):
         default=False,
         metadata={"help": "keep buffers up to 1 GiB in the process's heap (glibc mallopt) instead of fresh pages "
                           "from the kernel: glibc maps every buffer above 32 MiB anew, and each of its pages "
-                          "faults on first touch, e.g. 18 ms a step for the (320, 32k) logits of beam 5, batch "
-                          "64 over a 32k vocabulary on our CPU; the same outputs; the setting holds for the rest "
-                          "of the process, whose freed memory then stays with it (every decoder)"},
+                          "faults on first touch, which costs most where a step fills buffers that large (the "
+                          "(320, 32k) logits of beam 5, batch 64 over a 32k vocabulary); the same outputs; the "
+                          "setting holds for the rest of the process, whose freed memory then stays with it "
+                          "(every decoder)"},
     )
     no_inference_mode: bool = field(
         default=False,

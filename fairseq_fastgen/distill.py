@@ -90,7 +90,7 @@ from fairseq.data import data_utils, indexed_dataset
 from fairseq.dataclass import FairseqDataclass
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf, gen_parser_from_dataclass
 from fairseq_fastgen import checkpoint_safety
-from fairseq_fastgen.integration import exit_on_usage_error
+from fairseq_fastgen.option_checks import exit_on_usage_error
 from fairseq_fastgen.option_checks import UsageError, check_generation_options, require_int
 from fairseq_fastgen.options import parse_options
 from fairseq_fastgen.safe_files import (FileManifest, copy_atomically, remove_stale_temporaries, write_atomically,

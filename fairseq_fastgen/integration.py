@@ -27,7 +27,7 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    (:mod:`fairseq_fastgen.adapters.linear_forwards`), and ``--reuse-large-allocations``
    sets the process's malloc thresholds (:mod:`fairseq_fastgen.ops.heap`).
    Every generator generates under ``torch.inference_mode`` unless
-   ``--no-inference-mode`` (:mod:`fairseq_fastgen.ops.inference_mode`).
+   ``--no-inference-mode`` (:mod:`fairseq_fastgen.adapters.inference_mode`).
 4. ``data_utils.batch_by_size``: fairseq drops the last batch when its size is
    not a multiple of ``--required-batch-size-multiple`` (default 8), so
    fairseq-generate silently loses sentences; we keep that batch.  And
@@ -58,8 +58,7 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    the plugin sets it to 32 (oneDNN's default: 1024) before any oneDNN product
    runs.  The compiled engine's unit for many rows (and ``--onednn-linear``)
    makes a primitive per row count, each kept with its memory: at beam 5,
-   batch 64, 1,000 sentences, peak RSS 967 MiB with the default, 878 MiB
-   capped, the same speed (docs/benchmarks.md, the step engine's memory).
+   batch 64, capped, it holds less memory at the same speed.
 8. ``Dictionary.add_from_file``: a data-bin without a dictionary the task
    reads (``dict.en.txt``) ended every tool in a ``FileNotFoundError``
    traceback; the plugin's :class:`UsageError` names the file instead (one
@@ -69,7 +68,6 @@ says why it is needed.  They were written against fairseq 0.12.x (the
 """
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -86,6 +84,7 @@ from fairseq.tasks.fairseq_task import FairseqTask
 from fairseq_fastgen import checkpoint_safety
 from fairseq_fastgen.adapters.ensemble import restore_ensemble
 from fairseq_fastgen.adapters.generate import give_attributes, take_back_attributes, unwrap_generate
+from fairseq_fastgen.adapters.inference_mode import generate_in_inference_mode
 from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears, QuantizedLinears, use_linear_forwards
 from fairseq_fastgen.adapters.output_layer import attach_to_stock_generator
 from fairseq_fastgen.cli.live_lines import LiveLines
@@ -96,12 +95,12 @@ from fairseq_fastgen.engine import serve_stock_search
 from fairseq_fastgen.fastseq import optimize_stock_generator
 from fairseq_fastgen.fastseq import restore_stock_generator as restore_fastseq
 from fairseq_fastgen.ops import heap
-from fairseq_fastgen.ops.inference_mode import generate_in_inference_mode
-from fairseq_fastgen.option_checks import UsageError, check_fairseq_generation_options, check_generation_options
+from fairseq_fastgen.option_checks import (UsageError, check_fairseq_generation_options, check_generation_options,
+                                           exit_on_usage_error, usage_errors)
 from fairseq_fastgen.options import FastgenOptions, options_not_read, parse_options
+from fairseq_fastgen.registry import DECODERS
 from fairseq_fastgen.safe_files import check_writable
 from fairseq_fastgen.sequence_generators.live_stream import LiveStream
-from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.streaming import StreamOptions, prepare_streaming_cli
 
 logger = logging.getLogger(__name__)
@@ -379,36 +378,6 @@ def _install_cli_reports():
         generate_cli._main = _wrap_generate_main(generate_cli._main)
     for interactive_cli in _cli_modules("interactive"):
         interactive_cli.main = _wrap_interactive_main(interactive_cli.main)
-
-
-@contextlib.contextmanager
-def usage_errors():
-    """Inside the block, the plugin's refusals of options and models (``ValueError``) become its one
-    :class:`UsageError` type, with the same message."""
-    try:
-        yield
-    except UsageError:
-        raise
-    except ValueError as error:
-        raise UsageError(str(error)) from error
-
-
-def exit_on_usage_error(program: str):
-    """Around a CLI's run: a :class:`UsageError`, or a checkpoint that is not loaded, ends it with one
-    ``PROGRAM: error: ...`` line on stderr and exit status 2 (argparse's convention), instead of a traceback."""
-
-    def wrap(run):
-        @functools.wraps(run)
-        def guarded(*args, **kwargs):
-            try:
-                return run(*args, **kwargs)
-            except (UsageError, checkpoint_safety.CheckpointRefusal) as error:
-                print(f"{program}: error: {error}", file=sys.stderr, flush=True)
-                sys.exit(2)
-
-        return guarded
-
-    return wrap
 
 
 @contextlib.contextmanager

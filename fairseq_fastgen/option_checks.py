@@ -15,15 +15,50 @@ options, whichever decoder is selected, are listed in
 heads of ``--blockwise-block-size``) are checked when the decoder is built.
 """
 
+import contextlib
+import functools
 import math
 import numbers
+import sys
 from typing import NamedTuple, Optional
+
+from fairseq_fastgen import checkpoint_safety
 
 
 class UsageError(ValueError):
     """A misuse of the plugin's options or of a decoder with a model, raised when a generator is built (the hub
     interface sees this type); fairseq-generate and fairseq-interactive print it as one ``error:`` line and exit
     with status 2, as argparse does for a bad option."""
+
+
+@contextlib.contextmanager
+def usage_errors():
+    """Inside the block, the plugin's refusals of options and models (``ValueError``) become its one
+    :class:`UsageError` type, with the same message."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+
+
+def exit_on_usage_error(program: str):
+    """Around a CLI's run: a :class:`UsageError`, or a checkpoint that is not loaded, ends it with one
+    ``PROGRAM: error: ...`` line on stderr and exit status 2 (argparse's convention), instead of a traceback."""
+
+    def wrap(run):
+        @functools.wraps(run)
+        def guarded(*args, **kwargs):
+            try:
+                return run(*args, **kwargs)
+            except (UsageError, checkpoint_safety.CheckpointRefusal) as error:
+                print(f"{program}: error: {error}", file=sys.stderr, flush=True)
+                sys.exit(2)
+
+        return guarded
+
+    return wrap
 
 
 def flag(name: str) -> str:

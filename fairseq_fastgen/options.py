@@ -6,7 +6,7 @@ interface), or a config stored in a checkpoint older than the plugin, which lack
 the plugin's fields.  :func:`parse_options` reads each plugin option from it once,
 into :class:`~fairseq_fastgen.config.PluginOptions` (the options every decoder
 shares) and into each registered decoder's options dataclass
-(``sequence_generators/registry.py``); a field the config lacks takes its declared
+(``registry.py``); a field the config lacks takes its declared
 default.  The decoders' builders, the engine, the ops, the cluster projection and
 the option checks take these typed values, never the raw config.
 """
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Type, TypeVar
 
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.option_checks import flag
-from fairseq_fastgen.sequence_generators.registry import DECODERS
+from fairseq_fastgen.registry import DECODERS
 
 Options = TypeVar("Options")
 

@@ -179,7 +179,7 @@ def blockwise_line(records) -> str:
         "not faster here: on a model this small a step is mostly fixed overhead, and a blockwise iteration has more "
         "of it than a greedy step; at base size (transformer_wmt_en_de, 32k vocabulary) a frozen-base k=4 student on "
         "--step-engine compiled --compiled-freezing --blockwise-int8-proposals runs 1.19x the fastest greedy and "
-        "1.58x greedy on the default engine: docs/benchmarks.md, Model sizes")
+        "1.58x greedy on the default engine: docs/benchmarks.md, Blockwise parallel decoding: At batch 1 (base size)")
     return (f"blockwise (k={KHEAD_BLOCK_SIZE} student, frozen base): {one:.2f}x greedy's sentences/s at batch 1, "
             f"{many:.2f}x at batch 64 ({verdict}); {block:.2f} tokens accepted per call; "
             f"{identical(records, 'blockwise/b1/bs1')} of its outputs are greedy's")
@@ -211,7 +211,7 @@ def cluster_line(records) -> str:
     small_gain = (speedup or 0.0) < 1.5 or whole <= 1  # the method's point: a much cheaper projection
     caveat = "" if not small_gain else (" (a vocabulary this small leaves the projection little to save; it is meant "
                                         "for 32k-token vocabularies: the base-size model's figures are in "
-                                        "docs/benchmarks.md, Model sizes)")
+                                        "docs/benchmarks.md, Cluster-projected vocabulary: Base size (32k tokens))")
     return (f"cluster-projected vocabulary: stock beam {BEAM} with it: {projection}{whole:.2f}x the sentences/s, "
             f"{identical(records, label)} of outputs identical{caveat}")
 

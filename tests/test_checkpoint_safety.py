@@ -1,4 +1,4 @@
-"""Issue 2: fairseq checkpoints load under torch's weights_only unpickler, others are refused."""
+"""Fairseq checkpoints load under torch's weights_only unpickler, others are refused."""
 
 import argparse
 import dataclasses
@@ -71,7 +71,7 @@ def damaged_copies(checkpoint, directory):
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])
 def test_a_damaged_checkpoint_is_named_in_one_error_line(toy_model, tmp_path, damage):
-    """Issue 30 item 6: torch's traceback named no file; fairseq-generate and fairseq-interactive now end
+    """Torch's traceback named no file; fairseq-generate and fairseq-interactive now end
     with one error line naming it, exit status 2."""
     checkpoint = damaged_copies(toy_model.checkpoint, tmp_path)[damage]
     message = f"cannot load checkpoint {checkpoint}: the file is truncated, damaged or not a torch checkpoint"
@@ -113,7 +113,7 @@ def test_stock_fairseq_loads_checkpoints_without_installing_the_plugin(toy_model
 
 @pytest.mark.parametrize("problem", ["missing", "directory"])
 def test_a_checkpoint_path_that_cannot_be_read_is_named_in_one_error_line(toy_model, tmp_path, problem):
-    """Issue 30: a --path that does not exist ended fairseq-generate and fairseq-interactive with fairseq's
+    """A --path that does not exist ended fairseq-generate and fairseq-interactive with fairseq's
     OSError traceback ("Model file not found"); a directory with torch's."""
     checkpoint = tmp_path / "missing.pt" if problem == "missing" else tmp_path
     message = {"missing": f"checkpoint {checkpoint} does not exist",
@@ -139,7 +139,7 @@ def advised_setting(stderr):
 
 
 def test_the_refusals_advice_works_as_written(toy_model, tmp_path):
-    """Issue 55 item 7: the refusal of a builtin advised FASTGEN_TRUSTED_GLOBALS=abs, which ended in a traceback
+    """The refusal of a builtin advised FASTGEN_TRUSTED_GLOBALS=abs, which ended in a traceback
     (not of the form module.Name); a builtin by its bare name is allowed now."""
     checkpoint = rewrite_checkpoint(toy_model.checkpoint, tmp_path / "builtin.pt", payload=Call(abs, -1))
     refused = generate(toy_model, checkpoint)
@@ -151,7 +151,7 @@ def test_the_refusals_advice_works_as_written(toy_model, tmp_path):
 
 
 def test_a_global_torch_never_loads_is_refused_without_advice(toy_model, tmp_path):
-    """Issue 55 item 7: following the advice FASTGEN_TRUSTED_GLOBALS=posix.system gave the same refusal: torch
+    """Following the advice FASTGEN_TRUSTED_GLOBALS=posix.system gave the same refusal: torch
     refuses every global of os, posix and sys, allowed or not."""
     checkpoint = rewrite_checkpoint(toy_model.checkpoint, tmp_path / "system.pt", payload=Call(os.system, "true"))
     refused = generate(toy_model, checkpoint)
@@ -164,7 +164,7 @@ def test_a_global_torch_never_loads_is_refused_without_advice(toy_model, tmp_pat
 
 
 def test_a_trusted_global_that_names_nothing_is_one_error_line(toy_model):
-    """Issue 55 item 7: a misspelt entry ended every load, a clean checkpoint's too, in a traceback at import."""
+    """A misspelt entry ended every load, a clean checkpoint's too, in a traceback at import."""
     result = generate(toy_model, toy_model.checkpoint, env=dict(os.environ, **{TRUST_ENV: "nonexistent.Thing"}))
     assert_one_error_line(result, "generate", f"{TRUST_ENV}=nonexistent.Thing: nonexistent.Thing names no global "
                                               f"that can be imported (ModuleNotFoundError: ")

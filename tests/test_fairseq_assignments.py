@@ -43,6 +43,7 @@ INTEGRATION_LAYER = {
     "adapters/__init__.py",
     "adapters/ensemble.py",
     "adapters/generate.py",
+    "adapters/inference_mode.py",
     "adapters/linear_forwards.py",
     "adapters/output_layer.py",
     "fastseq/beam_loop.py",

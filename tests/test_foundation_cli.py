@@ -1,4 +1,4 @@
-"""Issue 2: the plugin through the real fairseq-generate / fairseq-interactive commands."""
+"""The plugin through the real fairseq-generate / fairseq-interactive commands."""
 
 import os
 import re
@@ -98,7 +98,7 @@ def test_decoder_statistics_reach_json(toy_model, tmp_path):
 
 @pytest.mark.parametrize("decoder", ["var-batch", "var-stream"])
 def test_sentences_short_of_nbest_are_counted_in_one_warning_line(toy_model, decoder):
-    """Issue 55 item 2: a variable-width beam can end a sentence with fewer than --nbest hypotheses (stock beam
+    """A variable-width beam can end a sentence with fewer than --nbest hypotheses (stock beam
     search fills each n-best); that was silent."""
     result = generate(toy_model, "--decoder", decoder, "--beam", "5", "--nbest", "3", "--batch-size", "64")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -193,7 +193,7 @@ def test_interactive_refuses_an_oversized_line_alone(toy_model, decoder, beam):
 
 
 def test_interactive_names_postprocess_workers_in_one_warning_line(toy_model):
-    """Issue 55 item 10: --postprocess-workers (fairseq-generate's) was ignored by fairseq-interactive silently."""
+    """--postprocess-workers (fairseq-generate's) was ignored by fairseq-interactive silently."""
     lines = (toy_model.raw / "test.en").read_text().splitlines()[:3]
     result = interactive(toy_model, lines, "--decoder", "greedy", "--beam", "1", "--postprocess-workers", "2")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -207,9 +207,9 @@ def test_interactive_names_postprocess_workers_in_one_warning_line(toy_model):
 
 @pytest.mark.parametrize("decoder", ["greedy", "greedy-stream"])
 def test_interactive_refuses_a_line_over_max_tokens_alone(toy_model, decoder):
-    """Issue 30 item 6: a line within the model's positions but longer than --max-tokens ended the run with
-    fairseq's AssertionError ("Sentences lengths should not exceed max_tokens"); it is refused alone.  Issue 55
-    item 1: a streamed decoder (its capacity read from --max-tokens) translated it without a word."""
+    """A line within the model's positions but longer than --max-tokens ended the run with
+    fairseq's AssertionError ("Sentences lengths should not exceed max_tokens"); it is refused alone.  And
+    a streamed decoder (its capacity read from --max-tokens) translated it without a word."""
     test_lines = (toy_model.raw / "test.en").read_text().splitlines()[:4]
     over_budget = " ".join(test_lines[0].split() * 3)[:150]  # about 30 tokens: under 64 positions, over 24
     lines = test_lines[:1] + [over_budget] + test_lines[1:]

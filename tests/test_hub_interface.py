@@ -1,4 +1,4 @@
-"""Issue 2: decoders are reachable from Python through fairseq's hub interface."""
+"""Decoders are reachable from Python through fairseq's hub interface."""
 
 import pytest
 

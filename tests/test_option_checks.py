@@ -1,4 +1,4 @@
-"""Issue 30: every numeric option of the plugin is refused, naming it, when it is not finite or out of range."""
+"""Every numeric option of the plugin is refused, naming it, when it is not finite or out of range."""
 
 import math
 import subprocess
@@ -16,7 +16,7 @@ from fairseq_fastgen.option_checks import (
     require_int,
 )
 from fairseq_fastgen.options import parse_options
-from fairseq_fastgen.sequence_generators.registry import DECODERS
+from fairseq_fastgen.registry import DECODERS
 from fastgen_demo import toy
 from tests.test_foundation_cli import generate
 
@@ -138,7 +138,7 @@ def test_build_generator_refuses_them_for_every_decoder(toy_model):
 # ---- fairseq-generate / fairseq-interactive ----------------------------------------------------------
 @pytest.mark.xdist_group("test_option_checks")
 def test_fairseq_generate_refuses_a_nan_delta(toy_model):
-    """Issue 30's first bug: a NaN delta decoded every sentence to an empty hypothesis, exit status 0."""
+    """A NaN delta decoded every sentence to an empty hypothesis, exit status 0."""
     result = generate(toy_model, "--decoder", "var-batch", "--var-beam-delta", "nan")
     assert result.returncode != 0
     assert "--var-beam-delta must be a number >= 0 or inf, got nan" in result.stderr

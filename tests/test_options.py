@@ -1,4 +1,4 @@
-"""Issue 26: the plugin's options are read once from ``cfg.generation`` into their typed dataclasses."""
+"""The plugin's options are read once from ``cfg.generation`` into their typed dataclasses."""
 
 import dataclasses
 from argparse import Namespace
@@ -10,7 +10,7 @@ import fairseq_fastgen  # noqa: F401  (registers the decoders and their options)
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.options import FastgenOptions, options_not_read, parse_options, read_options
 from fairseq_fastgen.sequence_generators.blockwise.options import BlockwiseOptions
-from fairseq_fastgen.sequence_generators.registry import DECODERS
+from fairseq_fastgen.registry import DECODERS
 from fairseq_fastgen.sequence_generators.streaming import StreamOptions
 from fairseq_fastgen.sequence_generators.var_beam import VarBeamOptions
 

@@ -17,7 +17,7 @@ from fairseq import utils
 from fairseq.dataclass import configs
 utils.import_user_module(argparse.Namespace(user_dir=sys.argv[1]))
 import fairseq_fastgen
-from fairseq_fastgen.sequence_generators.registry import DECODERS
+from fairseq_fastgen.registry import DECODERS
 modules = [info.name for info in pkgutil.walk_packages(fairseq_fastgen.__path__, "fairseq_fastgen.")
            if not info.name.endswith("__main__")]
 for name in modules:
@@ -63,7 +63,7 @@ CONSOLE_SCRIPTS = ("fastgen-bench", "fastgen-distill", "fastgen-train-clusters")
 
 
 def test_the_console_scripts_print_no_noise_of_fairseqs(tmp_path):
-    """Issue 55 item 12: fairseq's "Please install tensorboardX" INFO line (its text_to_speech task, imported with
+    """Fairseq's "Please install tensorboardX" INFO line (its text_to_speech task, imported with
     every task) was the first line of each of the plugin's console scripts, --help included."""
     entry_points = (REPO / "setup.py").read_text()
     for name in CONSOLE_SCRIPTS:

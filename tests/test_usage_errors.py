@@ -23,7 +23,7 @@ MISUSES = {
     "engine background": (["--decoder", "greedy", "--beam", "1", "--compile-in-background"],
                           "--compile-in-background applies to --step-engine compiled; got --step-engine static"),
     "streaming option": (["--decoder", "var-stream", "--beam", "4", "--stream-eps", "2"], "--stream-eps"),
-    # issue 30 item 2: 0 was read as "every head"; refused before the model loads, whatever the model
+    # 0 was read as "every head"; refused before the model loads, whatever the model
     "block size 0": (["--decoder", "blockwise", "--beam", "1", "--blockwise-block-size", "0"],
                      "--blockwise-block-size must be an integer >= 1, got 0"),
     "cluster file": (["--decoder", "greedy", "--beam", "1", "--cluster-projection", "/nonexistent/clusters.pt"],
@@ -57,7 +57,7 @@ def test_fairseq_interactive_refuses_a_misuse_in_one_line(toy_model, misuse):
 
 
 def test_an_unwritable_stats_json_is_refused_before_decoding(toy_model, tmp_path):
-    """Issue 55 item 5: the file was opened after the whole decode (a traceback, the statistics lost)."""
+    """The file was opened after the whole decode (a traceback, the statistics lost)."""
     stats = tmp_path / "missing" / "stats.json"
     result = generate(toy_model, "--decoder", "greedy", "--beam", "1", "--decoder-stats-json", str(stats))
     assert_one_error_line(result, "generate", f"--decoder-stats-json {stats} cannot be written: No such file or "
@@ -66,7 +66,7 @@ def test_an_unwritable_stats_json_is_refused_before_decoding(toy_model, tmp_path
 
 
 def test_a_data_bin_without_its_dictionary_is_one_error_line(toy_model, tmp_path):
-    """Issue 55 item 11: fairseq's FileNotFoundError traceback; the file is named in one line."""
+    """Fairseq's FileNotFoundError traceback; the file is named in one line."""
     data_bin = tmp_path / "bin"
     data_bin.mkdir()
     for path in toy_model.data_bin.iterdir():
@@ -87,7 +87,7 @@ def test_build_generator_raises_the_plugins_usage_error(toy_model):
         task.build_generator(models, GenerationConfig(decoder="blockwise", beam=1))
 
 
-# issue 29: fastgen-bench made each of these a 'skipped' row (or a traceback) and went on benchmarking the rest
+# fastgen-bench made each of these a 'skipped' row (or a traceback) and went on benchmarking the rest
 BENCH_MISUSES = {
     "decoder vs options": (["--decoders", "greedy", "--nbest", "2"], MISUSES["decoder vs options"][1]),
     "decoder vs model": (["--decoders", "greedy,blockwise"], MISUSES["decoder vs model"][1]),

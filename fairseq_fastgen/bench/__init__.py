@@ -48,7 +48,8 @@ from fairseq_fastgen.bench.inputs import BenchInputs
 from fairseq_fastgen.bench.measure import (ConfigResult, FairseqCandidate, PassCounter, WarmRun, time_interleaved,
                                            warm_up)
 from fairseq_fastgen.bench.whole_process import ProcessPeer
-from fairseq_fastgen.integration import check_checkpoint_files, exit_on_usage_error, usage_errors
+from fairseq_fastgen.integration import check_checkpoint_files
+from fairseq_fastgen.option_checks import exit_on_usage_error, usage_errors
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.safe_files import write_atomically
 from fairseq_fastgen.stop_signals import StopSignals, Stopped, exit_stopped

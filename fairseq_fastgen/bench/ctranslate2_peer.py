@@ -65,9 +65,8 @@ def translate_sample(translator, sample, src_dict, tgt_dict, **search) -> Dict[i
 
 def shared_threads_note(threads: int, use_cuda: bool) -> Optional[str]:
     """The note a CPU run with more than one thread carries: CTranslate2 measured in the bench's own process runs
-    slower once torch has run on several threads there (its idle thread pool beside CTranslate2's: greedy at batch
-    64 with two threads on a 2-core machine, 222 against 368 sentences/s after one torch product), so its rows
-    understate it; ``benchmarks/peer_alone.py`` runs each in a process of its own."""
+    slower once torch has run on several threads there (torch's idle thread pool competes with CTranslate2's),
+    so its rows understate it; ``benchmarks/peer_alone.py`` runs each in a process of its own."""
     if use_cuda or threads <= 1:
         return None
     return (f"CTranslate2 shares this process with torch's {threads} threads and runs slower than alone (about "

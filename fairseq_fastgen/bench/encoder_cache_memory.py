@@ -7,7 +7,7 @@ cache copied per beam and once shared by the beams of a sentence, and prints
 the largest size the cache reached.  Whole fairseq-generate timings of the
 FastSeq optimizations (stock fairseq beside the plugin, each optimization on
 alone, then all) come from ``fastgen-bench --whole-process`` with one
-``--variant`` per optimization (docs/benchmarks.md).
+``--variant`` per optimization (docs/benchmarks.md, "FastSeq's optimizations for stock beam search").
 """
 
 import argparse

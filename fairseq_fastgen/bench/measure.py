@@ -193,7 +193,7 @@ def time_interleaved(runs: List[WarmRun], repeat: int, cuda: bool, progress):
 
     Interleaving spreads slow drift (heap growth, clock changes, other jobs on
     the machine) over all configurations alike: timed one configuration after
-    the other, whichever ran later paid for it (up to 15% measured here).
+    the other, whichever ran later paid for it.
     """
     for _ in range(repeat):
         for run in runs:

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Tuple
 
 from fairseq_fastgen.option_checks import UsageError, check_generation_options, flag
 from fairseq_fastgen.options import parse_options
-from fairseq_fastgen.sequence_generators.registry import DECODERS
+from fairseq_fastgen.registry import DECODERS
 
 CTRANSLATE2 = "ctranslate2"  # the peer, measured beside the registered decoders
 STOCK_PROCESS = "fairseq"  # --whole-process: stock fairseq-generate without the plugin

@@ -26,9 +26,7 @@ SIGKILL) exits by itself.
 Why processes and not threads: post-processing is Python code that holds the
 GIL, and so is much of beam search.  Worker threads made decoding slower than
 no workers at all: every torch call releases and retakes the GIL, and each
-retake waited behind a busy worker (measured once, sentencepiece toy model,
-400 sentences, this 2-core machine: decoding 4.2 s without workers, 7.6 s
-with 4 worker threads).  The workers are forked before
+retake waited behind a busy worker.  The workers are forked before
 any model is loaded, so they inherit the dictionaries, tokenizer and BPE
 without starting Python again, and no thread pool of torch; they receive each
 batch's tokens and scores as numpy arrays (Linux and macOS; fork is needed).

@@ -49,18 +49,16 @@ from fairseq_fastgen.cluster.directory import Direction, load_for_direction
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
 from fairseq_fastgen.ops.onednn_linear import attached_to, linear_like
-from fairseq_fastgen.sequence_generators.counters import GenerationCounters
+from fairseq_fastgen.counters import GenerationCounters
 
 logger = logging.getLogger(__name__)
 
 # Above this fraction of the vocabulary, the full projection followed by the -inf
-# mask is cheaper than gathering the union's rows of the weight (measured on CPU
-# at vocabulary 32k, hidden 512: the gathered projection of 58% of the columns
-# cost as much as the full one).
+# mask is cheaper than gathering the union's rows of the weight (the gather copies
+# the rows before their product).
 DENSE_FRACTION = 0.5
 # The reduced projection's width is rounded up to one of 8 sizes per octave: a CPU GEMM
-# is slower at a width it has not run before (measured, 320 states by 60 random widths
-# in 1200..3000, one thread: 7.0 ms a call at the exact widths, 5.8 ms bucketed to 11).
+# is slower at a width it has not run before, and bucketed widths repeat.
 WIDTH_SIZES_PER_OCTAVE = 8
 
 
@@ -211,7 +209,7 @@ def project_onto_columns(features: Tensor, linear: torch.nn.Linear, mask: Tensor
     weight = linear.weight.index_select(0, computed)  # (padded, hidden)
     bias = None if linear.bias is None else linear.bias.index_select(0, computed)  # (padded,)
     # flattened: fairseq's features are a transposed view, on which a 3-D linear with a weight
-    # that needs no grad (this one) runs unfolded, 4-5x slower on CPU at 320 rows (measured)
+    # that needs no grad (this one) runs unfolded, much slower on CPU at many rows
     states = features.reshape(-1, features.size(-1))  # (rows * n, hidden)
     reduced = linear_like(linear, states, weight, bias)[:, :active]  # (rows * n, active)
     reduced = reduced.view(*features.shape[:-1], active)  # (rows, n, active)

@@ -49,7 +49,7 @@ from fairseq_fastgen.cluster.multilingual import (
     direction_task, is_multilingual, model_directions, target_language_tokens,
 )
 from fairseq_fastgen.cluster.projection import nearest_clusters
-from fairseq_fastgen.integration import exit_on_usage_error
+from fairseq_fastgen.option_checks import exit_on_usage_error
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets
 from fairseq_fastgen.option_checks import require_int
 

@@ -20,7 +20,7 @@ import logging
 from typing import Optional
 
 from fairseq_fastgen.config import PluginOptions
-from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 
 ENGINES = ("fairseq", "static", "compiled")
 logger = logging.getLogger("fairseq_fastgen.engine")
@@ -58,9 +58,8 @@ def serve_stock_search(generator, models, options: PluginOptions) -> bool:
     fairseq's search loop over the compiled step (``stock_search.py``); returns whether the engine serves it.
 
     With ``static`` it keeps fairseq's step and the shared encoder cache, and says so: the static step
-    keeps each beam's own copy of the encoder-decoder keys/values, which made stock beam search slower
-    than the shared cache (docs/benchmarks.md, the engine section); its hypotheses would be bitwise the
-    same (``tests/engine/test_stock_search.py``)."""
+    keeps each beam's own copy of the encoder-decoder keys/values, which makes stock beam search slower
+    than the shared cache; its hypotheses would be bitwise the same (``tests/engine/test_stock_search.py``)."""
     engine = engine_setting(options)
     if engine == "fairseq":
         return False

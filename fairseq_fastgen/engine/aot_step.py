@@ -5,8 +5,8 @@ run one compiled unit whose row count, target capacity and source width are
 symbolic: the decoder step's padded form and its log-softmax, exported with
 ``torch.export`` and compiled by AOTInductor with the weights frozen.  Frozen
 weights with symbolic rows make inductor compute every product by oneDNN's
-prepacked fp32 kernel (with fixed rows it picks MKL's, 2-3x slower on AMD
-CPUs), the bias and residual added in the same call, and fuse the work between
+prepacked fp32 kernel (with fixed rows it picks MKL's, slower on AMD CPUs),
+the bias and residual added in the same call, and fuse the work between
 the products into C++ loops.  With ``--compiled-freezing`` each row bucket
 (1, 2, 4 rows) is such a unit too, its rows fixed and its products inductor's
 C++ GEMM template.
@@ -17,8 +17,8 @@ named by a SHA-256 of everything it depends on (torch's version, this engine's
 source, the decoder's settings and the bytes of its weights), into
 ``$FASTGEN_COMPILED_DIR`` (default: ``fairseq_fastgen`` in inductor's cache
 directory, ``$TORCHINDUCTOR_CACHE_DIR`` or ``/tmp/torchinductor_$USER``).  The
-first process compiles it (tens of seconds), later ones load it (a fraction of
-a second); a process that finds another compiling the same package waits for
+first process compiles it (slow), later ones only load it (quick); a process
+that finds another compiling the same package waits for
 it (a file lock), and a package is written under a temporary name and renamed.
 With ``--compile-in-background`` a forked child compiles a package that is not
 on disk while the decode runs those steps eager (:class:`BackgroundCompilation`).
@@ -153,8 +153,7 @@ class StepPackage:
 
     def settings(self) -> dict:
         """Frozen weights; for a fixed few rows also inductor's C++ GEMM template for the products (at 1-4 rows
-        it beats both libraries' matrix-vector products: 0.41-0.44 against 0.65-0.69 ms per step of the
-        Multi30k model at one row, ``--compiled-freezing`` in docs/benchmarks.md); a block's attention products
+        it beats both libraries' matrix-vector products, whose calls cost more); a block's attention products
         have no C++ template: ATen's where none serves."""
         settings = {"freezing": True}
         if self.rows is not None:

@@ -14,8 +14,9 @@ which folds the weights into the compiled code), on the CPU, one more compiled
 unit serves every row count: the same padded step with its rows, target and
 source widths symbolic and its weights frozen, compiled ahead of time by
 AOTInductor and kept on disk between processes (``aot_step.py``); its products
-are oneDNN's prepacked ones, which on the AMD EPYC of docs/benchmarks.md run
-2-3x faster than MKL's from 8 rows up.  Rows joined at different lengths
+are oneDNN's prepacked ones, which run faster than MKL's at many rows on CPUs
+where MKL takes its generic path (docs/benchmarks.md, "Products and memory on
+the CPU").  Rows joined at different lengths
 (``step_rows``: streaming refills in finished rows' places) and rows holding
 left padding take the same units, each row at its own position and attending
 only its own positions (``StaticCache.attended``).  Blockwise verification
@@ -29,7 +30,8 @@ padding), its linear layers through oneDNN's prepacked products on the CPU
 
 On the CPU the encoder runs a unit compiled ahead of time too (``encoder_pass.py``:
 one for a row, one for more; with --compile-in-background compiled once a step's
-unit is stored): 1.11x greedy's speed at batch 1 with --compiled-freezing.
+unit is stored): at batch 1 it spares the Python dispatch of the encoder's many
+small operations.
 
 On CUDA the row buckets go up to ``CUDA_MAX_ROWS`` rows (powers of two), all
 served by one compilation whose shapes are symbolic, each bucket replayed as a
@@ -38,8 +40,8 @@ kernel launches, not its padding rows.
 
 On the CPU inductor fuses the operations between the products into C++
 loops and calls the products themselves as MKL's (at a few rows its
-matrix-vector products beat oneDNN's prepacked ones: 4.5 against 34 us for a
-256 x 256 weight at one row), through a C++ wrapper; a call checks only the
+matrix-vector products beat oneDNN's prepacked ones, whose calls cost more),
+through a C++ wrapper; a call checks only the
 guards of its input tensors.  The self-attention's query, key and value
 projections run as one product and the vocabulary projection reads its weight
 transposed (``fused_weights.py``).  The padded step sums its softmaxes over the
@@ -59,6 +61,7 @@ from torch import Tensor, nn
 
 from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
 from fairseq_fastgen.engine.encoder_pass import EncoderPass, unsupported_encoder_reason
+from fairseq_fastgen.engine.fairseq_runner import encoder_output
 from fairseq_fastgen.engine.runners import StaticRunner
 from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache, tensors_signature
 from fairseq_fastgen.engine.static_cache import StaticCache
@@ -70,12 +73,10 @@ POSITION_BUCKET = 32  # target positions of a row bucket's buffers: this, double
 POSITION_STEP = 8
 SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple of this
 # more rows than this run the step for every row count (or, where it cannot be built, the eager step with oneDNN's
-# products): per step on the Multi30k model, one thread, the bucket's compiled step against eager + oneDNN: 1 row
-# 0.73 vs 1.22 ms, 2 rows 1.04 vs 1.40, 4 rows 1.72 vs 1.62, 16 rows 3.56 vs 2.52 (benchmarks/decoder_step_cost.py
-# --compiled-max-rows 1000, and 0)
+# products): a bucket's compiled step beats the eager step with oneDNN's products at 1 and 2 rows, not from 4 rows
+# (benchmarks/decoder_step_cost.py --compiled-max-rows 1000, and 0)
 COMPILED_MAX_ROWS = 2
-# with --compiled-freezing: 4 rows 0.64 against 1.28 ms eager, 8 rows 1.58-1.68 against 1.60 (a probe of the same
-# step, frozen, against the eager fast form)
+# with --compiled-freezing: the frozen step beats the eager fast form up to 4 rows, not at 8
 FROZEN_MAX_ROWS = 4
 # on CUDA every row count up to this is padded to a power of two and compiled, its row dimension symbolic (one
 # compilation), each bucket replayed as a CUDA graph: a step of a small model there is bound by its kernel launches,
@@ -112,7 +113,7 @@ class CompiledRunner(StaticRunner):
         # fairseq's beam search keeps each sentence's ``beams`` rows together: above max_rows, on the CPU, the step
         # for many rows then reads encoder-decoder keys/values held once per sentence (StaticCache.beams)
         self.beams = beams
-        self._compiled_step = None  # made on first use: torch.compile loads dynamo and inductor (about 100 MiB)
+        self._compiled_step = None  # made on first use: torch.compile loads dynamo and inductor (much memory)
         self.compiled_shapes: Dict[Tuple[int, int, int], float] = {}  # bucket -> seconds of its first call
         self.compile_seconds = 0.0  # every first call of a bucket, recompilations after a weight change included
         # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
@@ -182,8 +183,7 @@ class CompiledRunner(StaticRunner):
         # contiguous: the unit reads its inputs at the strides it was compiled for (a subset's are a slice's)
         states, padding = unit(src_tokens.contiguous(), self.encoder_pass.position_table(src_tokens.size(1)))
         lengths = (~padding).sum(dim=1, dtype=torch.int32).reshape(-1, 1)  # (rows, 1), as fairseq's encoder's
-        return {"encoder_out": [states], "encoder_padding_mask": [padding], "encoder_embedding": [],
-                "encoder_states": [], "fc_results": [], "src_tokens": [], "src_lengths": [lengths]}
+        return encoder_output(states, padding, fc_results=[], src_lengths=[lengths])
 
     def encoder_unit(self, rows: int):
         """The encoder compiled ahead of time for ``rows`` rows (1, or any more), or None."""
@@ -376,7 +376,7 @@ class CompiledRunner(StaticRunner):
         """A step of more than ``max_rows`` rows without a compiled unit: the fast form (the exact form over
         rows holding left padding), products through oneDNN on the CPU."""
         # the eager forms never read unwritten positions: keeping them zero (a memset of most of every buffer
-        # at each beam reorder) would cost 10% of a beam-5 step; the next compiled step zeroes them again
+        # at each beam reorder) would be work for nothing; the next compiled step zeroes them again
         cache.zeroed = False
         with self.eager_products():
             form = self.decoder_step.exact if cache.self_padding is not None else self.fast_form
@@ -488,8 +488,8 @@ class CompiledRunner(StaticRunner):
     def compile_settings(self, shape):
         """Inductor's settings around a call that compiles a new bucket: with --compiled-freezing the weights
         become constants of the compiled code (inductor reads ``freezing`` before a torch.compile call's own
-        options apply) and their products take its C++ GEMM template; measured on the Multi30k model, one row:
-        0.41-0.44 against 0.65-0.69 ms per step, about 10 s of compilation per bucket.  With symbolic shapes
+        options apply) and their products take its C++ GEMM template, faster at one row at the price of a longer
+        compilation per bucket.  With symbolic shapes
         every input dimension gets a symbol of its own: dynamo would otherwise give one symbol to dimensions
         that happen to be equal at the first call (64 rows and a head of 64 values) and compile again once
         they differ."""
@@ -662,7 +662,7 @@ def inductor_options(model, symbolic: bool) -> dict:
     on_cpu = next(model.parameters()).device.type == "cpu"
     options = {"cpp_wrapper": True} if on_cpu else {"triton.cudagraphs": True}
     # only the inputs' shapes, dtypes and strides choose a compiled bucket: the model, the temperature and the
-    # projection of a runner never change, and checking their guards took 70 us of a 1.3 ms step at one row
+    # projection of a runner never change, and checking their guards is a visible share of a one-row step
     # (each torch.compile call keeps its own compiled code, so another runner's model is never mistaken for it)
     # (with symbolic shapes the guards relating them to each other stay)
     if not symbolic:

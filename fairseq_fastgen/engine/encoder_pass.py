@@ -5,7 +5,7 @@
 layer's self-attention over the non-padding positions and feed-forward block, the final layer norm.  Written
 as one function of the tokens and the position table, it is what the compiled engine exports and compiles
 ahead of time (``aot_step.py``), so that a source is encoded by one call instead of fairseq's hundred Python-
-dispatched operations (3 ms a sentence at batch 1 on docs/benchmarks.md's machine).  Attention runs through
+dispatched operations, whose dispatch dominates the encoder's time at batch 1.  Attention runs through
 ``scaled_dot_product_attention`` and the padding positions' outputs are not read by any decoder: the states
 of real positions agree with fairseq's within float rounding.
 

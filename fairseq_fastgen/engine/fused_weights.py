@@ -6,9 +6,8 @@ by reading its weight, plus a fixed cost per call.  Two layouts save both:
 * the query, key and value projections of each self-attention as one
   (3 x dim, dim) product instead of three calls;
 * the vocabulary projection's weight stored transposed, (dim, vocab)
-  contiguous: MKL's matrix-vector product reads it about 1.3x faster than
-  ``F.linear``'s transposed view of the (vocab, dim) weight (8k x 256, one
-  row, measured on the AMD EPYC of docs/benchmarks.md).
+  contiguous: MKL's matrix-vector product reads it faster than
+  ``F.linear``'s transposed view of the (vocab, dim) weight.
 
 The copies are made once and made again when a parameter they come from
 changes (a new tensor, or an in-place update: its version counter), so a

@@ -1,6 +1,6 @@
 """A compiled step package (AOTInductor ``.pt2``) loaded by torch's C++ loader alone.
 
-``torch._inductor.aoti_load_package`` imports inductor, which imports dynamo: about 65 MiB of a
+``torch._inductor.aoti_load_package`` imports inductor, which imports dynamo: memory wasted in a
 process that only loads packages compiled earlier (fairseq-generate with ``--step-engine compiled`` and a warm
 package directory) and never compiles.  The C++ loader runs the same compiled code; a package it cannot read
 (written by another torch) goes through inductor's loader, which says why.
@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 class LoadedPackage:
     """The package's model as a callable of its positional arguments (tensors, lists of tensors, None), as when
     exported.  The engine's steps take and return tensors and flat lists of tensors: they are flattened and
-    rebuilt here by hand, since pytree's walk over them took 0.16 ms a call (an eighth of a one-row step)."""
+    rebuilt here by hand, since pytree's walk over them is a visible share of a one-row step."""
 
     def __init__(self, loader):
         self.loader = loader

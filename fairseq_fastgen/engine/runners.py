@@ -13,12 +13,11 @@ never look inside the cache, so they do not know which engine runs their steps:
 
 import copy
 
-import torch
 from torch import Tensor
 
 from fairseq_fastgen.engine.decoder_step import DecoderStep
 from fairseq_fastgen.engine.static_cache import StaticCache
-from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 
 
 INITIAL_POSITIONS = 32  # target positions a new cache holds before it first grows
@@ -64,8 +63,6 @@ class StaticRunner(ModelRunner):
     def narrow_cache(cache: StaticCache, width: int):
         if cache.started:
             cache.narrow_source(width)
-
-    takes_rows_in_place = True  # place_rows, release_rows
 
     def start_cache(self, cache: StaticCache, encoder_out):
         """At a cache's first step: the encoder-decoder keys/values of its rows, once (a cache started already,

@@ -2,7 +2,7 @@
 
 fairseq's ``NGramRepeatBlock`` runs its CUDA extension when built and otherwise
 a Python fallback that, since fairseq commit 8ca48131, compares the padded tail
-of the token buffer and so bans nothing (fairseq issue 5206).  ``fairseq-fixed``
+of the token buffer and so bans nothing.  ``fairseq-fixed``
 never builds the extension, so stock banning does nothing on CPU or GPU.
 :func:`use_fastgen_ngram_blocking` gives a stock generator a drop-in
 replacement that calls :func:`fairseq_fastgen.ops.ngram_ban.ban_repeated_ngrams`

@@ -5,10 +5,9 @@ when such a buffer is freed, but never above 32 MiB) with new pages from the
 kernel and returns them on free.  Every page of such a buffer then faults
 on first touch.  A decoder step over a large vocabulary allocates several
 buffers of that size: beam 5 at batch 64 over a 32k vocabulary makes
-(320, 32008) fp32 logits, 41 MB, and a log-softmax as large.  Measured on
-our 2-core AMD EPYC, one thread: filling a new tensor of that shape took
-18 ms, against 1.2 ms once it came from the heap; a log-softmax into one took
-22 ms against 6 ms (docs/benchmarks.md).
+(320, 32008) fp32 logits, 41 MB, and a log-softmax as large.  Filling such
+a buffer then costs several times what it costs once the buffer comes from
+the heap (docs/benchmarks.md, "Large buffers from the heap").
 
 :func:`reuse_large_allocations` raises the mmap threshold (and the trim
 threshold above it) with glibc's ``mallopt``, so those buffers come from the

@@ -4,9 +4,9 @@ Entry point: :func:`ban_repeated_ngrams`. CUDA tensors go to the kernel in
 ``kernels/ngram_ban.cu`` (through CuPy); everything else, and CUDA when CuPy
 is missing, to the vectorized torch reference beside it.
 
-Unlike stock fairseq's CPU fallback (fairseq issue 5206), only the generated
-part of the token buffer, ``tokens[:, :step + 1]``, is looked at; the padding
-after it is ignored.
+Unlike stock fairseq's CPU fallback (which compares the padding too, and so
+bans nothing), only the generated part of the token buffer,
+``tokens[:, :step + 1]``, is looked at; the padding after it is ignored.
 """
 
 from typing import Optional

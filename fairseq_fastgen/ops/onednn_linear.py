@@ -1,9 +1,9 @@
 """The model's linear layers through oneDNN's prepacked fp32 product, on the CPU (``--onednn-linear``).
 
 torch computes ``nn.Linear`` on the CPU with MKL, which takes a generic code
-path on CPUs that are not Intel's: on the AMD EPYC (AVX-512) of our
-development machines its products at decoding shapes run 2-4x slower than
-oneDNN's, which torch also ships (docs/benchmarks.md).  oneDNN packs
+path on CPUs that are not Intel's, such as AMD's: there its products at
+decoding shapes run slower than oneDNN's, which torch also ships
+(docs/benchmarks.md, "Products and memory on the CPU").  oneDNN packs
 a weight once into its blocked layout; the product then reads it as packed.
 
 Entry point: :func:`onednn_linear` (x, packed weight, bias); its reference is
@@ -30,18 +30,17 @@ from torch import Tensor, nn
 
 from fairseq_fastgen.ops.linear_forward import LinearForward
 
-# oneDNN chooses the packed layout for an expected number of rows; measured
-# (8008 x 256, one thread): a hint of 64 rows packs a layout as fast at 1 and 4
-# rows as a hint of 4, and faster at 64-256 rows than a hint of 1 or 4.
+# oneDNN chooses the packed layout for an expected number of rows: a hint of
+# 64 rows packs a layout as fast at a few rows as a smaller hint, and faster at
+# many rows.
 ROWS_HINT = 64
-# A oneDNN product costs about 15 us more per call than MKL's; below this many
-# multiply-adds (rows x in x out) MKL's is faster (measured, one thread: 256 x 256
-# weights break even at 16 rows, 1024 x 256 at 4-8, 8008 x 256 at 1), and the
-# layer keeps torch's product.
+# A oneDNN product has a higher fixed cost per call than MKL's: below this many
+# multiply-adds (rows x in x out) MKL's is faster, and the layer keeps torch's
+# product.
 MIN_MULTIPLY_ADDS = 1 << 20
-# oneDNN builds one primitive per product shape (about 0.65 MiB and 3 ms each,
-# measured), and beam search meets a new row count whenever a sentence ends:
-# rows are padded up to one of this many sizes per power of two.
+# oneDNN builds one primitive per product shape (memory and time to build each),
+# and beam search meets a new row count whenever a sentence ends: rows are
+# padded up to one of this many sizes per power of two.
 ROW_SIZES_PER_OCTAVE = 8
 
 
@@ -93,8 +92,9 @@ def linear_like(linear: nn.Linear, x: Tensor, weight: Tensor, bias: Optional[Ten
     """``F.linear(x, weight, bias)`` for a weight derived from ``linear``'s (the cluster
     projection's gathered rows, its centroids): through oneDNN on the unpacked weight while
     the option is attached to ``linear`` and the product is one it serves, else torch's.
-    A weight used once is not worth packing; unpacked, oneDNN's product still runs about
-    2x faster than MKL's at 64-320 rows on the AMD EPYC of docs/benchmarks.md."""
+    A weight used once is not worth packing; unpacked, oneDNN's product still runs faster
+    than MKL's at many rows where MKL takes its generic path (docs/benchmarks.md, "Products
+    and memory on the CPU")."""
     if attached_to(linear) and x.device.type == "cpu" and onednn_serves(x, weight):
         return onednn_linear(x, weight.detach().contiguous(), bias)
     return F.linear(x, weight, bias)

@@ -36,9 +36,9 @@ from fairseq_fastgen.ops.linear_forward import LinearForward
 
 PRECISIONS = ("int8", "bf16")
 # int8 rows cost five more small torch calls a product (the rows' magnitudes, their scales, the division and
-# rounding, the rescale), which a small weight does not win back. Timed over 200 weights of one shape (read from
-# memory, as a decoder step reads them) on one thread of our Xeon: 256 x 256 (the toy model's attention) takes
-# 4.3x float32's time at 1 row and the same at 64; 512 x 512 (the base model's) the same at 1 row and 0.45x at 64.
+# rounding, the rescale), which a small weight does not win back: in int8 the toy model's 256 x 256 attention weights
+# are slower than in float32 at one row and no faster at many; the base model's 512 x 512 ones no slower at one row
+# and faster at many.
 # Weights below this many entries keep their float32 product; the choice depends on the weight's shape only, so a
 # row's result still does not depend on the rows beside it.
 MIN_INT8_WEIGHT = 1 << 18
@@ -79,8 +79,7 @@ def prepack_int8_rows(weight: Tensor, bias: Optional[Tensor] = None):
 # int8 kernels sum pairs of products in int16 and need 7-bit inputs to stay clear of saturation.
 INPUT_LEVELS = 127 if torch.cpu._is_vnni_supported() else 63
 # From this many rows a call goes to oneDNN's int8 product, below to fbgemm's; the two give the same bits
-# (tests/ops/test_precision_linear.py). On one thread of our Xeon a base model's decoder step with every product
-# in fbgemm takes 0.8-0.9x oneDNN's time at 1 to 4 rows, the same at 8 and 16, 1.2-1.3x at 32 and 64.
+# (tests/ops/test_precision_linear.py). fbgemm's product is the cheaper at a few rows, oneDNN's at many.
 ONEDNN_MIN_ROWS = 16
 
 
@@ -121,7 +120,7 @@ class Int8Rows:
     def __call__(self, x: Tensor) -> Tensor:
         """x (..., in) float32 -> (..., out) float32, each row rounded on a scale of its own."""
         rows = x.reshape(-1, x.size(-1))  # (rows, in)
-        # (rows, 1); abs().amax: torch's infinity norm over rows takes 10x longer at 64 rows and more
+        # (rows, 1); abs().amax: torch's infinity norm over rows is much slower at many rows
         input_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30).div_(INPUT_LEVELS)
         integers = torch.round(rows / input_scales)  # (rows, in) whole numbers in [-INPUT_LEVELS, INPUT_LEVELS]
         if self.has_onednn and rows.size(0) >= ONEDNN_MIN_ROWS:

@@ -1,10 +1,9 @@
 """The most probable token of every row: what ``topk(1, dim=-1)`` returns, sooner on the CPU for many rows.
 
-torch's CPU ``topk``, ``max`` and ``argmax`` along a row walk it one element at a time (64 rows of an 8,008-token
-vocabulary: 0.44-0.59 ms), while ``amax`` is vectorized (0.03 ms).  ``top_token`` takes the maxima of blocks of
-about a hundred scores with ``amax``, the first block holding the row's maximum, and the first position in that block
-holding it: the maximum and the first index of it, which is what ``topk(1)`` returns on ties (0.26-0.28 ms at 64
-rows).  Rows holding a NaN, CUDA tensors and few rows go to ``topk`` itself.
+torch's CPU ``topk``, ``max`` and ``argmax`` along a row walk it one element at a time, while ``amax`` is
+vectorized.  ``top_token`` takes the maxima of blocks of about a hundred scores with ``amax``, the first block
+holding the row's maximum, and the first position in that block holding it: the maximum and the first index of it,
+which is what ``topk(1)`` returns on ties.  Rows holding a NaN, CUDA tensors and few rows go to ``topk`` itself.
 """
 
 import functools
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 BLOCK = 128  # scores per block where no divisor of the vocabulary suits: 64-160 cost about the same, less more
-MIN_ROWS = 16  # below this topk is as fast (8 rows: 117 against 119 us)
+MIN_ROWS = 16  # below this topk is as fast
 
 
 @functools.lru_cache(maxsize=None)

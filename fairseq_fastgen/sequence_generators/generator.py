@@ -13,7 +13,6 @@ dict with ``tokens`` (ending in eos), ``score``, ``positional_scores``,
 """
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -23,11 +22,12 @@ from torch import Tensor, nn
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.options import FastgenOptions, parse_options
-from fairseq_fastgen.sequence_generators.counters import FEWER_THAN_NBEST, GenerationCounters
+from fairseq_fastgen.counters import FEWER_THAN_NBEST, GenerationCounters
 from fairseq_fastgen.sequence_generators.processors import (
-    RowStepProcessors,
+    StepRows,
     apply_processors,
     build_processors,
+    reads_tokens,
     row_max_len,
 )
 from fairseq_fastgen.engine import build_runner, cache_capacity
@@ -83,7 +83,7 @@ class DecodeContext:
     def __init__(self, runner, processors, pool, eos, lenpen, normalize_scores, nbest, counters):
         self.runner = runner
         self.processors = processors
-        self.row_processors = RowStepProcessors(processors)  # the same, for rows at steps of their own
+        self.reads_tokens = reads_tokens(processors)  # some processor reads the rows' tokens (prefix, n-grams)
         self.pool = pool
         self.eos = eos
         self.lenpen = lenpen
@@ -108,8 +108,12 @@ class DecodeContext:
         """Run the model for every row of ``state``; processed lprobs (rows, vocab), attn."""
         lprobs, attn = self.runner.step(state.tokens, state.encoder_out, state.cache)
         self.counters.add("model_calls")
-        apply_processors(self.processors, lprobs, state)
+        self.process(lprobs, StepRows.of_state(state))
         return lprobs, attn
+
+    def process(self, lprobs: Tensor, rows: StepRows):
+        """The step processors on ``lprobs`` (N, vocab) of ``rows``, in place."""
+        apply_processors(self.processors, lprobs, rows)
 
     # ---- results ----------------------------------------------------------------
     def hypothesis(self, state: DecodingState, row: int) -> Dict[str, Tensor]:

@@ -6,7 +6,8 @@ from fairseq_fastgen.engine import engine_serves
 from fairseq_fastgen.ops.top_token import top_token
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
-from fairseq_fastgen.sequence_generators.registry import register_decoder
+from fairseq_fastgen.sequence_generators.processors import StepRows
+from fairseq_fastgen.registry import register_decoder
 from fairseq_fastgen.sequence_generators.streaming import (
     PADDING_SENTENCE,
     ROW_MULTIPLE,
@@ -82,8 +83,7 @@ class JoinedGreedyPolicy:
         last = state.tokens.gather(1, lengths.unsqueeze(1))  # (rows, 1)
         lprobs, attn = state.runner.step_rows(last, lengths, state.encoder_out, state.cache)  # (rows, vocab)
         ctx.counters.add("model_calls")
-        rules = ctx.row_processors
-        rules(lprobs, lengths, state.tokens if rules.reads_history else None, None, state.sentence, state.max_len)
+        ctx.process(lprobs, StepRows(lengths, state.max_len, state.sentence, state.tokens))  # each at its own step
         best_lprob, best = top_token(lprobs)  # (rows, 1) each
         # every row keeps the position it cached (finished rows' are masked for the row that takes their place)
         state.append_each_row(best, best_lprob, None if attn is None else attn.unsqueeze(2), alive)

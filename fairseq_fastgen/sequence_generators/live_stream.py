@@ -172,6 +172,9 @@ class LiveStream:
             else:
                 select_padded(cohort, (~gone & cohort.sentence.ne(PADDING_SENTENCE)).nonzero().squeeze(1))
         self.run.cohorts = [cohort for cohort in self.run.cohorts if cohort.rows > 0]
+        forget = getattr(self.run.policy, "forget", None)  # a beam search's hypotheses of those sentences
+        if forget is not None and found:
+            forget(sorted(found), self.ctx)
         return sorted(found)
 
     def decided_tokens(self, sentences) -> Dict[int, torch.Tensor]:

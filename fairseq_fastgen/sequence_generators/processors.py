@@ -2,36 +2,80 @@
 
 They reproduce the rules of fairseq's SequenceGenerator so that every plugin
 decoder honours the same generation options: no pad, the unk penalty, min and
-max length, forced prefixes and no-repeat n-gram banning.  A processor gets
-``lprobs`` (rows, vocab) and the :class:`DecodingState` (whose ``tokens`` hold
-bos plus the tokens generated so far) and edits ``lprobs`` in place.
-:class:`RowStepProcessors` applies them to rows at steps of their own (blockwise decoding).
+max length, forced prefixes and no-repeat n-gram banning.  Every processor has one signature,
+``processor(lprobs, rows)``: it edits ``lprobs`` (N, vocab) in place, reading what :class:`StepRows` says of
+its N rows (their steps, length limits, sentences, tokens so far), whether the rows are all at one step (greedy,
+beam searches), each at its own (blockwise verification, rows joined at other lengths) or one row at
+consecutive steps (blockwise's lone row).
 """
 
 import math
+from dataclasses import dataclass
+from typing import Optional, Union
 
-import torch
+from torch import Tensor
 
-from fairseq_fastgen.sequence_generators.state import DecodingState
+from fairseq_fastgen.ops.ngram_ban import ban_repeated_ngrams
 
 
 NEG_INF = -math.inf
 
 
+@dataclass
+class StepRows:
+    """The N rows of a step's log-probabilities (N, vocab), as processors read them.
+
+    ``steps``: the tokens before each row's next one (bos not counted): an int where every row is at that step,
+    a (N,) long tensor where rows are at steps of their own, or a ``range`` for ONE row at consecutive steps
+    (Python integers: no small tensors on blockwise's batch-1 path); ``max_len``: (N,) long, an int with a range;
+    ``sentence``: (N,) long pool positions; ``tokens``: (N, width) bos and each row's tokens up to at least its
+    step.  ``sentence`` and ``tokens`` may be None where no processor reads them (``reads_tokens``)."""
+
+    steps: Union[int, Tensor, range]
+    max_len: Union[Tensor, int]
+    sentence: Optional[Tensor] = None
+    tokens: Optional[Tensor] = None
+
+    @classmethod
+    def of_state(cls, state) -> "StepRows":
+        """Every row of a ``DecodingState`` whose rows hold one length."""
+        return cls(state.length, state.max_len, state.sentence, state.tokens)
+
+    def at(self, step: int, index: Tensor) -> "StepRows":
+        """Rows ``index`` (M,), all at ``step``, with their tokens up to it."""
+        return StepRows(step, self.max_len[index], self.sentence[index], self.tokens[index, : step + 1])
+
+
+def at_each_step(processor, lprobs: Tensor, rows: StepRows):
+    """``processor`` over rows at steps of their own: once per distinct step, on the rows at that step, as greedy
+    decoding would at that step (the processors that read the tokens)."""
+    if isinstance(rows.steps, range):
+        raise ValueError(f"{type(processor).__name__} reads the tokens: give the rows' steps as a tensor")
+    for step in rows.steps.unique().tolist():
+        index = rows.steps.eq(step).nonzero().squeeze(1)  # (M,)
+        scores = lprobs[index]
+        processor(scores, rows.at(step, index))
+        lprobs[index] = scores
+
+
 class ForbidPad:
+    reads_tokens = False
+
     def __init__(self, pad):
         self.pad = pad
 
-    def __call__(self, lprobs, state):
+    def __call__(self, lprobs, rows: StepRows):
         lprobs.nan_to_num_(nan=NEG_INF, posinf=math.inf, neginf=NEG_INF)  # as stock: a NaN never wins
         lprobs[:, self.pad] = NEG_INF
 
 
 class UnkPenalty:
+    reads_tokens = False
+
     def __init__(self, unk, penalty):
         self.unk, self.penalty = unk, penalty
 
-    def __call__(self, lprobs, state):
+    def __call__(self, lprobs, rows: StepRows):
         lprobs[:, self.unk] -= self.penalty
 
 
@@ -39,18 +83,26 @@ class LengthLimits:
     """eos is banned before ``min_len`` tokens and forced at the row's ``max_len``.
 
     As in fairseq, the minimum length does not apply while a prefix is forced.
-    ``__call__`` applies the rule to rows all at one step; ``at_steps`` and
-    ``at_consecutive_steps`` to rows at steps of their own (blockwise decoding).
     """
+
+    reads_tokens = False
 
     def __init__(self, eos, min_len, prefix_len=0):
         self.eos, self.min_len, self.prefix_len = eos, min_len, prefix_len
 
-    def __call__(self, lprobs, state):
-        step = state.length
+    def __call__(self, lprobs, rows: StepRows):
+        if isinstance(rows.steps, range):
+            self.at_consecutive_steps(lprobs, rows.steps.start, rows.max_len)
+        elif isinstance(rows.steps, Tensor):
+            self.at_steps(lprobs, rows.steps, rows.max_len)
+        else:
+            self.at_one_step(lprobs, rows.steps, rows.max_len)
+
+    def at_one_step(self, lprobs, step: int, max_len):
+        """lprobs (N, vocab), every row at ``step``; max_len (N,) long."""
         if self.prefix_len <= step < self.min_len:
             lprobs[:, self.eos] = NEG_INF
-        at_limit = state.max_len <= step  # (rows,)
+        at_limit = max_len <= step  # (N,)
         if at_limit.any():
             self.only_eos(lprobs, at_limit)
 
@@ -84,34 +136,39 @@ class LengthLimits:
 class ForcePrefix:
     """Rows whose sentence has a forced prefix token at this step may only produce it."""
 
+    reads_tokens = True  # the rows' sentences and steps
+
     def __init__(self, prefix_tokens, pad):
         self.prefix_tokens = prefix_tokens  # (sentences, prefix_len) long
         self.pad = pad
 
-    def __call__(self, lprobs, state):
-        step = state.length
+    def __call__(self, lprobs, rows: StepRows):
+        if not isinstance(rows.steps, int):
+            return at_each_step(self, lprobs, rows)
+        step = rows.steps
         if step >= self.prefix_tokens.size(1):
             return
-        forced = self.prefix_tokens[state.sentence, step]  # (rows,)
-        rows = (forced.ne(self.pad) & state.max_len.gt(step)).nonzero().squeeze(1)
-        if rows.numel() == 0:
+        forced = self.prefix_tokens[rows.sentence, step]  # (N,)
+        index = (forced.ne(self.pad) & rows.max_len.gt(step)).nonzero().squeeze(1)
+        if index.numel() == 0:
             return
-        kept = lprobs[rows, forced[rows]].clone()
-        lprobs[rows] = NEG_INF
-        lprobs[rows, forced[rows]] = kept
+        kept = lprobs[index, forced[index]].clone()
+        lprobs[index] = NEG_INF
+        lprobs[index, forced[index]] = kept
 
 
 class BanRepeatedNgrams:
     """--no-repeat-ngram-size: torch on CPU, the CuPy kernel on CUDA (see ops/)."""
 
+    reads_tokens = True
+
     def __init__(self, n):
-        from fairseq_fastgen.ops.ngram_ban import ban_repeated_ngrams
-
         self.n = n
-        self.ban = ban_repeated_ngrams
 
-    def __call__(self, lprobs, state):
-        self.ban(state.tokens, lprobs, step=state.length, n=self.n)
+    def __call__(self, lprobs, rows: StepRows):
+        if not isinstance(rows.steps, int):
+            return at_each_step(self, lprobs, rows)
+        ban_repeated_ngrams(rows.tokens, lprobs, step=rows.steps, n=self.n)
 
 
 def build_processors(tgt_dict, gen_cfg, prefix_tokens=None):
@@ -128,63 +185,16 @@ def build_processors(tgt_dict, gen_cfg, prefix_tokens=None):
     return processors
 
 
-def apply_processors(processors, lprobs, state):
+def apply_processors(processors, lprobs, rows: StepRows):
+    """Every processor in turn on ``lprobs`` (N, vocab), in place; returns it."""
     for processor in processors:
-        processor(lprobs, state)
+        processor(lprobs, rows)
     return lprobs
 
 
-class RowStepProcessors:
-    """Applies the generator's step processors to rows at different steps.
-
-    Blockwise decoding scores several steps per row at once, and rows have
-    accepted different numbers of tokens.  Processors that read only the scores
-    run once on everything; the length limits run vectorized over per-row
-    steps; any other processor (forced prefix, n-gram ban, ...) runs once per
-    distinct step on the rows at that step (a DecodingState of their history,
-    without model buffers), exactly as in greedy decoding.
-    """
-
-    def __init__(self, processors):
-        self.processors = processors
-        # whether some processor reads the tokens before a step (forced prefix, n-gram ban)
-        self.reads_history = any(not isinstance(p, (ForbidPad, UnkPenalty, LengthLimits)) for p in processors)
-
-    def __call__(self, lprobs, steps, history, row_of, sentence, max_len):
-        """Edit ``lprobs`` (N, vocab) in place.
-
-        steps: (N,) the step of each lprobs row; history: (rows, width) bos and
-        tokens of each row (up to at least ``steps``; may be None unless
-        ``reads_history``); row_of: (N,) the history row of each lprobs row, or
-        None where lprobs row i is row i (one step per row);
-        sentence, max_len: (rows,).
-        """
-        if row_of is None and self.reads_history:
-            row_of = torch.arange(lprobs.size(0), device=lprobs.device)
-        for processor in self.processors:
-            if isinstance(processor, (ForbidPad, UnkPenalty)):  # read nothing but lprobs
-                processor(lprobs, None)
-            elif isinstance(processor, LengthLimits):
-                processor.at_steps(lprobs, steps, max_len if row_of is None else max_len[row_of])
-            else:
-                for step in steps.unique().tolist():
-                    at_step = steps.eq(step).nonzero().squeeze(1)
-                    rows = row_of[at_step]
-                    scores = lprobs[at_step]
-                    at = DecodingState(None, history[rows, : step + 1], sentence[rows], max_len[rows], None, None, 0)
-                    processor(scores, at)
-                    lprobs[at_step] = scores
-
-    def one_row(self, lprobs, first_step: int, max_len: int):
-        """Edit ``lprobs`` (m, vocab) of ONE row at the consecutive steps ``first_step`` ..
-        ``first_step + m - 1`` in place, as ``__call__`` would, with Python integers for the steps
-        and the row's ``max_len``. Only without processors that read the history."""
-        assert not self.reads_history
-        for processor in self.processors:
-            if isinstance(processor, LengthLimits):
-                processor.at_consecutive_steps(lprobs, first_step, max_len)
-            else:  # ForbidPad, UnkPenalty: read nothing but lprobs
-                processor(lprobs, None)
+def reads_tokens(processors) -> bool:
+    """Whether some processor reads the rows' tokens or sentences (a forced prefix, an n-gram ban)."""
+    return any(processor.reads_tokens for processor in processors)
 
 
 def row_max_len(source_widths, gen_cfg, max_positions):

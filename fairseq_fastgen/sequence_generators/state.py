@@ -228,10 +228,7 @@ class DecodingState:
                 mine = mine.clone()
                 mine[slots] = 0 if theirs is None else theirs
             self.extra[name] = mine
-        states, mask = self.encoder_out["encoder_out"][0].clone(), self.encoder_out["encoder_padding_mask"][0].clone()
-        states[:, slots] = fresh.encoder_out["encoder_out"][0].index_select(1, rows)  # (src_len, n, dim)
-        mask[slots] = take(fresh.encoder_out["encoder_padding_mask"][0])  # (n, src_len)
-        self.encoder_out = dict(self.encoder_out, encoder_out=[states], encoder_padding_mask=[mask])
+        self.encoder_out = self.runner.placed_sources(self.encoder_out, slots, fresh.encoder_out, rows)
         self.runner.place_rows(self.cache, slots, fresh.cache, rows)
 
     def candidate_rows(self, index: Tensor, tokens: Tensor, cum_scores: Tensor, attn=None) -> "DecodingState":

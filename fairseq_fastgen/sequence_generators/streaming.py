@@ -57,11 +57,10 @@ is not free; measured with torch 2.13:
   ``attention`` rows follow this layout: row i is source position i, rows
   past the source are padding.
 
-The constants are measurements of one CPU's kernels (an AMD EPYC), not laws:
-on an Intel Xeon, MKL takes other kernels below 11 rows and for keys wider
-than 24, so there the layout does not suffice and var-stream gives var-batch's
-tokens with scores equal to float rounding (measured on the toy test set: the
-same tokens for every sentence, scores within 4e-6).
+The constants follow one CPU's kernels, not laws: on other CPUs MKL takes
+other kernels at small row counts and for wider keys, so there the layout does
+not suffice and var-stream gives var-batch's tokens with scores equal to float
+rounding.
 :func:`kernels_are_companion_free` probes the running CPU for the two
 properties; the tests hold the bitwise equality where it holds, and the tokens
 and 1e-5 elsewhere.  With it a
@@ -80,6 +79,7 @@ import torch.nn.functional as F
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from fairseq_fastgen.engine import cache_capacity
+from fairseq_fastgen.engine.runner_types import PlacesRows
 from fairseq_fastgen.option_checks import UsageError, require_finite_in_range, require_int
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
@@ -346,7 +346,7 @@ def join_any_lengths(parts):
     width = max([running.src_len] + [part.group.src_len for part in refills])
     running = CompanionFreeLayout.widen(running, width)
     free = running.sentence.eq(PADDING_SENTENCE).nonzero().squeeze(1)  # (free rows,)
-    if not running.runner.takes_rows_in_place:
+    if not isinstance(running.runner, PlacesRows):
         free = free[:0]
     left_over = []
     for part in refills:
@@ -358,36 +358,20 @@ def join_any_lengths(parts):
         if placed < part.index.numel():
             left_over.append(group.taken(part.index[placed:]))
     joined = DecodingState.concat([running] + left_over) if left_over else running
-    if joined.runner.takes_rows_in_place:
+    if isinstance(joined.runner, PlacesRows):
         narrow_sources(joined)
     return [joined]
 
 
-def left_justified(encoder_out):
-    """``encoder_out`` with each row's source positions first and its padding after them (fairseq left-pads
-    sources): the layout in which a stream's source width shrinks when its longest sources finish
-    (``narrow_sources``)."""
-    states, mask = encoder_out["encoder_out"][0], encoder_out["encoder_padding_mask"][0]  # (src, rows, dim), (rows, src)
-    leading = mask.long().cumprod(dim=1).sum(dim=1)  # (rows,) padding positions before each row's source
-    if not bool(leading.any()):
-        return encoder_out
-    src_len = mask.size(1)
-    positions = torch.arange(src_len, device=mask.device)
-    index = (positions.unsqueeze(0) + leading.unsqueeze(1)) % src_len  # (rows, src): rotated left
-    states = states.gather(0, index.t().unsqueeze(2).expand(-1, -1, states.size(2)))
-    return dict(encoder_out, encoder_out=[states], encoder_padding_mask=[mask.gather(1, index)], encoder_embedding=[],
-                encoder_states=[], src_tokens=[], src_lengths=[])
-
-
 def narrow_sources(state, slack: int = 2 * KEY_BLOCK):
-    """Drop the last source positions of a state whose rows are left-justified (``left_justified``) when at least
-    ``slack`` of them are padding for every row: a stream's width follows its longest running source."""
-    mask = state.encoder_out["encoder_padding_mask"][0]  # (rows, src_len)
+    """Drop the last source positions of a state whose rows are left-justified (the runner's
+    ``left_justified_sources``) when at least ``slack`` of them are padding for every row: a stream's width follows
+    its longest running source."""
+    mask = state.runner.source_padding(state.encoder_out)  # (rows, src_len)
     used = -(-int((~mask).sum(dim=1).max()) // KEY_BLOCK) * KEY_BLOCK if state.rows else 0
     if state.src_len - used < slack or not bool(mask[:, used:].all()):
         return
-    state.encoder_out = dict(state.encoder_out, encoder_out=[state.encoder_out["encoder_out"][0][:used]],
-                             encoder_padding_mask=[mask[:, :used]])
+    state.encoder_out = state.runner.narrowed_sources(state.encoder_out, used)
     if state.attn is not None:
         state.attn = state.attn[:, :used]  # (rows, used, width)
     state.resize_source_extras(used)
@@ -400,7 +384,7 @@ def finished_rows_wait(state, finished, streaming: bool = True) -> torch.Tensor:
     place, they stay as padding rows, released from the cache, until a refill's rows take their places
     (``join_any_lengths``) or ``drain_waiting_rows`` lets them go; else they go now.  Returns the rows kept,
     (kept,)."""
-    if streaming and state.runner.takes_rows_in_place:
+    if streaming and isinstance(state.runner, PlacesRows):
         if finished.any():
             state.sentence = state.sentence.masked_fill(finished, PADDING_SENTENCE)
         waiting = state.sentence.eq(PADDING_SENTENCE).nonzero().squeeze(1)  # (waiting,)
@@ -473,8 +457,8 @@ class EncodedAhead:
 
     def _encode_group(self, first: int, end: int):
         group = self.ctx.start_state(torch.arange(first, end, device=self.ctx.pool.source_len.device))
-        if group.runner.takes_rows_in_place:
-            group.encoder_out = left_justified(group.encoder_out)
+        if isinstance(group.runner, PlacesRows):
+            group.encoder_out = group.runner.left_justified_sources(group.encoder_out)
         self.first, self.state = first, self.start(group, self.ctx)  # (the cache's encoder keys/values at once)
         self.answered = bool(self.state.sentence.eq(PADDING_SENTENCE).any())
 
@@ -526,12 +510,7 @@ class CompanionFreeLayout:
         extra = width - state.src_len
         if extra <= 0:
             return state
-        encoder_states, padding = state.encoder_out["encoder_out"][0], state.encoder_out["encoder_padding_mask"][0]
-        state.encoder_out = dict(
-            state.encoder_out,
-            encoder_out=[F.pad(encoder_states, (0, 0, 0, 0, 0, extra))],  # (width, rows, dim)
-            encoder_padding_mask=[F.pad(padding, (0, extra), value=True)],  # (rows, width)
-        )
+        state.encoder_out = state.runner.widened_sources(state.encoder_out, extra)  # (width, rows, dim)
         state.runner.widen_cache(state.cache, state.src_len, extra)
         if state.attn is not None:
             state.attn = F.pad(state.attn, (0, 0, 0, extra))  # (rows, width, length)
@@ -543,17 +522,7 @@ class CompanionFreeLayout:
         batch = group.index_select(0, padded_selection(group.numel(), group.device))
         encoder_out = ctx.runner.encode(ctx.pool.subset(batch))
         ctx.counters.add("encoder_calls")
-        states = encoder_out["encoder_out"][0][:, : group.numel()]  # (length, sentences, dim)
-        padding = states.new_ones((group.numel(), width), dtype=torch.bool)  # (sentences, width)
-        padding[:, :length] = False
-        right_padded = {
-            "encoder_out": [F.pad(states, (0, 0, 0, 0, 0, width - length))],  # (width, sentences, dim)
-            "encoder_padding_mask": [padding],
-            "encoder_embedding": [],
-            "encoder_states": [],
-            "src_tokens": [],
-            "src_lengths": [],
-        }
+        right_padded = ctx.runner.right_padded_sources(encoder_out, group.numel(), length, width)  # (width, n, dim)
         bos = torch.full((group.numel(), 1), ctx.eos, dtype=torch.long, device=group.device)
         return DecodingState(
             ctx.runner, bos, group.clone(), ctx.pool.max_len.index_select(0, group),

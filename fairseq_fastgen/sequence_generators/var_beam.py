@@ -44,7 +44,7 @@ from fairseq.dataclass import FairseqDataclass
 
 from fairseq_fastgen.option_checks import require_finite_in_range, require_int
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator
-from fairseq_fastgen.sequence_generators.registry import register_decoder
+from fairseq_fastgen.registry import register_decoder
 from fairseq_fastgen.sequence_generators.streaming import (
     StreamingScheduler,
     StreamOptions,
@@ -129,6 +129,14 @@ class BeamSearchPolicy:
     def width(self) -> int:
         """Candidate rows a source may hold (streaming's --stream-capacity-rows counts new sources at it)."""
         return self.beam
+
+    def forget(self, sentences, ctx):
+        """Drop the search records of ``sentences`` (pool positions) that left unanswered (a live stream's
+        cancelled sentences): their hypotheses collected or waiting on the beam."""
+        records = self.records(ctx)
+        for sentence in sentences:
+            records.collected[sentence], records.waiting[sentence] = [], {}
+            records.waiting_scores[sentence] = NEG_INF
 
     def records(self, ctx) -> SentenceRecords:
         if self._records_ctx is not ctx:  # a new generate() call

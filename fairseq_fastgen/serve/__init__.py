@@ -11,29 +11,30 @@ import logging
 import sys
 from typing import List, Optional
 
+from fairseq_fastgen.integration import check_checkpoint_files
+from fairseq_fastgen.option_checks import (UsageError, check_fairseq_generation_options, check_generation_options,
+                                           exit_on_usage_error, usage_errors)
+from fairseq_fastgen.options import parse_options
+from fairseq_fastgen.registry import DECODERS
+from fairseq_fastgen.sequence_generators.streaming import prepare_streaming_cli
+from fairseq_fastgen.serve.app import Server
+from fairseq_fastgen.serve.batching import ContinuousBatching, FixedBatching
+from fairseq_fastgen.serve.metrics import Metrics
 from fairseq_fastgen.serve.options import PROGRAM, parse_command_line
+from fairseq_fastgen.serve.translator import Translator
 
 
 def cli_main(argv: Optional[List[str]] = None):
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
                         level=logging.INFO, stream=sys.stderr, force=True)  # (fairseq configured it at import)
     args, cfg = parse_command_line(argv)
-    from fairseq_fastgen.integration import exit_on_usage_error
-
     exit_on_usage_error(PROGRAM)(serve)(args, cfg)
 
 
 def serve(args, cfg):
-    from fairseq_fastgen.serve.app import Server
-    from fairseq_fastgen.serve.batching import ContinuousBatching, FixedBatching
-    from fairseq_fastgen.serve.metrics import Metrics
-    from fairseq_fastgen.serve.translator import Translator
-
     prepare(args, cfg)
     limits = [(option, value) for option, value in (("--max-source-tokens", args.max_source_tokens),
                                                     ("--max-tokens", args.max_tokens)) if value is not None]
-    from fairseq_fastgen.integration import usage_errors
-
     with usage_errors():  # a decoder that does not fit the model: one line
         translator = Translator(cfg, limits)
     metrics = Metrics()
@@ -49,12 +50,6 @@ def serve(args, cfg):
 def prepare(args, cfg):
     """The plugin's checks of the options before the model loads (as fairseq-interactive's run), and the stream's
     capacity for continuous batching: ``--batch-size`` (or ``--max-tokens``)."""
-    from fairseq_fastgen.integration import check_checkpoint_files, usage_errors
-    from fairseq_fastgen.option_checks import UsageError, check_fairseq_generation_options, check_generation_options
-    from fairseq_fastgen.options import parse_options
-    from fairseq_fastgen.sequence_generators.registry import DECODERS
-    from fairseq_fastgen.sequence_generators.streaming import prepare_streaming_cli
-
     with usage_errors():
         options = parse_options(cfg.generation)
         check_fairseq_generation_options(cfg.generation)

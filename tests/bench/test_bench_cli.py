@@ -1,4 +1,4 @@
-"""Issue 8: fastgen-bench on the toy model, through the real console script and in process."""
+"""Fastgen-bench on the toy model, through the real console script and in process."""
 
 import json
 import math
@@ -13,7 +13,7 @@ import sacrebleu
 from fairseq_fastgen import bench
 from fairseq_fastgen.bench.ctranslate2_peer import import_ctranslate2
 from fairseq_fastgen.safe_files import KILL_AT_WRITE_STEP_ENV
-from fairseq_fastgen.sequence_generators.registry import DECODERS, register_builder
+from fairseq_fastgen.registry import DECODERS, register_builder
 
 pytestmark = pytest.mark.xdist_group("test_bench_cli")
 
@@ -129,7 +129,7 @@ def test_plot_is_a_readable_png(cli_run):
 
 
 def test_every_file_is_written_to_a_temporary_name_and_renamed(cli_run):
-    """Issue 30: the hypotheses and the plot were written in place, so a stopped or killed bench could leave
+    """The hypotheses and the plot were written in place, so a stopped or killed bench could leave
     them cut short."""
     completed, _, output_dir = cli_run
     written = [path.relative_to(output_dir) for path in output_dir.rglob("*") if path.is_file()]

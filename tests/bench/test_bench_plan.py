@@ -10,7 +10,7 @@ from fairseq_fastgen.bench.measure import Candidate, ConfigResult, WarmRun, time
 from fairseq_fastgen.bench.options import BenchConfig
 from fairseq_fastgen.bench.report import pareto_frontier
 from fairseq_fastgen.bench.scoring import identical_rate, pick_reference, projection_speedup
-from fairseq_fastgen.sequence_generators.registry import DECODERS, register_builder
+from fairseq_fastgen.registry import DECODERS, register_builder
 
 
 def bench_args(**given):
@@ -187,7 +187,7 @@ def test_timed_passes_take_turns_so_no_configuration_always_runs_last():
     (["--max-sentences", "0"], "fastgen-bench: error: --max-sentences must be at least 1, got 0"),
 ])
 def test_numbers_out_of_range_are_refused_when_parsed(argv, message, capsys):
-    """Issue 30: one error line at parse time, not every configuration skipped for a ValueError."""
+    """One error line at parse time, not every configuration skipped for a ValueError."""
     with pytest.raises(SystemExit) as exit_info:
         options.parse_command_line(["DATA", "--path", "model.pt", "--decoders", "var-batch", *argv])
     assert exit_info.value.code == 2

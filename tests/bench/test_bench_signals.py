@@ -1,4 +1,4 @@
-"""Issue 30: SIGTERM and SIGINT to fastgen-bench end the run and every process it started (a --whole-process
+"""SIGTERM and SIGINT to fastgen-bench end the run and every process it started (a --whole-process
 pass's fairseq-generate, and that one's data-loader worker), say on stderr how many passes were run, write no
 results and exit with status 128 + the signal.  Before, SIGTERM ended the bench at once (status -15) and left the
 fairseq-generate process of the pass under way running; SIGINT ended it with a traceback."""

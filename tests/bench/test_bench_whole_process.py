@@ -1,4 +1,4 @@
-"""Issue 8: fastgen-bench --whole-process times real fairseq-generate processes, stock fairseq beside the plugin."""
+"""Fastgen-bench --whole-process times real fairseq-generate processes, stock fairseq beside the plugin."""
 
 import json
 import shlex
@@ -115,7 +115,7 @@ def twenty_sentence_data_bin(toy_model, directory):
 
 
 def test_rows_over_different_sentences_are_compared_over_the_common_ones_and_marked(toy_model, tmp_path):
-    """Issue 30 item 5: stock's BLEU, speed and "100.0% identical" were over 16 sentences beside rows over 20,
+    """Stock's BLEU, speed and "100.0% identical" were over 16 sentences beside rows over 20,
     and only results.json said so."""
     data_bin = twenty_sentence_data_bin(toy_model, tmp_path)
     argv = [str(data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--threads", "1", "--beam", "2",

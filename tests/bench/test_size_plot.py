@@ -1,4 +1,4 @@
-"""Issue 52: fastgen-bench --plot-sizes, speed against model size beside CTranslate2, from results.json files
+"""Fastgen-bench --plot-sizes, speed against model size beside CTranslate2, from results.json files
 written as the bench writes them (report.write_json, bench.run_info), through the real console script."""
 
 import argparse

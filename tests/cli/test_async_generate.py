@@ -1,4 +1,4 @@
-"""Issue 9: fairseq-generate with --postprocess-workers prints exactly what stock fairseq prints.
+"""Fairseq-generate with --postprocess-workers prints exactly what stock fairseq prints.
 
 Stock here is fairseq-generate without the plugin (with --required-batch-size-multiple 1,
 so that stock keeps every sentence).  Log lines are left out of the comparison;
@@ -166,7 +166,7 @@ def assert_whole_sentences(output, written, kinds="STHDP"):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_ends_every_worker_and_reports_what_was_written(toy_model, tmp_path, signum):
-    """Issue 30 item 3: SIGTERM left both workers running as orphans, blocked on the job queue."""
+    """SIGTERM left both workers running as orphans, blocked on the job queue."""
     with open(tmp_path / "stderr", "w") as stderr_file:
         process, lines, reader = start_long_run(toy_model, stderr_file)
         workers = children(process.pid)
@@ -188,7 +188,7 @@ def test_a_signal_ends_every_worker_and_reports_what_was_written(toy_model, tmp_
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_a_killed_worker_is_reported_and_fails_the_run(toy_model, tmp_path, victim):
-    """Issue 30 item 3: killing the worker that waited for the queue's lock behind the other one ended the run
+    """Killing the worker that waited for the queue's lock behind the other one ended the run
     with status 0 and every line, the death unreported."""
     with open(tmp_path / "stderr", "w") as stderr_file:
         process, lines, reader = start_long_run(toy_model, stderr_file)

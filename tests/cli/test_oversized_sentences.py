@@ -1,4 +1,4 @@
-"""Issue 30: fairseq-generate with a sentence longer than --max-tokens ended in fairseq's AssertionError
+"""Fairseq-generate with a sentence longer than --max-tokens ended in fairseq's AssertionError
 ("Sentences lengths should not exceed max_tokens"), translating nothing; like fairseq-interactive, it now
 refuses that sentence alone, naming it, and exits with status 1 once the others are translated."""
 
@@ -56,7 +56,7 @@ def test_fairseq_generate_refuses_a_sentence_over_max_tokens_alone(toy_model):
 @pytest.mark.parametrize("decoder, beam, option", [("greedy-stream", 1, "--max-tokens"),
                                                    ("var-stream", 2, "--stream-capacity-tokens")])
 def test_a_streamed_decoder_refuses_the_same_sentences(toy_model, decoder, beam, option):
-    """Issue 55 item 1: the streamed decoders read --max-tokens (or --stream-capacity-tokens) as their capacity,
+    """The streamed decoders read --max-tokens (or --stream-capacity-tokens) as their capacity,
     fairseq's batching then has no token limit, and every sentence was translated without a word where greedy
     refused those longer than the limit: one rule for every decoder, in the same words."""
     refused, total = over_budget_ids(toy_model)

@@ -1,4 +1,4 @@
-"""Issue 30: SIGTERM and SIGINT to fairseq-generate (without --postprocess-workers) and fairseq-interactive end
+"""SIGTERM and SIGINT to fairseq-generate (without --postprocess-workers) and fairseq-interactive end
 every child process they started, write whole sentences only, say on stderr how many were written, and exit with
 status 128 + the signal.
 
@@ -89,7 +89,7 @@ def wait_until_read(pipe, poll_s=0.05):
 
 
 def test_fairseq_interactive_stopped_while_a_buffer_fills_counts_its_lines(toy_model):
-    """Issue 55 item 9: three lines read into a buffer of 8, then SIGTERM: the report said "0 of the 0 input lines
+    """Three lines read into a buffer of 8, then SIGTERM: the report said "0 of the 0 input lines
     read" (fairseq's reader counted a buffer only once full); it counts the 3 lines read and not answered."""
     command = toy.fairseq_command("interactive") + [
         str(toy_model.data_bin), "--path", str(toy_model.checkpoint), "--cpu", "--user-dir", toy.PLUGIN_DIR,

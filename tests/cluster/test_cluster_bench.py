@@ -1,4 +1,4 @@
-"""fastgen-bench with cluster files given as variants (issue 6's grid): every other
+"""fastgen-bench with cluster files given as variants: every other
 configuration times its full projection, and each projected one reports its
 projection speedup against its reference."""
 

@@ -104,7 +104,7 @@ def test_more_clusters_than_states_is_refused_by_the_command(toy_model, tmp_path
 
 @pytest.mark.parametrize("problem", ["truncated", "untrusted"])
 def test_a_checkpoint_that_is_not_loaded_is_one_error_line(toy_model, train_clusters_command, tmp_path, problem):
-    """Issue 55 item 6: fastgen-train-clusters answered a truncated or untrusted checkpoint with a traceback (exit
+    """Fastgen-train-clusters answered a truncated or untrusted checkpoint with a traceback (exit
     status 1) where every other tool gives one error line and exit status 2."""
     if problem == "truncated":
         checkpoint = damaged_copies(toy_model.checkpoint, tmp_path)["truncated"]
@@ -125,7 +125,7 @@ def test_settings_in_range_pass():
 
 
 def test_a_random_bytes_cluster_file_is_one_error_line(toy_model, tmp_path):
-    """Issue 55 item 8: torch's paragraphs advising weights_only=False, where a checkpoint gets one line."""
+    """Torch's paragraphs advising weights_only=False, where a checkpoint gets one line."""
     path = tmp_path / "clusters.pt"
     path.write_bytes(random.Random(8).randbytes(4096))
     result = subprocess.run(toy_pipeline.fairseq_command("generate") + [

@@ -154,7 +154,7 @@ def test_a_killed_run_leaves_no_partial_file_and_a_rerun_completes(multilingual_
 
 
 def test_a_killed_save_keeps_the_previous_single_file(tmp_path):
-    """The bilingual file (issue 30): a save killed before its rename leaves the previous file whole."""
+    """The bilingual file: a save killed before its rename leaves the previous file whole."""
     path = tmp_path / "clusters.pt"
     script = ("import sys, torch; from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint; "
               "ClusterFile.build(torch.full((2, 3), float(sys.argv[2])), [[0, 1], [2]], ModelFingerprint(4, 3, 'ab'), "

@@ -153,7 +153,7 @@ def test_logged_metrics_name_every_head():
 
 @pytest.mark.parametrize("smoothing, shown", [(math.nan, "nan"), (math.inf, "inf"), (-0.1, "-0.1"), (1.5, "1.5")])
 def test_label_smoothing_out_of_range_is_refused(smoothing, shown):
-    """Issue 30: a NaN epsilon would make every loss NaN."""
+    """A NaN epsilon would make every loss NaN."""
     task = SimpleNamespace(target_dictionary=None)
     with pytest.raises(ValueError) as refusal:
         RandomSublossCriterion(task, label_smoothing=smoothing, subloss_mode="random", sentence_avg=False)

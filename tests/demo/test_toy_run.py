@@ -1,4 +1,4 @@
-"""Issue 55 item 12: a killed test run (or demo) left the fairseq-train of a fixture running on its own; the
+"""A killed test run (or demo) left the fairseq-train of a fixture running on its own; the
 commands toy.run starts end with the process that started them."""
 
 import os

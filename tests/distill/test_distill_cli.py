@@ -1,4 +1,4 @@
-"""Issue 4: fastgen-distill through its real command line, on the toy model."""
+"""Fastgen-distill through its real command line, on the toy model."""
 
 import json
 import sys

@@ -1,4 +1,4 @@
-"""Issue 30 item 4: fastgen-distill under signals, kills and damaged files, through its real command."""
+"""Fastgen-distill under signals, kills and damaged files, through its real command."""
 
 import os
 import random

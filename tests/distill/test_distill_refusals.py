@@ -1,4 +1,4 @@
-"""Issue 4: what fastgen-distill refuses or reports.  In-process, on small inputs:
+"""What fastgen-distill refuses or reports.  In-process, on small inputs:
 each case fails before decoding or decodes a handful of sentences."""
 
 import logging
@@ -168,7 +168,7 @@ def test_resuming_with_other_settings_is_refused(reference_run, toy_model, tmp_p
     (["--decoder", "var-batch", "--var-beam-delta", "nan"], "--var-beam-delta must be a number >= 0 or inf, got nan"),
 ])
 def test_numbers_out_of_range_are_refused_when_parsed(tmp_path, extra, message):
-    """Issue 30: refused before anything is read (DATA and the teacher need not exist), as a misuse (exit
+    """Refused before anything is read (DATA and the teacher need not exist), as a misuse (exit
     status 2 through the command line: test_distill_misuse.py)."""
     argv = distill_args(tmp_path / "data", tmp_path / "teacher.pt", tmp_path / "out", *extra)
     with pytest.raises(UsageError) as refusal:

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 from fairseq_fastgen.engine import compiled
 from fairseq_fastgen.engine.compiled import CompiledRunner
-from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from tests.engine.test_static_engine import CASES, SENTENCES, decode
 
 onednn_linear_module = importlib.import_module("fairseq_fastgen.ops.onednn_linear")  # ops/ re-exports its function under that name

@@ -21,7 +21,7 @@ import pytest
 from fairseq.sequence_generator import EnsembleModel
 from fairseq_fastgen.engine.compiled import CompiledRunner
 from fairseq_fastgen.engine.runners import StaticRunner
-from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from tests.engine.test_compiled_engine import assert_same_tokens_close_scores
 from tests.engine.test_static_engine import SENTENCES, decode
 from tests.models.khead_toy import one_thread  # noqa: F401  (fixture)

@@ -7,9 +7,11 @@ tokens, scores, positional scores and attention equal with ``torch.equal``.
 import pytest
 import torch
 
+from fairseq_fastgen.engine import make_runner
+from fairseq_fastgen.engine.fairseq_runner import ModelRunner
+from fairseq_fastgen.engine.runner_types import PlacesRows, Runner
 from fairseq_fastgen.engine.runners import StaticRunner
 from fairseq_fastgen.engine.static_cache import StaticCache
-from fairseq_fastgen.sequence_generators.runner import ModelRunner
 from tests.sequence_generators.test_var_beam import TEST_SENTENCES, assert_identical, toy  # noqa: F401  (fixture)
 
 SENTENCES = list(range(0, TEST_SENTENCES, 2))  # 100 sentences of the toy test set
@@ -266,3 +268,13 @@ def test_shrunk_room_keeps_the_written_positions():
     cache.shrink_room(2)  # below the written positions: only down to them
     assert cache.capacity == 6 and torch.equal(cache.self_keys[0], keys)
     assert cache.attended().tolist() == [[True] * 6, [False] * 6, [True] * 6]
+
+
+def test_every_engine_is_a_runner_and_only_the_step_engines_place_rows(toy):
+    """The runner types decoders ask about: every engine offers the whole :class:`Runner`; only the step engines'
+    caches take a refill's rows in finished rows' places (the compiled runner is built, not compiled)."""
+    runners = {engine: make_runner(engine, toy.models[0], 1.0, None) for engine in ("fairseq", "static", "compiled")}
+    assert all(isinstance(runner, Runner) for runner in runners.values())
+    assert {engine for engine, runner in runners.items() if isinstance(runner, PlacesRows)} == {"static", "compiled"}
+    assert runners["fairseq"].max_target_positions == toy.models[0].decoder.max_positions()
+    assert not runners["static"].identity_first_head  # a plain transformer: no k-head layer

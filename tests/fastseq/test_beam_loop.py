@@ -1,4 +1,4 @@
-"""Issue 9: stock beam search through the plugin's lean loop gives stock fairseq's hypotheses, bitwise.
+"""Stock beam search through the plugin's lean loop gives stock fairseq's hypotheses, bitwise.
 
 Stock fairseq's loop (``--no-lean-beam-loop``) and the lean loop run in one process
 on the same models; tokens, scores, positional scores and attention of every

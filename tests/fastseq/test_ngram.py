@@ -1,4 +1,4 @@
-"""Issue 9: --no-repeat-ngram-size through stock fairseq beam search with the plugin's op."""
+"""--no-repeat-ngram-size through stock fairseq beam search with the plugin's op."""
 
 import os
 import subprocess

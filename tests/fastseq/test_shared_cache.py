@@ -1,4 +1,4 @@
-"""Issue 9: encoder-decoder attention keys/values shared by the beams of a sentence.
+"""Encoder-decoder attention keys/values shared by the beams of a sentence.
 
 Stock fairseq beam search (the optimization off) and the same beam search with
 the shared cache run in one process on the same models; every sentence's

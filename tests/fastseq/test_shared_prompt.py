@@ -1,4 +1,4 @@
-"""Issue 9: a language model's prompt decoded once per sentence, its self-attention keys/values shared by the beams.
+"""A language model's prompt decoded once per sentence, its self-attention keys/values shared by the beams.
 
 A tiny random ``transformer_lm`` is built in-process; stock fairseq beam search
 and the same beam search with the shared prompt run on copies of it, prompts

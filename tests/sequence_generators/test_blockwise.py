@@ -16,12 +16,13 @@ import fairseq_fastgen  # noqa: F401  (plugin: --decoder, models)
 from fairseq import checkpoint_utils
 from fairseq.data import Dictionary
 from fairseq.dataclass.configs import GenerationConfig
+from fairseq_fastgen.engine.int8_proposals import Int8Linear
+from fairseq_fastgen.registry import DECODERS
+from fairseq_fastgen.sequence_generators import generator as generator_module
 from fairseq_fastgen.sequence_generators.blockwise.options import OrdinalDistance, ordinal_values
-from fairseq_fastgen.sequence_generators.blockwise.int8_proposals import Int8Linear
 from fairseq_fastgen.sequence_generators.processors import (
-    BanRepeatedNgrams, ForbidPad, ForcePrefix, LengthLimits, RowStepProcessors, UnkPenalty,
+    BanRepeatedNgrams, ForbidPad, ForcePrefix, LengthLimits, StepRows, UnkPenalty, apply_processors,
 )
-from fairseq_fastgen.sequence_generators.registry import DECODERS
 from fairseq_fastgen.sequence_generators.state import DecodingState
 from fastgen_demo import toy
 from tests.test_usage_errors import assert_one_error_line
@@ -192,13 +193,7 @@ def test_later_heads_proposed_at_once_equal_proposals_in_turn(loaded, monkeypatc
     greedy, _ = decode(model, task, 64, decoder="greedy", min_len=5, unkpen=0.5, max_len_a=0, max_len_b=10)
     assert any(at_once[s][0] != greedy[s][0] for s in greedy)  # the unverified proposals do show
 
-    original_init = RowStepProcessors.__init__
-
-    def in_turn(self, processors):
-        original_init(self, processors)
-        self.reads_history = True  # as with a forced prefix or an n-gram ban
-
-    monkeypatch.setattr(RowStepProcessors, "__init__", in_turn)
+    monkeypatch.setattr(generator_module, "reads_tokens", lambda processors: True)  # as with a forced prefix
     one_by_one, _ = decode(model, task, 64, **options)
     assert sorted(one_by_one) == sorted(at_once)
     for sentence, (tokens, scores) in at_once.items():
@@ -237,19 +232,19 @@ def test_row_step_processors_equal_the_processors_at_each_rows_step():
     lprobs = torch.randn(rows, vocab, generator=generator).log_softmax(dim=-1)
     together = lprobs.clone()
     sentence = torch.arange(rows)
-    RowStepProcessors(processors)(together, steps, history, sentence, sentence, max_len)
+    apply_processors(processors, together, StepRows(steps, max_len, sentence, history))
     for row in range(rows):
         step = int(steps[row])
         alone = lprobs[row:row + 1].clone()
         state = DecodingState(None, history[row:row + 1, : step + 1], sentence[row:row + 1], max_len[row:row + 1],
                               None, None, 0)
         for processor in processors:
-            processor(alone, state)
+            processor(alone, StepRows.of_state(state))
         assert torch.equal(together[row], alone[0]), row
 
 
 def test_one_row_processing_equals_the_processors_at_each_step():
-    """RowStepProcessors.one_row (one row, consecutive steps, Python integers) == __call__."""
+    """One row at consecutive steps given as a range (Python integers) == the same steps as a tensor."""
     generator = torch.Generator().manual_seed(1)
     eos, pad, unk, vocab, m = 2, 1, 3, 9, 4
     lprobs = torch.randn(m, vocab, generator=generator).log_softmax(dim=-1)
@@ -257,14 +252,12 @@ def test_one_row_processing_equals_the_processors_at_each_step():
     cases = 0
     for prefix_len, min_len in [(0, 0), (0, 3), (2, 5)]:
         processors = [ForbidPad(pad), UnkPenalty(unk, 0.5), LengthLimits(eos, min_len=min_len, prefix_len=prefix_len)]
-        rules = RowStepProcessors(processors)
         for first_step in range(0, 7):
             for max_len in range(first_step - 1, first_step + m + 1):
                 together, alone = lprobs.clone(), lprobs.clone()
                 steps = torch.arange(first_step, first_step + m)
-                rules(together, steps, None, torch.zeros(m, dtype=torch.long), torch.zeros(1, dtype=torch.long),
-                      torch.tensor([max_len]))
-                rules.one_row(alone, first_step, max_len)
+                apply_processors(processors, together, StepRows(steps, torch.full((m,), max_len)))
+                apply_processors(processors, alone, StepRows(range(first_step, first_step + m), max_len))
                 assert torch.equal(together, alone), (prefix_len, min_len, first_step, max_len)
                 cases += not torch.equal(together[:, eos], lprobs[:, eos])  # eos banned or forced somewhere
     assert cases > 20
@@ -305,7 +298,7 @@ def test_int8_proposals_keep_greedy_output(loaded, block_size, batch_size):
                              **SOURCE_LENGTH)
     assert_same_tokens(greedy, int8)
     assert_statistics(generator.counters.as_dict(), int8, batches=math.ceil(200 / batch_size))
-    assert generator.policy.proposer is not None
+    assert generator.runner.proposer is not None
 
 
 def test_int8_linear_is_within_its_rounding_bound():
@@ -332,15 +325,15 @@ def test_int8_proposals_follow_weight_updates(loaded):
     model, task = loaded(2)
     generator = build(model, task, beam=1, blockwise_int8_proposals=True)
     run_generator(generator, model, task, 64)
-    first = generator.policy.proposer
+    first = generator.runner.proposer
     weight = model.decoder.heads.fc2.weight
     saved = weight.detach().clone()
     try:
         with torch.no_grad():
             weight.mul_(0.5)
         run_generator(generator, model, task, 64)
-        assert generator.policy.proposer is not first
-        assert generator.policy.proposer.is_current(model.decoder)
+        assert generator.runner.proposer is not first
+        assert generator.runner.proposer.is_current(model.decoder)
     finally:
         with torch.no_grad():
             weight.copy_(saved)
@@ -382,8 +375,8 @@ def test_bad_options_are_refused(loaded, options, message):
     ({"blockwise_min_block": 0}, "--blockwise-min-block must be an integer >= 1, got 0"),
 ])
 def test_the_decoder_refuses_numbers_out_of_range(loaded, options, message):
-    """Checked when the decoder is built, for callers that do not go through task.build_generator
-    (issue 30): the registry's builder directly."""
+    """Checked when the decoder is built, for callers that do not go through task.build_generator:
+    the registry's builder directly."""
     model, task = loaded(4)
     with pytest.raises(ValueError, match=re.escape(message)):
         DECODERS["blockwise"].builder([model], task.target_dictionary,
@@ -404,11 +397,11 @@ def test_int8_proposals_off_the_cpu_are_refused(loaded):
     with pytest.raises(ValueError, match="runs on the CPU.*the model is on meta"):
         build(elsewhere, task, beam=1, blockwise_int8_proposals=True)
     moved_later = copy.deepcopy(model)  # built on the CPU, then moved: refused at the next proposal
-    policy = build(moved_later, task, beam=1, blockwise_int8_proposals=True).policy
+    runner = build(moved_later, task, beam=1, blockwise_int8_proposals=True).runner
     moved_later.to("meta")
-    assert not policy.proposer.is_current(moved_later.decoder)
+    assert not runner.proposer.is_current(moved_later.decoder)
     with pytest.raises(ValueError, match="runs on the CPU"):
-        policy.later_scores(torch.zeros(1, 1, device="meta"), None, None)
+        runner.int8_proposals()  # what the policy asks for at its next proposal
 
 
 def test_a_smaller_block_uses_the_first_heads(loaded):

@@ -1,4 +1,4 @@
-"""fairseq-interactive's lines enter the stream as they arrive (issue 28): a LiveStream keeps one stream
+"""fairseq-interactive's lines enter the stream as they arrive: a LiveStream keeps one stream
 across generate() calls, takes in the lines read meanwhile at each refill, and answers each call's sentences
 exactly as the decoder does on one static batch; fairseq-interactive answers every line once, in input
 order, each as soon as it and every earlier line are done."""
@@ -172,3 +172,135 @@ def test_every_line_answered_once_in_order_with_refusals(toy_model, plugin_dir):
     assert hypotheses(outputs["var-stream"]) == hypotheses(outputs["var-batch"])
     counts = collections.Counter(int(sentence) for sentence, _ in hypotheses(outputs["var-stream"]))
     assert sorted(counts) == answered and set(counts.values()) <= {1, 2}  # var-beam may keep fewer than nbest
+
+
+# ---- cancel: a client gives up (fastgen-serve's deadlines and disconnects) ----------------------------
+CANCEL_IDS = list(range(0, 46, 2))  # 23 sentences of the toy test set
+ARRIVING = {0: 10, 2: 3, 4: 3, 7: 4}  # iteration -> sentences arriving before it; the rest after the cancel
+CANCEL_DECODERS = {  # name -> (the stream's options, offline decoding's options, its scores bitwise)
+    # joined (the toy model runs on a step engine): a cancelled row waits as a padding row (finished_rows_wait)
+    "greedy-stream": (dict(decoder="greedy-stream", beam=1), dict(decoder="greedy", beam=1), False),
+    # cohorts of equal length: a cancelled sentence's rows leave, the others are padded again (select_padded)
+    "greedy-stream --stream-cohorts": (dict(decoder="greedy-stream", beam=1, stream_cohorts=True),
+                                       dict(decoder="greedy-stream", beam=1, stream_cohorts=True), True),
+    "blockwise-stream": (dict(decoder="blockwise-stream", beam=1), dict(decoder="blockwise", beam=1), False),
+    # fairseq's incremental decoder takes no row in place: a cancelled row goes at once (finished_rows_wait)
+    "blockwise-stream --step-engine fairseq": (dict(decoder="blockwise-stream", beam=1, step_engine="fairseq"),
+                                               dict(decoder="blockwise", beam=1, step_engine="fairseq"), False),
+    "var-stream": (dict(decoder="var-stream", beam=4, nbest=2), dict(decoder="var-stream", beam=4, nbest=2), True),
+    "fixed-stream": (dict(decoder="fixed-stream", beam=4), dict(decoder="fixed-stream", beam=4), True),
+}
+
+
+class CancellingServer(LiveStream):
+    """fastgen-serve's decoding loop (serve/batching.py, ``ServedStream``) on a scripted load: sentences arrive
+    between iterations (ARRIVING), each answer is read once as it finishes; once a sentence was answered and
+    three run, the clients of two running sentences, of two waiting ones (in the pool, not admitted yet) and of
+    one already answered give up; the sentences not sent yet (three at least) arrive after that.  A cancelled
+    sentence not admitted yet is cancelled again once it is (as ``ServedStream._remove`` does)."""
+
+    def __init__(self, toy, generator):
+        self.toy, self.unsent, self.incoming, self.order = toy, deque(CANCEL_IDS), [], []  # order: pool -> id
+        self.answers, self.leaving, self.cancelled = {}, set(), {}  # cancelled: pool position -> found running
+        self.cancel_return, self.cancel_running, self.late = None, None, None
+        super().__init__(generator, self.arrivals, lambda count: None)
+
+    def arrivals(self):
+        arrived, self.incoming = self.incoming, []
+        self.order += arrived
+        return [self.toy.sample([sentence])["net_input"] for sentence in arrived]
+
+    def send(self, count):
+        self.incoming += [self.unsent.popleft() for _ in range(min(count, len(self.unsent)))]
+
+    def answer(self, net_input):
+        results, run = self.pool.results, self.run
+        for iteration in range(2000):  # (a hang guard)
+            self.send(ARRIVING.get(iteration, 0))
+            if self.cancel_return is None:
+                self.cancel_some()
+            admitted = sorted(p for p in self.leaving if p < run.next_source)  # cancelled again once admitted
+            if admitted:
+                unfinished = [p for p in admitted if results[p] is None]
+                assert self.cancel(admitted) == unfinished  # admitted and not finished: running
+                for position in admitted:
+                    self.leaving.remove(position)
+                    self.cancelled[position] = position in unfinished
+            progressed = run.iterate()
+            for position in range(self.pool.size):  # each answer read once, as it finishes
+                if results[position] is None or results[position] is RETURNED or position in self.leaving:
+                    continue
+                sentence = self.order[position]
+                assert sentence not in self.answers, f"sentence {sentence} answered twice"
+                self.answers[sentence], results[position] = results[position], RETURNED
+            if not progressed and not self.incoming and iteration > max(ARRIVING):  # (unsent: no cancel came)
+                return []
+        raise AssertionError("the stream did not end")
+
+    def cancel_some(self):
+        results, next_source = self.pool.results, self.run.next_source
+        running = [p for p in range(next_source) if results[p] is None]
+        waiting = [p for p in range(next_source, self.pool.size) if results[p] is None]
+        answered = [p for p in range(next_source) if results[p] is RETURNED]
+        if not answered or len(running) < 3 or len(waiting) < 2:
+            return
+        records = getattr(self.run.policy, "_records", None)  # a beam search's: hypotheses kept per sentence
+        holding = [] if records is None else [p for p in running if records.collected[p] or records.waiting[p]]
+        if records is not None and not holding and len(answered) < 2:
+            return  # a running sentence that holds finished hypotheses is one of those cancelled, where one comes
+        leaving = (holding[:1] + [p for p in running[::2] if p not in holding[:1]])[:2]
+        gone = leaving + [waiting[0], waiting[-1]] + answered[:1]  # the next to be admitted, the last
+        self.cancel_return = self.cancel(gone)
+        assert results[answered[0]] is RETURNED  # an answer given stays given
+        self.cancelled.update({p: True for p in leaving})
+        self.leaving.update([waiting[0], waiting[-1]])
+        self.cancel_running, self.late = sorted(leaving), list(self.unsent)
+        self.send(len(self.unsent))  # the last sentences arrive after the cancel
+
+
+@pytest.fixture(scope="module")
+def offline_answers():
+    """{decoder: {sentence id: hypotheses}}: offline decoding of CANCEL_IDS in one batch, computed once."""
+    return {}
+
+
+@pytest.mark.parametrize("capacity", [3, 8])
+@pytest.mark.parametrize("name", CANCEL_DECODERS.keys())
+def test_cancelled_sentences_leave_the_stream_the_others_keep_answers(toy, loaded, offline_answers, name,  # noqa: F811
+                                                                       capacity):
+    streamed_options, offline_options, bitwise = CANCEL_DECODERS[name]
+    if name.startswith("blockwise-stream"):
+        model, task = loaded(2)
+        toy = type(toy)([model], task, task.dataset("test"))  # the k-head toy model
+    if name not in offline_answers:
+        offline_answers[name] = toy.translate(toy.generator(**offline_options), CANCEL_IDS)
+    offline = offline_answers[name]
+    generator = toy.generator(stream_capacity=capacity, **streamed_options)
+    server = generator.live = CancellingServer(toy, generator)
+    generator.generate(None, {"net_input": None})  # the loop runs inside generate(), as fastgen-serve's does
+
+    assert server.cancel_return is not None, "no iteration had an answer given, 3 sentences running and 2 waiting"
+    assert server.run.joins_lengths == (name == "greedy-stream" or name.startswith("blockwise"))  # the ways out
+    assert server.cancel_return == server.cancel_running  # the running sentences it found, no other
+    assert len(server.cancelled) == 4 and not server.leaving  # two running, two cancelled once admitted
+    assert sum(server.cancelled.values()) >= 3  # cancelled while their rows ran
+    cancelled = {server.order[p] for p in server.cancelled}
+    assert set(server.answers) == set(CANCEL_IDS) - cancelled
+    assert len(server.late) >= 3 and set(server.late) <= set(server.answers)  # sent after the cancel
+    results = server.pool.results
+    assert all(results[p] is None for p, running in server.cancelled.items() if running)  # never finished
+    assert all(results[p] is RETURNED for p in range(server.pool.size) if p not in server.cancelled)
+    assert server.rows == 0 and server.run.cohorts == [] and server.run.next_source == server.pool.size
+    expected = {sentence: offline[sentence] for sentence in server.answers}
+    if bitwise:
+        assert_identical(expected, server.answers, across_batches=True)
+    else:  # rows joined at other lengths: the tokens, the scores within float rounding
+        for sentence, hypotheses in expected.items():
+            want, got = hypotheses[0], server.answers[sentence][0]
+            assert len(server.answers[sentence]) == 1
+            assert torch.equal(got["tokens"], want["tokens"]), sentence
+            assert torch.allclose(got["positional_scores"], want["positional_scores"], atol=1e-5, rtol=0), sentence
+            assert abs(float(got["score"]) - float(want["score"])) <= 1e-5, sentence
+    records = getattr(generator.policy, "_records", None)  # a beam search's: no cancelled sentence's hypotheses kept
+    if records is not None:
+        assert all(records.collected[p] == [] and records.waiting[p] == {} for p in server.cancelled)

@@ -1,11 +1,12 @@
-"""The runner seam, checked on the source: under sequence_generators/ only runner.py calls the model.
+"""The runner seam, checked on the source: no module under sequence_generators/, in any subfolder, calls the model.
 
-Decoders (policies, schedulers, states, processors) ask their runner for every model computation
-(``encode``, ``step``, ``step_block``, ``project``, ``heads``), so that an engine is one more runner and
-decoders never know which engine runs their steps.  A call whose callee is reached through a ``model``,
-``decoder`` or ``encoder`` attribute or name (``self.decoder.heads(x)``, ``model.decoder.forward_block(...)``,
-``decoder(...)``), or a call of a forward method by name, is model work; reading attributes, the
-length queries and switching to evaluation mode are not.
+Decoders (policies, schedulers, states, processors) ask their runner (``engine/``: fairseq's incremental
+decoder, the static and the compiled engine) for every model computation (``encode``, ``step``, ``step_block``,
+``project``, ``heads``, the int8 proposals) and for the model's facts (``max_target_positions``,
+``identity_first_head``), so that an engine is one more runner and decoders never know which engine runs their
+steps.  A call whose callee is reached through a ``model``, ``decoder`` or ``encoder`` attribute or name
+(``self.decoder.heads(x)``, ``model.decoder.forward_block(...)``, ``decoder(...)``), or a call of a forward method
+by name, is model work; reading attributes, the length queries and switching to evaluation mode are not.
 """
 
 import ast
@@ -47,9 +48,9 @@ def model_calls(source: str):
 
 def test_only_the_runner_calls_the_model():
     directory = Path(package.__file__).parent
-    modules = sorted(p for p in directory.glob("*.py") if p.name != "runner.py")
-    assert len(modules) > 10
-    offending = {p.name: model_calls(p.read_text()) for p in modules}
+    modules = sorted(directory.rglob("*.py"))
+    assert len(modules) > 10 and directory / "blockwise" / "policy.py" in modules
+    offending = {str(p.relative_to(directory)): model_calls(p.read_text()) for p in modules}
     assert {name: calls for name, calls in offending.items() if calls} == {}
 
 

@@ -29,8 +29,8 @@ from fairseq.data import Dictionary
 from fairseq.ngram_repeat_block import NGramRepeatBlock
 
 from fairseq_fastgen.sequence_generators.processors import (
-    BanRepeatedNgrams, ForbidPad, ForcePrefix, LengthLimits, UnkPenalty, apply_processors, build_processors,
-    row_max_len,
+    BanRepeatedNgrams, ForbidPad, ForcePrefix, LengthLimits, StepRows, UnkPenalty, apply_processors,
+    build_processors, row_max_len,
 )
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
@@ -46,13 +46,14 @@ def lprobs_of(rows, seed=0):
 
 
 def state_of(generated, sentence=None, max_len=None):
-    """A DecodingState of rows bos + ``generated`` (rows, step) tokens; no model behind it."""
+    """The rows of a DecodingState of bos + ``generated`` (rows, step) tokens, as processors read them; no model
+    behind it."""
     tokens = torch.tensor(generated, dtype=torch.long).reshape(len(generated), -1)
     tokens = torch.cat([torch.full((tokens.size(0), 1), BOS), tokens], dim=1)
     rows = tokens.size(0)
     sentence = torch.tensor(sentence if sentence is not None else list(range(rows)))
     max_len = torch.tensor(max_len if max_len is not None else [100] * rows)
-    return DecodingState(None, tokens, sentence, max_len, None, None, 0)
+    return StepRows.of_state(DecodingState(None, tokens, sentence, max_len, None, None, 0))
 
 
 def fairseq_rules(lprobs, tokens, step, max_len, prefix=None, min_len=1, unk_penalty=0.0, ngram=0):

@@ -1,4 +1,4 @@
-"""ModelRunner (sequence_generators/runner.py) against the toy transformer itself.
+"""ModelRunner (engine/fairseq_runner.py) against the toy transformer itself.
 
 The references are the model's own calls, the way fairseq's SequenceGenerator
 makes them (``EnsembleModel.forward_decoder``): the decoder's forward with an
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fairseq_fastgen.engine import make_runner
-from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from tests.sequence_generators.test_var_beam import toy  # noqa: F401  (fixture)
 
 SENTENCES = [0, 1, 2, 5]  # sources of three padded widths in one batch

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fairseq_fastgen.sequence_generators.counters import GenerationCounters
+from fairseq_fastgen.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.generator import DecodeContext
-from fairseq_fastgen.sequence_generators.runner import ModelRunner
+from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from fairseq_fastgen.sequence_generators.state import DecodingState
 from tests.sequence_generators.test_var_beam import toy  # noqa: F401  (fixture)
 

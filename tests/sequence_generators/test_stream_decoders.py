@@ -1,4 +1,4 @@
-"""Streaming for every decoder (issue 28): greedy-stream gives greedy's tokens and blockwise-stream
+"""Streaming for every decoder: greedy-stream gives greedy's tokens and blockwise-stream
 blockwise's, sentence by sentence, over many refills; the fifo selection and the row budget give
 var-batch's outputs; fairseq-generate and fairseq-interactive answer every input once, in order."""
 
@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from fairseq_fastgen.engine.runner_types import PlacesRows
 from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.sequence_generators import streaming
 from fairseq_fastgen.sequence_generators.state import DecodingState
@@ -127,7 +128,7 @@ def test_greedy_stream_joins_lengths_wherever_a_step_engine_runs_the_model(toy, 
     streamed = toy.translate(generator, ids)
 
     assert isinstance(generator.policy, JoinedGreedyPolicy) == joins
-    assert generator.runner.takes_rows_in_place == joins
+    assert isinstance(generator.runner, PlacesRows) == joins
     assert all(torch.equal(streamed[s][0]["tokens"], greedy[s][0]["tokens"]) for s in ids)
 
 

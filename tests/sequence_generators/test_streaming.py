@@ -244,7 +244,7 @@ def test_capacity_comes_from_batch_options(toy):
     ({"capacity_tokens": -1}, "--stream-capacity-tokens must be an integer >= 1, got -1"),
 ])
 def test_the_scheduler_refuses_settings_out_of_range(settings, message):
-    """Checked by the scheduler itself, for callers that do not go through task.build_generator (issue 30)."""
+    """Checked by the scheduler itself, for callers that do not go through task.build_generator."""
     with pytest.raises(ValueError) as refusal:
         streaming.StreamingScheduler(**settings)
     assert str(refusal.value) == message

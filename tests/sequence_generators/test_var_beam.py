@@ -233,7 +233,7 @@ def test_every_sentence_gets_a_result_when_every_continuation_is_banned(toy):
         assert best["score"] == -math.inf
 
 
-# ---- refused settings (issue 30) ---------------------------------------------------------------------
+# ---- refused settings ---------------------------------------------------------------------
 @pytest.mark.parametrize("settings, message", [
     ({"delta": math.nan}, "--var-beam-delta must be a number >= 0 or inf, got nan"),  # emptied every hypothesis
     ({"delta": -1.0}, "--var-beam-delta must be a number >= 0 or inf, got -1.0"),

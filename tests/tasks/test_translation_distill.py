@@ -1,4 +1,4 @@
-"""Issue 4: the translation_distill task.
+"""The translation_distill task.
 
 Its "distilled" data-bin here is a stand-in whose targets are the toy valid
 targets reversed, so that every loaded pair shows where it came from.  Training

@@ -3,7 +3,6 @@
 * ``options.py``: the options and the acceptance criteria (is a proposed token good enough?);
 * ``policy.py``: predict / verify / accept, the batched ``advance`` (its docstring: the algorithm);
 * ``one_row.py``: the same ``advance`` for a lone row, in Python integers;
-* ``int8_proposals.py``: heads 2..k from int8 weights (``--blockwise-int8-proposals``);
 * ``generator.py``: the two decoders and their counters.
 
 Importing the package registers the decoders.

@@ -4,9 +4,9 @@ batches or streaming refills, and their counters."""
 from fairseq_fastgen.option_checks import UsageError, require_int
 from fairseq_fastgen.sequence_generators.blockwise.options import BlockwiseOptions, build_acceptance
 from fairseq_fastgen.sequence_generators.blockwise.policy import BlockwisePolicy
-from fairseq_fastgen.sequence_generators.counters import GenerationCounters
+from fairseq_fastgen.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
-from fairseq_fastgen.sequence_generators.registry import register_decoder
+from fairseq_fastgen.registry import register_decoder
 from fairseq_fastgen.sequence_generators.streaming import StreamingScheduler, StreamOptions, prepare_streaming_cli
 
 
@@ -55,11 +55,14 @@ class BlockwiseGenerator(FastgenGenerator):
                 f"--blockwise-min-block {min_block}: at most the {block_size} tokens proposed per iteration "
                 f"(--blockwise-block-size; the model has {decoder.block_size} heads); give 1 .. {block_size}"
             )
-        policy = BlockwisePolicy(decoder, block_size, build_acceptance(blockwise, tgt_dict), min_block, tgt_dict.pad(),
+        policy = BlockwisePolicy(block_size, build_acceptance(blockwise, tgt_dict), min_block, tgt_dict.pad(),
                                  int8_proposals=blockwise.blockwise_int8_proposals)
         scheduler = cls.scheduler_for(options)
         policy.streaming = scheduler is not None  # finished rows wait for a refill's rows
-        return cls(model, tgt_dict, gen_cfg, options.common, policy, scheduler, projection=projection)
+        generator = cls(model, tgt_dict, gen_cfg, options.common, policy, scheduler, projection=projection)
+        if policy.int8_proposals:
+            generator.runner.int8_proposals()  # made now: a model they cannot be made for is refused at the build
+        return generator
 
     @staticmethod
     def scheduler_for(options):

@@ -8,11 +8,12 @@ acceptance, the row's steps and its length limits in Python integers in place of
 
 import torch
 
+from fairseq_fastgen.sequence_generators.processors import StepRows
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
 
 class OneRowPath:
-    """``BlockwisePolicy``'s lone-row methods; they read the policy's ``block_size``, ``decoder``,
+    """``BlockwisePolicy``'s lone-row methods; they read the policy's ``block_size``,
     ``score_block`` and ``later_scores``."""
 
     def advance_one_row(self, state: DecodingState, ctx):
@@ -23,9 +24,9 @@ class OneRowPath:
         n = min(self.block_size, max_len + 1 - length)  # tokens it may still take, eos included
         block = state.extra["proposals"][:, :n]  # (1, n)
         positions = torch.arange(length + 1, length + 1 + n, device=block.device)
-        positions = positions.clamp_(max=self.decoder.max_positions() - 1).unsqueeze(0)  # (1, n)
+        positions = positions.clamp_(max=ctx.runner.max_target_positions - 1).unsqueeze(0)  # (1, n)
         features, attn, all_heads, lprobs = self.score_block(state, block, positions, ctx)
-        ctx.row_processors.one_row(lprobs[0], length + 1, max_len)
+        ctx.process(lprobs[0], StepRows(range(length + 1, length + 1 + n), max_len))  # steps in Python
         top_lprobs, top = lprobs[0].topk(1, dim=-1)  # (n, 1) each: greedy's choice after each block token
         proposed = block[0].tolist()
         count = self.accepted_count(proposed, top.view(-1).tolist(), ctx.eos)
@@ -54,7 +55,8 @@ class OneRowPath:
         if later is None:  # a block of 1
             state.extra["proposals"] = first
             return
-        ctx.row_processors.one_row(later[0], length + count + 1, max_len)
+        first_later = length + count + 1  # the step of head 2's proposal
+        ctx.process(later[0], StepRows(range(first_later, first_later + later.size(1)), max_len))
         state.extra["proposals"] = torch.cat([first, later[0].topk(1, dim=-1).indices.view(1, -1)], dim=1)
 
     @staticmethod

@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from fairseq_fastgen.ops.top_token import top_token
-from fairseq_fastgen.sequence_generators.blockwise.int8_proposals import Int8Proposer
 from fairseq_fastgen.sequence_generators.blockwise.one_row import OneRowPath
 from fairseq_fastgen.sequence_generators.blockwise.options import ExactMatch
+from fairseq_fastgen.sequence_generators.processors import StepRows
 from fairseq_fastgen.sequence_generators.state import DecodingState
 from fairseq_fastgen.sequence_generators.streaming import (
     PADDING_SENTENCE,
@@ -49,13 +49,12 @@ SOURCE_EXTRAS = frozenset({"first_attn"})  # the state's extras shaped (rows, sr
 class BlockwisePolicy(OneRowPath):
     """Predict / verify / accept; one model invocation per iteration after the first step."""
 
-    def __init__(self, decoder, block_size, acceptance, min_block, pad, int8_proposals=False):
-        self.decoder = decoder  # KHeadTransformerDecoder
+    def __init__(self, block_size, acceptance, min_block, pad, int8_proposals=False):
         self.block_size = block_size
         self.acceptance = acceptance
         self.min_block = min_block
         self.pad = pad
-        self.proposer = Int8Proposer(decoder) if int8_proposals else None
+        self.int8_proposals = int8_proposals  # heads 2..k propose from the runner's int8 copies of their weights
         # a lone row with exact acceptance takes advance_one_row: the same computation with Python
         # integers in place of the small tensors of per-row bookkeeping (batch 1, a batch's last row)
         self.one_row_path = isinstance(acceptance, ExactMatch) and min_block == 1
@@ -85,18 +84,16 @@ class BlockwisePolicy(OneRowPath):
         features, attn = self.run_block(state, bos, positions, ctx)  # (rows, 1, dim)
         base = features[:, 0]  # (rows, dim)
         # (rows, block, dim)
-        heads = None if self.decoder.heads.identity_first else ctx.runner.heads(base, self.block_size)
+        heads = None if ctx.runner.identity_first_head else ctx.runner.heads(base, self.block_size)
         first_lprobs = self.log_probs(base if heads is None else heads[:, 0], ctx)  # (rows, vocab)
-        rows = torch.arange(state.rows, device=positions.device)
-        ctx.row_processors(first_lprobs, state.lengths, state.tokens, rows, state.sentence, state.max_len)
+        ctx.process(first_lprobs, StepRows(state.lengths, state.max_len, state.sentence, state.tokens))
         self.propose(state, ctx, first_lprobs, None if attn is None else attn[:, 0],
                      self.later_scores(base, heads, ctx))
         return state
 
     def advance(self, state: DecodingState, ctx):
-        rules = ctx.row_processors
         # a lone row that is not waiting for a refill (streaming)
-        if state.rows == 1 and self.one_row_path and not rules.reads_history \
+        if state.rows == 1 and self.one_row_path and not ctx.reads_tokens \
                 and int(state.sentence[0]) != PADDING_SENTENCE:
             self.advance_one_row(state, ctx)
             return
@@ -106,16 +103,17 @@ class BlockwisePolicy(OneRowPath):
         block = state.extra["proposals"][:, : min(self.block_size, remaining)]  # (rows, n)
         n = block.size(1)
         offsets = torch.arange(n, device=block.device)
-        positions = (lengths.unsqueeze(1) + 1 + offsets).clamp(max=self.decoder.max_positions() - 1)
+        positions = (lengths.unsqueeze(1) + 1 + offsets).clamp(max=ctx.runner.max_target_positions - 1)
         features, attn, all_heads, lprobs = self.score_block(state, block, positions, ctx)
-        history = None
-        if rules.reads_history:
-            history = torch.cat([state.tokens, block.new_full((state.rows, n), self.pad)], dim=1)
-            history[rows.unsqueeze(1), 1 + lengths.unsqueeze(1) + offsets] = block
         steps = (lengths.unsqueeze(1) + 1 + offsets).view(-1)  # (rows * n,)
         flat = lprobs.view(-1, lprobs.size(-1))
         row_of = rows.unsqueeze(1).expand(-1, n).reshape(-1)  # (rows * n,)
-        rules(flat, steps, history, row_of, state.sentence, state.max_len)
+        block_rows = StepRows(steps, state.max_len[row_of])
+        if ctx.reads_tokens:  # each row's tokens with its block: the history of each block position
+            history = torch.cat([state.tokens, block.new_full((state.rows, n), self.pad)], dim=1)
+            history[rows.unsqueeze(1), 1 + lengths.unsqueeze(1) + offsets] = block
+            block_rows.sentence, block_rows.tokens = state.sentence[row_of], history[row_of]
+        ctx.process(flat, block_rows)
         best = top_token(flat)[1].view(block.shape)  # (rows, n): greedy's choice after each block token
         accepted = self.accepted_prefix(block, lprobs, best, ctx.eos)  # (rows, n)
         kept = accepted  # (rows, n) the positions the cache keeps
@@ -156,7 +154,7 @@ class BlockwisePolicy(OneRowPath):
         where computed in full precision (None with an identity head 1: the k-head layer then runs
         only where proposals are read) and head 1's lprobs (rows, n, vocab), not yet processed."""
         ctx.counters.add("row_iterations", state.rows)
-        if self.decoder.heads.identity_first:  # head 1 is the base output: scored with the pass, by the runner
+        if ctx.runner.identity_first_head:  # head 1 is the base output: scored with the pass, by the runner
             features, attn, lprobs = state.runner.step_block_scored(block, positions, state.encoder_out, state.cache)
             ctx.counters.add("model_calls")
             return features, attn, None, lprobs
@@ -184,14 +182,13 @@ class BlockwisePolicy(OneRowPath):
         """
         if self.block_size == 1:
             return None
-        if self.proposer is None:
+        if not self.int8_proposals:
             heads = ctx.runner.heads(base, self.block_size) if heads is None else heads
             return self.log_probs(heads[:, 1:], ctx, normalize=False)
-        if not self.proposer.is_current(self.decoder):  # the model's weights changed since the int8 copy
-            self.proposer = Int8Proposer(self.decoder)
+        proposer = ctx.runner.int8_proposals()
         # (rows, k - 1, dim)
-        later = ctx.runner.int8_later_heads(base, self.proposer) if heads is None else heads[:, 1:]
-        return self.log_probs(later[:, : self.block_size - 1], ctx, project=self.proposer.logits, normalize=False)
+        later = ctx.runner.int8_later_heads(base, proposer) if heads is None else heads[:, 1:]
+        return self.log_probs(later[:, : self.block_size - 1], ctx, project=proposer.logits, normalize=False)
 
     def propose(self, state: DecodingState, ctx, first_lprobs, first_attn, later_scores):
         """Set the next block: greedy's token from ``first_lprobs`` (rows, vocab),
@@ -203,20 +200,19 @@ class BlockwisePolicy(OneRowPath):
         if self.block_size == 1:
             state.extra["proposals"] = first
             return
-        rules = ctx.row_processors
-        if rules.reads_history:
-            state.extra["proposals"] = self.propose_in_turn(state, rules, first, later_scores)
+        if ctx.reads_tokens:
+            state.extra["proposals"] = self.propose_in_turn(state, ctx, first, later_scores)
             return
         # no processor reads earlier tokens: every later head is processed at once, at its own step
         later = self.block_size - 1
         rows = torch.arange(state.rows, device=first.device)
         steps = (state.lengths.unsqueeze(1) + 1 + torch.arange(later, device=first.device)).view(-1)  # (rows * later,)
         flat = later_scores.reshape(-1, later_scores.size(-1))  # (rows * later, vocab)
-        rules(flat, steps, None, rows.unsqueeze(1).expand(-1, later).reshape(-1), state.sentence, state.max_len)
+        ctx.process(flat, StepRows(steps, state.max_len[rows.unsqueeze(1).expand(-1, later).reshape(-1)]))
         best = flat.topk(1, dim=-1).indices.view(state.rows, later)  # (rows, later), ties as propose_in_turn
         state.extra["proposals"] = torch.cat([first, best], dim=1)  # (rows, block)
 
-    def propose_in_turn(self, state, rules, first, later_scores):
+    def propose_in_turn(self, state, ctx, first, later_scores):
         """Proposals (rows, block), each later head processed with the proposals before it as history."""
         rows = torch.arange(state.rows, device=first.device)
         lengths = state.lengths  # (rows,)
@@ -224,7 +220,7 @@ class BlockwisePolicy(OneRowPath):
         history[rows, 1 + lengths] = first.squeeze(1)
         for head in range(1, self.block_size):
             scores = later_scores[:, head - 1]
-            rules(scores, lengths + head, history, rows, state.sentence, state.max_len)
+            ctx.process(scores, StepRows(lengths + head, state.max_len, state.sentence, history))
             history[rows, 1 + lengths + head] = scores.topk(1, dim=-1).indices.squeeze(1)
         columns = 1 + lengths.unsqueeze(1) + torch.arange(self.block_size, device=rows.device)
         return history[rows.unsqueeze(1), columns]  # (rows, block)

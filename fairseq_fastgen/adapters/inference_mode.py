@@ -6,7 +6,7 @@ the base of every view recorded.  Under ``torch.inference_mode`` tensors carry
 neither, so each call costs less; the kernels, and therefore the values, are
 the same.  Decoding at small batches on the CPU makes hundreds of small calls
 per step, where this bookkeeping is a visible share of the time
-(docs/benchmarks.md).
+(docs/benchmarks.md, "FastSeq's optimizations for stock beam search").
 
 Tensors made under inference mode refuse in-place writes outside it, and
 fairseq-generate writes into the hypotheses it gets (it converts their

@@ -14,13 +14,37 @@ from torch import Tensor
 
 from fairseq import utils
 
+from fairseq_fastgen.engine.int8_proposals import Int8Proposer
+
+
+def encoder_output(states: Tensor, padding: Tensor, **fields) -> Dict[str, List[Tensor]]:
+    """fairseq's encoder-output dict of ``states`` (src_len, rows, dim) and ``padding`` (rows, src_len) bool, the
+    other fields empty unless given (``src_lengths=[lengths]``)."""
+    output = {"encoder_out": [states], "encoder_padding_mask": [padding], "encoder_embedding": [],
+              "encoder_states": [], "src_tokens": [], "src_lengths": []}
+    output.update(fields)
+    return output
+
+
+def sources_of(encoder_out):
+    """(states (src_len, rows, dim), padding (rows, src_len) bool) of fairseq's encoder-output dict."""
+    return encoder_out["encoder_out"][0], encoder_out["encoder_padding_mask"][0]
+
 
 class ModelRunner:
+    """``--step-engine fairseq``: a :class:`~fairseq_fastgen.engine.runner_types.Runner` over fairseq's own
+    incremental decoder and its dict cache (grown with ``torch.cat``); the base of the step engines' runners."""
+
     def __init__(self, model, temperature: float = 1.0, projection=None):
         self.model = model
         self.temperature = temperature
         # projection(features (rows, n, dim), decoder) -> logits (rows, n, vocab); None: full projection
         self.projection = projection
+        # what a decoder may ask of the model, which it never holds: the target positions it has, and whether
+        # a k-head model's head 1 is its base output (blockwise then scores a block with the pass)
+        self.max_target_positions = int(model.decoder.max_positions())
+        self.identity_first_head = bool(getattr(getattr(model.decoder, "heads", None), "identity_first", False))
+        self.proposer = None  # Int8Proposer, made on the first int8_proposals()
 
     # ---- encoder ------------------------------------------------------------
     def encode(self, net_input) -> Dict[str, List[Tensor]]:
@@ -44,14 +68,59 @@ class ModelRunner:
             mask = e["encoder_padding_mask"][0] if e["encoder_padding_mask"] else x.new_zeros((rows, x.size(0)), dtype=torch.bool)
             outs.append(torch.nn.functional.pad(x, (0, 0, 0, 0, extra, 0)))
             masks.append(torch.nn.functional.pad(mask, (extra, 0), value=True))
-        return {
-            "encoder_out": [torch.cat(outs, dim=1)],
-            "encoder_padding_mask": [torch.cat(masks, dim=0)],
-            "encoder_embedding": [],
-            "encoder_states": [],
-            "src_tokens": [],
-            "src_lengths": [],
-        }
+        return encoder_output(torch.cat(outs, dim=1), torch.cat(masks, dim=0))
+
+    # ---- the sources' layout: what a streaming scheduler plans, carried out on the encoder output -----------
+    @staticmethod
+    def source_padding(encoder_out) -> Tensor:
+        """(rows, src_len) bool: the padding positions of each row's source."""
+        return encoder_out["encoder_padding_mask"][0]
+
+    @staticmethod
+    def right_padded_sources(encoder_out, rows: int, length: int, width: int):
+        """The first ``rows`` rows of an encoder output of sources all ``length`` long, right-padded to ``width``
+        positions (a streaming refill's sources laid out so that no sentence's numbers depend on its companions)."""
+        states = encoder_out["encoder_out"][0][:, :rows]  # (length, rows, dim)
+        padding = states.new_ones((rows, width), dtype=torch.bool)  # (rows, width)
+        padding[:, :length] = False
+        return encoder_output(F.pad(states, (0, 0, 0, 0, 0, width - length)), padding)  # (width, rows, dim)
+
+    @staticmethod
+    def widened_sources(encoder_out, extra: int):
+        """``encoder_out`` with ``extra`` padding positions after every row's source."""
+        states, padding = sources_of(encoder_out)
+        return dict(encoder_out, encoder_out=[F.pad(states, (0, 0, 0, 0, 0, extra))],  # (src_len + extra, rows, dim)
+                    encoder_padding_mask=[F.pad(padding, (0, extra), value=True)])  # (rows, src_len + extra)
+
+    @staticmethod
+    def left_justified_sources(encoder_out):
+        """``encoder_out`` with each row's source positions first and its padding after them (fairseq left-pads
+        sources): the layout in which a stream's source width shrinks when its longest sources finish."""
+        states, mask = sources_of(encoder_out)  # (src, rows, dim), (rows, src)
+        leading = mask.long().cumprod(dim=1).sum(dim=1)  # (rows,) padding positions before each row's source
+        if not bool(leading.any()):
+            return encoder_out
+        src_len = mask.size(1)
+        positions = torch.arange(src_len, device=mask.device)
+        index = (positions.unsqueeze(0) + leading.unsqueeze(1)) % src_len  # (rows, src): rotated left
+        states = states.gather(0, index.t().unsqueeze(2).expand(-1, -1, states.size(2)))
+        return dict(encoder_out, **encoder_output(states, mask.gather(1, index)))
+
+    @staticmethod
+    def narrowed_sources(encoder_out, width: int):
+        """``encoder_out`` cut to its first ``width`` source positions."""
+        states, padding = sources_of(encoder_out)
+        return dict(encoder_out, encoder_out=[states[:width]], encoder_padding_mask=[padding[:, :width]])
+
+    @staticmethod
+    def placed_sources(encoder_out, slots: Tensor, fresh_encoder_out, rows: Tensor):
+        """``encoder_out`` whose rows ``slots`` (n,) hold the rows ``rows`` (n,) of ``fresh_encoder_out``, of the
+        same width (a refill's rows taking finished rows' places); the running rows are not copied elsewhere."""
+        states, mask = (tensor.clone() for tensor in sources_of(encoder_out))
+        fresh_states, fresh_mask = sources_of(fresh_encoder_out)
+        states[:, slots] = fresh_states.index_select(1, rows)  # (src_len, n, dim)
+        mask[slots] = fresh_mask.index_select(0, rows)  # (n, src_len)
+        return dict(encoder_out, encoder_out=[states], encoder_padding_mask=[mask])
 
     # ---- incremental cache -----------------------------------------------------
     @staticmethod
@@ -159,14 +228,18 @@ class ModelRunner:
         """The first ``block_size`` heads (..., block, dim) of a k-head decoder's outputs (..., dim)."""
         return self.model.decoder.heads(features)[..., :block_size, :]
 
-    def int8_later_heads(self, features: Tensor, proposer) -> Tensor:
+    def int8_proposals(self) -> Int8Proposer:
+        """int8 copies of the weights that make blockwise's proposals of heads 2..k
+        (``--blockwise-int8-proposals``), made again where the model's weights changed since the last copy (an
+        optimizer step between validations); a model they cannot be made for is refused (``ValueError``)."""
+        if self.proposer is None or not self.proposer.is_current(self.model.decoder):
+            self.proposer = Int8Proposer(self.model.decoder)
+        return self.proposer
+
+    def int8_later_heads(self, features: Tensor, proposer: Int8Proposer) -> Tensor:
         """Heads 2..k (rows, k - 1, dim) of decoder outputs (rows, dim) through the int8 copies of an
         ``Int8Proposer`` (an identity-first k-head layer)."""
         return self.model.decoder.heads.learned(features, proposer.fc1, proposer.fc2)
-
-    # whether a running cache's rows can be taken over by a fresh cache's rows (``place_rows``, a refill entering
-    # the rows finished ones left) and finished rows stop being attended (``release_rows``): the step engines
-    takes_rows_in_place = False
 
     def keep_accepted(self, cache, accepted: Tensor):
         """Of the n positions the last ``step_block`` cached, keep those where ``accepted`` (rows, n; a

@@ -5,7 +5,8 @@ precision; where the proposals of heads 2..k come from is free.  At small
 batches on the CPU their products are slow: the k-head layer is k x ffn_dim
 wide, and MKL's fp32 product onto the vocabulary costs at 3 rows about what
 3 one-row products cost.  fbgemm's dynamic int8 linear reads a quarter of the
-bytes and costs about the same at 1 and 3 rows (docs/benchmarks.md).
+bytes and costs about the same at 1 and 3 rows (docs/benchmarks.md,
+"At batch 1 (base size)").
 
 Exact acceptance keeps greedy's output whatever the proposals are (a token
 int8 rounding changed is rejected by head 1); the approximate criteria accept
