@@ -205,10 +205,9 @@ class BlockwisePolicy(OneRowPath):
             return
         # no processor reads earlier tokens: every later head is processed at once, at its own step
         later = self.block_size - 1
-        rows = torch.arange(state.rows, device=first.device)
         steps = (state.lengths.unsqueeze(1) + 1 + torch.arange(later, device=first.device)).view(-1)  # (rows * later,)
         flat = later_scores.reshape(-1, later_scores.size(-1))  # (rows * later, vocab)
-        ctx.process(flat, StepRows(steps, state.max_len[rows.unsqueeze(1).expand(-1, later).reshape(-1)]))
+        ctx.process(flat, StepRows(steps, state.max_len.repeat_interleave(later)))  # each row's limit, later times
         best = flat.topk(1, dim=-1).indices.view(state.rows, later)  # (rows, later), ties as propose_in_turn
         state.extra["proposals"] = torch.cat([first, best], dim=1)  # (rows, block)
 
