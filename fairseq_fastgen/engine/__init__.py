@@ -12,8 +12,9 @@ A model the engine cannot serve falls back to ``fairseq`` with one warning
 saying why; under ``--quantize`` ``compiled`` falls back to ``static`` (its
 units compute in float32), also in one line.  Blockwise decoding verifies its blocks through the runner's
 ``step_block`` (several positions per row) on every engine.  Stock beam search (``--decoder beam``) runs fairseq's own
-search loop over the compiled step (``stock_search.py``); with ``static`` it
-keeps fairseq's step over the shared encoder cache.
+search loop over the engine's step (``stock_search.py``), the beams of a sentence sharing its encoder-decoder
+keys/values in the engine's cache; with ``fairseq`` it runs over fairseq's step, sharing them through the
+integration layer (``fastseq/shared_cache.py``).
 """
 
 import logging
@@ -54,23 +55,17 @@ def engine_setting(options: PluginOptions) -> str:
 
 
 def serve_stock_search(generator, models, options: PluginOptions) -> bool:
-    """fairseq's own SequenceGenerator (``--decoder beam``) on the engine: with ``--step-engine compiled``,
-    fairseq's search loop over the compiled step (``stock_search.py``); returns whether the engine serves it.
-
-    With ``static`` it keeps fairseq's step and the shared encoder cache, and says so: the static step
-    keeps each beam's own copy of the encoder-decoder keys/values, which makes stock beam search slower
-    than the shared cache; its hypotheses would be bitwise the same (``tests/engine/test_stock_search.py``)."""
+    """fairseq's own SequenceGenerator (``--decoder beam``) on the engine: fairseq's search loop over the
+    engine's step (``stock_search.py``; on ``static`` bitwise stock fairseq's hypotheses); returns whether the
+    engine serves it (not under ``--step-engine fairseq``, nor for a model the engine cannot serve).
+    ``--no-shared-encoder-cache``: every beam keeps its own copy of the encoder-decoder keys/values."""
     engine = engine_setting(options)
     if engine == "fairseq":
-        return False
-    if engine == "static":
-        logger.info("--step-engine static: --decoder beam runs fairseq's step over the shared encoder cache, "
-                    "faster for beam search; --step-engine compiled runs it on the engine")
         return False
     from fairseq_fastgen.engine.stock_search import run_stock_search_on_engine
 
     return run_stock_search_on_engine(generator, models, engine, options.compiled_freezing,
-                                      options.compile_in_background)
+                                      options.compile_in_background, not options.no_shared_encoder_cache)
 
 
 def engine_refusal(model, options: PluginOptions) -> Optional[str]:
@@ -102,14 +97,13 @@ def build_runner(model, options: PluginOptions, temperature: float, projection):
 def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1,
                 background: bool = False, blocks_by_position: bool = False):
     """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job);
-    ``beams``: the rows of a sentence in fairseq's beam search (the compiled engine shares their
-    encoder-decoder keys); ``freezing``, ``background``: --compiled-freezing, --compile-in-background;
+    ``beams``: the rows of a sentence in fairseq's beam search (sharing their encoder-decoder keys); ``freezing``, ``background``: --compiled-freezing, --compile-in-background;
     ``blocks_by_position``: the static engine's blocks attend position by position (--quantize int8:
     ``DecoderStep``'s exact form)."""
     if engine == "static":
         from fairseq_fastgen.engine.runners import StaticRunner
 
-        return StaticRunner(model, temperature, projection, blocks_by_position)
+        return StaticRunner(model, temperature, projection, blocks_by_position, beams)
     if engine == "compiled":
         from fairseq_fastgen.engine.compiled import CompiledRunner
 

@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
 from fairseq_fastgen.engine.encoder_pass import EncoderPass, unsupported_encoder_reason
 from fairseq_fastgen.engine.fairseq_runner import encoder_output
-from fairseq_fastgen.engine.runners import StaticRunner
+from fairseq_fastgen.engine.runners import StaticRunner, shared_by_beams
 from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache, tensors_signature
 from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear, onednn_serves, pack_weight
@@ -109,10 +109,8 @@ class CompiledRunner(StaticRunner):
 
     def __init__(self, model, temperature: float = 1.0, projection=None, freezing: bool = False, beams: int = 1,
                  background: bool = False):
-        super().__init__(model, temperature, projection)
-        # fairseq's beam search keeps each sentence's ``beams`` rows together: above max_rows, on the CPU, the step
-        # for many rows then reads encoder-decoder keys/values held once per sentence (StaticCache.beams)
-        self.beams = beams
+        # beams: above max_rows, on the CPU, the step for many rows reads keys/values held once per sentence
+        super().__init__(model, temperature, projection, beams=beams)
         self._compiled_step = None  # made on first use: torch.compile loads dynamo and inductor (much memory)
         self.compiled_shapes: Dict[Tuple[int, int, int], float] = {}  # bucket -> seconds of its first call
         self.compile_seconds = 0.0  # every first call of a bucket, recompilations after a weight change included
@@ -281,11 +279,10 @@ class CompiledRunner(StaticRunner):
         """Whether a cache whose rows' encoder states have ``origin`` (rows,) holds its encoder-decoder keys once
         per sentence: the rows are sentences of ``beams`` equal rows each (fairseq's beam search), more than
         the row buckets take, and the step that reads them is compiled (on the CPU)."""
-        beams, rows = self.beams, origin.numel()
-        if beams <= self.max_rows or not self.many_rows_on_cpu or rows % beams:
+        beams = self.beams
+        if beams <= self.max_rows or not self.many_rows_on_cpu or not shared_by_beams(origin, beams):
             return False
-        first_beams = torch.arange(0, rows, beams, device=origin.device).repeat_interleave(beams)
-        return torch.equal(origin, first_beams) and self.packaged_step(None, cache, beams) is not None
+        return self.packaged_step(None, cache, beams) is not None
 
     # ---- one decoder step ---------------------------------------------------------------------------
     @property

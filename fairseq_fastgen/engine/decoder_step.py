@@ -3,7 +3,8 @@
 :class:`DecoderStep` reads the parameters of the loaded fairseq decoder itself
 (no conversion) and runs the same layer arithmetic as fairseq's incremental
 decoder, with the cache in :class:`~fairseq_fastgen.engine.static_cache.StaticCache`
-buffers instead of a dict of tensors grown with ``torch.cat``.  Three forms:
+buffers instead of a dict of tensors grown with ``torch.cat``.  Three forms, which
+run one layer loop (:meth:`DecoderStep.layer_loop`) and differ in their attention only:
 
 * :meth:`DecoderStep.exact`: every row at the same buffer length, one or several
   new positions per row (blockwise verification); attention reads the filled
@@ -152,16 +153,39 @@ class DecoderStep(nn.Module):
         """(length, rows, dim) -> (rows * heads, length, head_dim), fairseq's layout."""
         return x.contiguous().view(x.size(0), -1, self.head_dim).transpose(0, 1)
 
-    def encoder_keys_values(self, encoder_states: Tensor) -> Tuple[list, list]:
+    def encoder_keys_values(self, encoder_states: Tensor, kept: Optional[Tensor] = None) -> Tuple[list, list]:
         """Per layer, the encoder-decoder keys and values (rows, heads, src_len, head_dim) of
-        ``encoder_states`` (src_len, rows, dim), laid out as fairseq's first step leaves them."""
+        ``encoder_states`` (src_len, rows, dim), laid out as fairseq's first step leaves them; with ``kept``
+        (n,), of those rows only, each layer's projection still over every row (the bits of fairseq's
+        product over them: a product over fewer rows sums in another order)."""
         rows = encoder_states.size(1)
         keys, values = [], []
         for layer in self.layers:
             attention = layer.encoder_attn
-            keys.append(self.split_heads(attention.k_proj(encoder_states)).view(rows, self.heads, -1, self.head_dim))
-            values.append(self.split_heads(attention.v_proj(encoder_states)).view(rows, self.heads, -1, self.head_dim))
+            for projection, kept_layers in ((attention.k_proj, keys), (attention.v_proj, values)):
+                projected = self.split_heads(projection(encoder_states)).view(rows, self.heads, -1, self.head_dim)
+                kept_layers.append(projected if kept is None else projected.index_select(0, kept))
         return keys, values
+
+    # ---- the layer loop of every form ----------------------------------------------------------------
+    def layer_loop(self, x: Tensor, self_attention, encoder_attention) -> Tuple[Tensor, Optional[Tensor]]:
+        """x (n, rows, dim) through every layer, as fairseq's decoder layer runs it; the forms differ only in
+        their attention: ``self_attention(index, attention module, x)`` -> the heads' output before the module's
+        ``out_proj`` (n, rows, dim), its cache written; ``encoder_attention(index, layer, x, need_weights)`` ->
+        the encoder-decoder attention block's output (residual and norm included) and, with ``need_weights``
+        (the last layer), its weights.  Returns x after the last layer and those weights."""
+        attn = None
+        for index, layer in enumerate(self.layers):
+            x, residual = self.sublayer_input(layer, layer.self_attn_layer_norm, x)
+            x = layer.residual_connection(layer.self_attn.out_proj(self_attention(index, layer.self_attn, x)),
+                                          residual)
+            if not layer.normalize_before:
+                x = layer.self_attn_layer_norm(x)
+            last = index == self.num_layers - 1  # its attention weights go into the hypotheses
+            x, weights = encoder_attention(index, layer, x, last)
+            attn = weights if last else attn
+            x = self.feed_forward(layer, x)
+        return x, attn
 
     # ---- the exact form -----------------------------------------------------------------------
     def exact(self, tokens: Tensor, position_rows, cache, first_head: bool = True) -> Tuple[Tensor, Tensor]:
@@ -182,10 +206,8 @@ class DecoderStep(nn.Module):
         if n > 1:
             causal = torch.cat([x.new_zeros(n, start), utils.fill_with_neg_inf(x.new_zeros(n, n)).triu(1)], dim=1)
         padding = cache.attended_padding(n)  # (rows, end) or None
-        attn = None
-        for index, layer in enumerate(self.layers):
-            x, residual = self.sublayer_input(layer, layer.self_attn_layer_norm, x)
-            attention = layer.self_attn
+
+        def self_attention(index: int, attention, x: Tensor) -> Tensor:
             q = attention.q_proj(x)
             k = attention.k_proj(x)
             v = attention.v_proj(x)
@@ -206,15 +228,13 @@ class DecoderStep(nn.Module):
                                for j in range(n)], dim=1)  # (rows * heads, n, head_dim)
             else:
                 x, _ = self.attend(q, keys, values, causal, padding)  # (rows * heads, n, head_dim)
-            x = layer.residual_connection(attention.out_proj(self.merge_heads(x, rows)), residual)
-            if not layer.normalize_before:
-                x = layer.self_attn_layer_norm(x)
+            return self.merge_heads(x, rows)
 
-            last = index == self.num_layers - 1
-            x, weights = self.exact_encoder_attention(layer, x, index, cache, need_weights=last)
-            if last:
-                attn = weights.view(rows, self.heads, n, -1).transpose(1, 0).mean(dim=0)  # (rows, n, src_len)
-            x = self.feed_forward(layer, x)
+        def encoder_attention(index: int, layer, x: Tensor, need_weights: bool):
+            return self.exact_encoder_attention(layer, x, index, cache, need_weights)
+
+        x, weights = self.layer_loop(x, self_attention, encoder_attention)
+        attn = weights.view(rows, self.heads, n, -1).transpose(1, 0).mean(dim=0)  # (rows, n, src_len)
         cache.length = end
         return self.finish(x, first_head), attn
 
@@ -243,9 +263,12 @@ class DecoderStep(nn.Module):
         q = attention.q_proj(x)
         q *= attention.scaling
         q = self.split_heads(q)  # (rows * heads, n, head_dim)
-        keys = cache.cross_keys[index].view(rows * self.heads, -1, self.head_dim)  # (rows * heads, src_len, hd)
-        values = cache.cross_values[index].view(rows * self.heads, -1, self.head_dim)
-        if n > 1 and self.blocks_by_position:
+        sources = cache.cross_keys[index].size(0)  # rows, or sentences whose beams share their keys
+        keys = cache.cross_keys[index].view(sources * self.heads, -1, self.head_dim)  # (sources * heads, src, hd)
+        values = cache.cross_values[index].view(sources * self.heads, -1, self.head_dim)
+        if cache.beams > 1:
+            x, weights = self.attend_per_beam(q, keys, values, cache.cross_mask, cache.beams)
+        elif n > 1 and self.blocks_by_position:
             attended = [self.attend(q[:, j:j + 1], keys, values, padding=cache.cross_mask) for j in range(n)]
             x, weights = (torch.cat(parts, dim=1) for parts in zip(*attended))
         else:
@@ -255,6 +278,20 @@ class DecoderStep(nn.Module):
         if not layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
         return x, (weights if need_weights else None)
+
+    def attend_per_beam(self, q: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], beams: int):
+        """One position of rows that are sentences x ``beams`` (each sentence's beams together), q
+        (rows * heads, 1, head_dim), over keys and values held once per sentence (sentences * heads, src_len,
+        head_dim), ``mask`` (sentences, src_len): one product per beam, each beam's query against its
+        sentence's keys as fairseq multiplies it against its own copy (the same bits; a product over the
+        beams at once sums in another order).  The result and weights are laid out as ``attend``'s."""
+        sentences = keys.size(0) // self.heads
+        per_beam = q.view(sentences, beams, self.heads, 1, self.head_dim).transpose(0, 1)
+        per_beam = per_beam.reshape(beams, sentences * self.heads, 1, self.head_dim)  # beam-major
+        outputs = [self.attend(per_beam[beam], keys, values, padding=mask) for beam in range(beams)]
+        x, weights = (torch.stack(parts).view(beams, sentences, self.heads, 1, -1).transpose(0, 1)
+                      .reshape(sentences * beams * self.heads, 1, -1) for parts in zip(*outputs))
+        return x, weights  # (rows * heads, 1, head_dim), (rows * heads, 1, src_len)
 
     @staticmethod
     def sublayer_input(layer, norm, x: Tensor) -> Tuple[Tensor, Tensor]:
@@ -289,27 +326,22 @@ class DecoderStep(nn.Module):
         mask = cache.cross_mask  # (rows, src_len) True at padding
         if mask is None:
             mask = cache.cross_keys[0].new_zeros((rows, cache.cross_keys[0].size(2)), dtype=torch.bool)
-        attn = None
-        for index, layer in enumerate(self.layers):
-            x, residual = self.sublayer_input(layer, layer.self_attn_layer_norm, x)
-            attention = layer.self_attn
+
+        def self_attention(index: int, attention, x: Tensor) -> Tensor:
             q, k, v = qkv_product(index, x)[0].split(dim, dim=-1)  # (rows, dim) each
             key_buffer, value_buffer = cache.self_keys[index], cache.self_values[index]  # (rows, heads, cap, hd)
             key_buffer[:, :, position] = k.view(rows, self.heads, self.head_dim)
             value_buffer[:, :, position] = v.view(rows, self.heads, self.head_dim)
             q = (q * attention.scaling).view(rows, self.heads, 1, self.head_dim)
-            x = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, key_buffer[:, :, : position + 1], value_buffer[:, :, : position + 1], scale=1.0
             ).view(1, rows, dim)
-            x = layer.residual_connection(attention.out_proj(x), residual)
-            if not layer.normalize_before:
-                x = layer.self_attn_layer_norm(x)
 
-            last = index == self.num_layers - 1  # its attention weights go into the hypotheses
-            x, weights = self.encoder_attention(layer, x, cache.cross_keys[index], cache.cross_values[index], mask,
-                                                need_weights=last)
-            attn = weights if last else attn
-            x = self.feed_forward(layer, x)
+        def encoder_attention(index: int, layer, x: Tensor, need_weights: bool):
+            return self.encoder_attention(layer, x, cache.cross_keys[index], cache.cross_values[index], mask,
+                                          need_weights)
+
+        x, attn = self.layer_loop(x, self_attention, encoder_attention)
         cache.length = position + 1
         return self.finish(x), attn
 
@@ -342,31 +374,27 @@ class DecoderStep(nn.Module):
             index = positions if n > 1 else positions.unsqueeze(1)  # (rows, n)
             position_rows = position_table[index + (self.decoder.padding_idx + 1)]  # (rows, n, dim)
         x = self.embed(last_tokens, position_rows)  # (n, rows, dim)
-        attn, new_keys, new_values = None, [], []
-        for index, layer in enumerate(self.layers):
-            x, residual = self.sublayer_input(layer, layer.self_attn_layer_norm, x)
-            attention = layer.self_attn
+        new_keys, new_values = [], []  # per layer
+
+        def self_attention(index: int, attention, x: Tensor) -> Tensor:
             q, k, v = F.linear(x, qkv_weights[index], qkv_biases[index]).chunk(3, dim=-1)  # (n, rows, dim) each
             if n == 1:
                 q = (q * attention.scaling).view(rows, self.heads, 1, self.head_dim)
                 k, v = k.view(rows, self.heads, 1, self.head_dim), v.view(rows, self.heads, 1, self.head_dim)
                 new_keys.append(k.view(rows, self.heads, self.head_dim))
                 new_values.append(v.view(rows, self.heads, self.head_dim))
-                x = self.attention_with_new_position(q, self_keys[index], self_values[index], attended, k, v)
-            else:
-                q, k, v = (self.heads_first(t) for t in (q * attention.scaling, k, v))  # (rows, heads, n, hd)
-                new_keys.append(k)
-                new_values.append(v)
-                x = self.attention_with_new_block(q, self_keys[index], self_values[index], attended, k, v)
-            x = layer.residual_connection(attention.out_proj(x), residual)
-            if not layer.normalize_before:
-                x = layer.self_attn_layer_norm(x)
+                return self.attention_with_new_position(q, self_keys[index], self_values[index], attended, k, v)
+            q, k, v = (self.heads_first(t) for t in (q * attention.scaling, k, v))  # (rows, heads, n, hd)
+            new_keys.append(k)
+            new_values.append(v)
+            return self.attention_with_new_block(q, self_keys[index], self_values[index], attended, k, v)
 
-            last = index == self.num_layers - 1  # its attention weights go into the hypotheses
-            x, weights = self.encoder_attention(layer, x, cross_keys[index], cross_values[index], cross_mask,
-                                                need_weights=last, beams=beams)
-            attn = (weights[:, 0] if n == 1 else weights) if last else attn  # (rows, src_width) / (rows, n, ...)
-            x = self.feed_forward(layer, x)
+        def encoder_attention(index: int, layer, x: Tensor, need_weights: bool):
+            return self.encoder_attention(layer, x, cross_keys[index], cross_values[index], cross_mask,
+                                          need_weights=need_weights, beams=beams)
+
+        x, weights = self.layer_loop(x, self_attention, encoder_attention)
+        attn = weights[:, 0] if n == 1 else weights  # (rows, src_width) / (rows, n, src_width)
         return self.finish(x, first_head), attn, new_keys, new_values
 
     def heads_first(self, x: Tensor) -> Tensor:

@@ -11,8 +11,7 @@ never look inside the cache, so they do not know which engine runs their steps:
   form through ``torch.compile``.
 """
 
-import copy
-
+import torch
 from torch import Tensor
 
 from fairseq_fastgen.engine.decoder_step import DecoderStep
@@ -20,31 +19,47 @@ from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 
 
-INITIAL_POSITIONS = 32  # target positions a new cache holds before it first grows
+INITIAL_POSITIONS = 16  # target positions a new cache holds before it first grows
+# target positions a reordered cache keeps beyond its written ones at most (and gets, where it has none left): a
+# beam search reorders at every step, so its cache holds about what it wrote, as fairseq's does
+REORDERED_ROOM = 1
+
+
+def shared_by_beams(origin: Tensor, beams: int) -> bool:
+    """Whether rows whose encoder states have ``origin`` (rows,; ``StaticCache.row_origins``) are sentences
+    of ``beams`` equal rows each, as fairseq's beam search lays them out."""
+    rows = origin.numel()
+    if rows % beams:
+        return False
+    return torch.equal(origin, torch.arange(0, rows, beams, device=origin.device).repeat_interleave(beams))
 
 
 class StaticRunner(ModelRunner):
     engine = "static"
 
-    def __init__(self, model, temperature: float = 1.0, projection=None, blocks_by_position: bool = False):
+    def __init__(self, model, temperature: float = 1.0, projection=None, blocks_by_position: bool = False,
+                 beams: int = 1):
         super().__init__(model, temperature, projection)
         self.decoder_step = DecoderStep(model.decoder, blocks_by_position)
+        # fairseq's beam search keeps each sentence's ``beams`` rows together: their caches then hold the
+        # encoder-decoder keys/values once per sentence (StaticCache.beams)
+        self.beams = beams
 
     # ---- cache ------------------------------------------------------------------------------
-    @staticmethod
-    def new_cache(capacity: int = 0) -> StaticCache:
-        """Room for INITIAL_POSITIONS positions, doubled when a row needs more: buffers sized for the
-        longest allowed target (200 and more) would mostly hold nothing and spread the rows' keys apart."""
-        return StaticCache(max(min(capacity, INITIAL_POSITIONS), 1))
+    def new_cache(self, capacity: int = 0) -> StaticCache:
+        """Room for INITIAL_POSITIONS positions, grown when a row needs more: buffers sized for the longest
+        allowed target (200 and more) would mostly hold nothing and spread the rows' keys apart.  Beam search
+        (``beams`` > 1) reorders at every step, each reorder keeping REORDERED_ROOM positions of room."""
+        return StaticCache(max(min(capacity, REORDERED_ROOM if self.beams > 1 else INITIAL_POSITIONS), 1))
 
     @staticmethod
     def reorder_cache(cache: StaticCache, index: Tensor):
         if cache.started:
-            cache.select(index)
+            cache.select(index, REORDERED_ROOM)
 
     @staticmethod
     def copied_cache(cache: StaticCache) -> StaticCache:
-        return copy.copy(cache)  # reorders replace its buffers, never write into them
+        return cache.copy()
 
     @staticmethod
     def concat_caches(caches):
@@ -71,9 +86,16 @@ class StaticRunner(ModelRunner):
             return
         states = encoder_out["encoder_out"][0]  # (src_len, rows, dim)
         masks = encoder_out["encoder_padding_mask"]
-        keys, values = self.decoder_step.encoder_keys_values(states)
         step, mask = self.decoder_step, masks[0] if masks else None
-        cache.start(keys, values, mask, step.heads, step.head_dim, StaticCache.row_origins(states, mask))
+        origin = StaticCache.row_origins(states, mask)
+        if self.beams > 1 and shared_by_beams(origin, self.beams):
+            first_beams = origin[:: self.beams]  # each sentence's first beam: its keys serve all its beams
+            keys, values = step.encoder_keys_values(states, first_beams)
+            mask = None if mask is None else mask.index_select(0, first_beams)
+            cache.start(keys, values, mask, step.heads, step.head_dim, origin, self.beams)
+            return
+        keys, values = step.encoder_keys_values(states)
+        cache.start(keys, values, mask, step.heads, step.head_dim, origin)
 
     # ---- one decoder step ------------------------------------------------------------------------
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):

@@ -4,11 +4,15 @@ Only the engine's runners read or write it; decoders hold it in their
 ``DecodingState`` and hand it back to the runner.
 """
 
+import copy
 from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+
+GROWTH = 16  # target positions a full cache grows by at most (while less than double its capacity)
 
 
 class StaticCache:
@@ -66,16 +70,25 @@ class StaticCache:
         first = torch.cat([same.new_ones(1), ~same])  # (rows,) a run starts here
         return torch.cummax(torch.where(first, rows, 0), dim=0).values
 
+    def copy(self) -> "StaticCache":
+        """A cache that shares this one's buffers and reorders or grows without touching it (both replace
+        buffers, never write into them)."""
+        copied = copy.copy(self)
+        for name in ("self_keys", "self_values", "cross_keys", "cross_values"):
+            setattr(copied, name, list(getattr(self, name)))
+        return copied
+
     def ensure_room(self, positions: int, doubling: bool = True):
-        """Grow the buffers so that ``positions`` positions fit: to at least double their capacity, or
+        """Grow the buffers so that ``positions`` positions fit: by ``GROWTH`` positions or to double their
+        capacity, whichever is less (a few copies over a long decode, little room held unused), or
         (``doubling`` off) to exactly ``positions``."""
         if positions <= self.capacity or not self.started:
             self.capacity = max(self.capacity, positions)
             return
-        capacity = max(positions, 2 * self.capacity) if doubling else positions
-        grow = lambda buffer: F.pad(buffer, (0, 0, 0, capacity - self.capacity))  # noqa: E731
-        self.self_keys = [grow(b) for b in self.self_keys]
-        self.self_values = [grow(b) for b in self.self_values]
+        capacity = max(positions, min(2 * self.capacity, self.capacity + GROWTH)) if doubling else positions
+        for buffers in (self.self_keys, self.self_values):  # one layer at a time: one transient copy at most
+            for layer, buffer in enumerate(buffers):
+                buffers[layer] = F.pad(buffer, (0, 0, 0, capacity - self.capacity))
         if self.self_padding is not None:
             self.self_padding = F.pad(self.self_padding, (0, capacity - self.capacity))
         self.capacity = capacity
@@ -170,12 +183,21 @@ class StaticCache:
         self.drop_last(first)
 
     # ---- rows -----------------------------------------------------------------------------------
-    def select(self, index: Tensor):
-        """Keep (and reorder to) the rows ``index``; only the written positions are copied."""
-        self.self_keys = [self._select_written(b, index) for b in self.self_keys]
-        self.self_values = [self._select_written(b, index) for b in self.self_values]
+    def select(self, index: Tensor, room: Optional[int] = None):
+        """Keep (and reorder to) the rows ``index``; only the written positions are copied, one layer at a
+        time (one transient copy at most).  ``room``: the buffers keep at most this many positions beyond
+        the written ones, and get that many where none is left (a cache reordered at every step, as beam
+        search's, then holds about what it wrote, as fairseq's does, and never grows apart from a reorder)."""
+        capacity = self.capacity
+        if room is not None:
+            capacity = self.length + room if capacity <= self.length else min(capacity, self.length + room)
+        for buffers in (self.self_keys, self.self_values):
+            for layer, buffer in enumerate(buffers):
+                buffers[layer] = self._select_written(buffer, index, capacity)
         if self.self_padding is not None:
-            self.self_padding = self.self_padding.index_select(0, index)
+            padding = F.pad(self.self_padding, (0, max(capacity - self.capacity, 0)))
+            self.self_padding = padding[:, :capacity].index_select(0, index)
+        self.capacity = capacity
         self.real_rows = index.numel()
         if self.beams > 1:  # rows stay with their sentence's beams: the sentences kept, in order
             sentences = index.view(-1, self.beams)[:, 0] // self.beams
@@ -194,14 +216,15 @@ class StaticCache:
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, index)
 
-    def _select_written(self, buffer: Tensor, index: Tensor) -> Tensor:
-        """Rows ``index`` of ``buffer`` (rows, heads, capacity, head_dim): the written positions (unwritten ones
-        zero when ``zeroed``, else left unset).  Where at least half the positions are written, whole rows are
-        copied: one contiguous gather is faster than the written part's strided copy into a fresh buffer and
-        gives the same written positions (and zeros where the source holds them)."""
-        if 2 * self.length >= self.capacity:
-            return buffer.index_select(0, index)
-        selected = buffer.new_empty((index.numel(),) + buffer.shape[1:])
+    def _select_written(self, buffer: Tensor, index: Tensor, capacity: int) -> Tensor:
+        """Rows ``index`` of ``buffer`` (rows, heads, positions, head_dim) in a buffer of ``capacity`` positions:
+        the written ones (unwritten ones zero when ``zeroed``, else left unset).  Where the new buffer holds no
+        more positions than the old and at least half of them are written, one contiguous gather copies
+        them all: faster than the written part's strided copy into a fresh buffer, with the same written
+        positions (and zeros where the source holds them)."""
+        if capacity < buffer.size(2) or (capacity == buffer.size(2) and 2 * self.length >= capacity):
+            return buffer[:, :, :capacity].index_select(0, index)
+        selected = buffer.new_empty((index.numel(), buffer.size(1), capacity, buffer.size(3)))
         selected[:, :, : self.length] = buffer[:, :, : self.length].index_select(0, index)
         if self.zeroed:
             selected[:, :, self.length:] = 0

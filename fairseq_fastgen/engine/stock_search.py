@@ -18,6 +18,8 @@ serves any number of ``generate`` calls, one after another.
 import logging
 from typing import Optional
 
+import torch
+
 from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
 from fairseq_fastgen.adapters.ensemble import use_ensemble
@@ -43,13 +45,20 @@ class EngineEnsemble(EnsembleModel):
         state = incremental_states[0]
         if CACHE_KEY not in state:
             state[CACHE_KEY] = self.runner.new_cache(self.capacity)
-        step = self.runner.step(tokens, encoder_outs[0], state[CACHE_KEY])
-        encoder_outs[0][STARTED_KEY] = []  # the cache holds what the steps read of it from now on
+        cache = state[CACHE_KEY]
+        step = self.runner.step(tokens, encoder_outs[0], cache)
+        if STARTED_KEY not in encoder_outs[0]:  # the cache holds what the steps read of it from now on
+            beams = getattr(cache, "beams", 1)
+            if beams > 1:  # keys held per sentence: the search's copies of each sentence's rows can go
+                first_beams = torch.arange(0, tokens.size(0), beams, device=tokens.device)
+                encoder_outs[0] = self.runner.reorder_encoder_out(encoder_outs[0], first_beams)
+            encoder_outs[0][STARTED_KEY] = []
         return step
 
     def reorder_encoder_out(self, encoder_outs, new_order):
         """Once a cache has its encoder-decoder keys/values, the search's encoder output is read for its
-        width only: fairseq's reorder at every step (a copy of every row's states) is skipped."""
+        width only: fairseq's reorder at every step (a copy of every row's states) is skipped (and where the
+        cache holds them per sentence, the search keeps one row of it per sentence)."""
         if encoder_outs and STARTED_KEY in encoder_outs[0]:
             return encoder_outs
         return super().reorder_encoder_out(encoder_outs, new_order)
@@ -74,10 +83,11 @@ def stock_search_refusal(generator, models) -> Optional[str]:
 
 
 def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = False,
-                               background: bool = False) -> bool:
+                               background: bool = False, share_keys: bool = True) -> bool:
     """Give ``generator`` (fairseq's ``--decoder beam``) an :class:`EngineEnsemble` of ``engine``'s
     runner (:func:`fairseq_fastgen.adapters.ensemble.use_ensemble`); returns whether it did (otherwise one line
-    says why, and fairseq's step runs)."""
+    says why, and fairseq's step runs).  ``share_keys``: the beams of a sentence share its encoder-decoder
+    keys/values in the runner's cache, else each beam keeps its copy."""
     from fairseq_fastgen.engine import make_runner
 
     refusal = stock_search_refusal(generator, models)
@@ -85,6 +95,6 @@ def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = 
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         return False
     runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None), freezing,
-                         generator.beam_size, background)
+                         generator.beam_size if share_keys else 1, background)
     use_ensemble(generator, EngineEnsemble(models, runner, generator.max_len + 2))  # undone by restore_ensemble
     return True

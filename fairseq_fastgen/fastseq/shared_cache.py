@@ -329,10 +329,13 @@ def shares_encoder_cache(generator) -> bool:
 
 
 def stock_beam_ensemble(generator):
-    """``(ensemble, beams)`` of a stock SequenceGenerator (or subclass) searching with 2 or more beams, else None."""
+    """``(ensemble, beams)`` of a stock SequenceGenerator (or subclass) searching with 2 or more beams over
+    fairseq's decoder step, else None (an ensemble whose steps an engine runs shares keys in its own cache)."""
     ensemble = getattr(generator, "model", None)
     beams = getattr(generator, "beam_size", 1)
     if not isinstance(generator, SequenceGenerator) or not isinstance(ensemble, EnsembleModel) or beams < 2:
+        return None
+    if type(ensemble).forward_decoder is not EnsembleModel.forward_decoder:
         return None
     return ensemble, beams
 

@@ -1,6 +1,6 @@
 """Stock fairseq beam search (--decoder beam) on the engine (engine/stock_search.py): fairseq's search over the
 static step gives bitwise stock fairseq's hypotheses, over the compiled step (--step-engine compiled) its tokens;
-ensembles fall back with one line; --step-engine static keeps fairseq's step (faster for beam search) and says so."""
+the beams of a sentence share its encoder-decoder keys in the engine's cache; ensembles fall back with one line."""
 
 import logging
 
@@ -35,7 +35,7 @@ def stock_config(**options):
 
 
 def decode_on_static_engine(toy, ids, batch_size, prefix_size=0, **options):
-    """``decode`` with stock beam search moved onto the static step (the CLI keeps it on fairseq's)."""
+    """``decode`` with stock beam search moved onto the static step by hand."""
     config = stock_config(step_engine="fairseq", **options)
     generator = toy.task.build_generator(toy.models, config)
     assert run_stock_search_on_engine(generator, toy.models, "static")
@@ -68,6 +68,20 @@ def test_stock_search_on_the_compiled_engine_gives_stock_tokens(toy, case):
     assert_same_tokens_close_scores(expected, actual)
 
 
+def recorded_cache_shapes(runner) -> list:
+    """A list that gets, at each of ``runner``'s steps from now on: the step's rows, the rows of its cache's
+    encoder-decoder keys and the cache's beams."""
+    shapes, step = [], runner.step
+
+    def recording_step(tokens, encoder_out, cache):
+        outputs = step(tokens, encoder_out, cache)
+        shapes.append((tokens.size(0), cache.cross_keys[0].size(0), cache.beams))
+        return outputs
+
+    runner.step = recording_step
+    return shapes
+
+
 @pytest.mark.parametrize("beam,prefix_size", [(5, 0), (8, 0), (4, 1)])
 def test_the_beams_of_a_sentence_share_its_encoder_keys_on_the_compiled_engine(toy, beam, prefix_size):
     """On the CPU with oneDNN, stock beam search on the compiled engine holds the encoder-decoder keys/values
@@ -81,29 +95,33 @@ def test_the_beams_of_a_sentence_share_its_encoder_keys_on_the_compiled_engine(t
     _, expected = decode(toy, ids, 8, prefix_size, decoder="beam", beam=beam, step_engine="fairseq")
     generator = toy.generator(decoder="beam", beam=beam, step_engine="compiled")
     runner = generator.model.runner
-    shapes = []  # per step: rows, rows of encoder-decoder keys, beams of the cache
-    step = runner.step
-
-    def recording_step(tokens, encoder_out, cache):
-        outputs = step(tokens, encoder_out, cache)
-        shapes.append((tokens.size(0), cache.cross_keys[0].size(0), cache.beams))
-        return outputs
-
-    runner.step = recording_step
+    shapes = recorded_cache_shapes(runner)
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8, prefix_size))
     assert shapes and all(sources * beam == rows and beams == beam for rows, sources, beams in shapes)
     assert len({rows for rows, _, _ in shapes}) > 2  # sentences finished and left
     assert runner.packaged_steps[("beams", beam)] is runner.many_rows_step is not None
 
 
-def test_the_static_setting_keeps_fairseqs_step_for_stock_search(toy, caplog):
-    with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
-        generator = toy.generator(decoder="beam", beam=4, step_engine="static")
-    assert type(generator.model) is EnsembleModel and shares_encoder_cache(generator)
-    assert [r.getMessage() for r in caplog.records] == [
-        "--step-engine static: --decoder beam runs fairseq's step over the shared encoder cache, faster for beam "
-        "search; --step-engine compiled runs it on the engine"
-    ]
+@pytest.mark.parametrize("beam,prefix_size,shared", [(5, 0, True), (4, 1, True), (4, 0, False)])
+def test_stock_search_on_the_static_setting_runs_on_the_engine_sharing_encoder_keys(toy, beam, prefix_size, shared):
+    """The default engine serves --decoder beam: fairseq's search over the static step, whose cache holds the
+    encoder-decoder keys/values once per sentence (also after sentences finish and leave), the fairseq
+    setting's shared encoder cache switched off; stock's hypotheses bitwise.  --no-shared-encoder-cache: one
+    copy per beam."""
+    ids = SENTENCES[:40]
+    options = dict(decoder="beam", beam=beam, no_shared_encoder_cache=not shared)
+    _, expected = decode(toy, ids, 8, prefix_size, step_engine="fairseq", **options)
+    generator = toy.generator(step_engine="static", **options)
+    runner = generator.model.runner
+    assert type(generator.model) is EngineEnsemble and type(runner) is StaticRunner
+    assert not shares_encoder_cache(generator)
+    shapes = recorded_cache_shapes(runner)
+    actual = translate_batches(toy, generator, ids, 8, prefix_size)
+    assert_identical(expected, actual)
+    assert_same_attention(expected, actual)
+    per_sentence = beam if shared else 1
+    assert shapes and all(sources * per_sentence == rows and beams == per_sentence for rows, sources, beams in shapes)
+    assert len({rows for rows, _, _ in shapes}) > 2  # sentences finished and left
 
 
 def test_an_ensemble_keeps_fairseqs_step_with_one_line(toy, caplog):

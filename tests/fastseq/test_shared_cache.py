@@ -25,7 +25,8 @@ BATCH_1_IDS = set(range(0, 200, 4))  # batch size 1: every 4th test sentence kee
 
 
 def stock_generator(loaded, beam, models=None, max_len_b=200):
-    config = GenerationConfig(beam=beam, max_len_b=max_len_b, no_shared_encoder_cache=True, no_lean_beam_loop=True)
+    config = GenerationConfig(beam=beam, max_len_b=max_len_b, no_shared_encoder_cache=True, no_lean_beam_loop=True,
+                              step_engine="fairseq")  # fairseq's step: the engine shares keys in its own cache
     return loaded.task.build_generator(models or loaded.models, config)
 
 
@@ -157,8 +158,9 @@ def test_other_generators_on_the_same_models_stay_stock(loaded_toy, translate):
 
 
 def test_build_generator_shares_unless_switched_off(loaded_toy):
-    """The plugin's build_generator shares by default; ``--no-shared-encoder-cache`` keeps stock."""
-    assert shares_encoder_cache(loaded_toy.task.build_generator(loaded_toy.models, GenerationConfig(beam=4)))
+    """On fairseq's step the plugin's build_generator shares by default; ``--no-shared-encoder-cache`` keeps stock."""
+    config = GenerationConfig(beam=4, step_engine="fairseq")
+    assert shares_encoder_cache(loaded_toy.task.build_generator(loaded_toy.models, config))
     assert not shares_encoder_cache(stock_generator(loaded_toy, 4))
 
 
