@@ -97,7 +97,8 @@ def build_runner(model, options: PluginOptions, temperature: float, projection):
 def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1,
                 background: bool = False, blocks_by_position: bool = False):
     """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job);
-    ``beams``: the rows of a sentence in fairseq's beam search (sharing their encoder-decoder keys); ``freezing``, ``background``: --compiled-freezing, --compile-in-background;
+    ``beams``: the rows of a sentence in fairseq's beam search (sharing their encoder-decoder keys);
+    ``freezing``, ``background``: --compiled-freezing, --compile-in-background;
     ``blocks_by_position``: the static engine's blocks attend position by position (--quantize int8:
     ``DecoderStep``'s exact form)."""
     if engine == "static":

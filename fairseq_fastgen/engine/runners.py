@@ -19,9 +19,9 @@ from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 
 
-INITIAL_POSITIONS = 16  # target positions a new cache holds before it first grows
-# target positions a reordered cache keeps beyond its written ones at most (and gets, where it has none left): a
-# beam search reorders at every step, so its cache holds about what it wrote, as fairseq's does
+INITIAL_POSITIONS = 32  # target positions a new cache holds before it first grows
+# target positions a beam search's cache keeps beyond its written ones at each reorder (and gets, where it has
+# none left): it reorders at every step, so its cache holds about what it wrote, as fairseq's does
 REORDERED_ROOM = 1
 
 
@@ -47,15 +47,14 @@ class StaticRunner(ModelRunner):
 
     # ---- cache ------------------------------------------------------------------------------
     def new_cache(self, capacity: int = 0) -> StaticCache:
-        """Room for INITIAL_POSITIONS positions, grown when a row needs more: buffers sized for the longest
-        allowed target (200 and more) would mostly hold nothing and spread the rows' keys apart.  Beam search
-        (``beams`` > 1) reorders at every step, each reorder keeping REORDERED_ROOM positions of room."""
+        """Room for INITIAL_POSITIONS positions, doubled when a row needs more: buffers sized for the longest
+        allowed target (200 and more) would mostly hold nothing and spread the rows' keys apart.  fairseq's
+        beam search (``beams`` > 1) reorders at every step, each reorder leaving REORDERED_ROOM positions."""
         return StaticCache(max(min(capacity, REORDERED_ROOM if self.beams > 1 else INITIAL_POSITIONS), 1))
 
-    @staticmethod
-    def reorder_cache(cache: StaticCache, index: Tensor):
-        if cache.started:
-            cache.select(index, REORDERED_ROOM)
+    def reorder_cache(self, cache: StaticCache, index: Tensor):
+        if cache.started:  # other decoders reorder when rows leave: their caches keep their room
+            cache.select(index, REORDERED_ROOM if self.beams > 1 else None)
 
     @staticmethod
     def copied_cache(cache: StaticCache) -> StaticCache:

@@ -12,9 +12,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-GROWTH = 16  # target positions a full cache grows by at most (while less than double its capacity)
-
-
 class StaticCache:
     def __init__(self, capacity: int, zeroed: bool = False):
         self.capacity = capacity  # target positions each row's buffers hold
@@ -79,13 +76,12 @@ class StaticCache:
         return copied
 
     def ensure_room(self, positions: int, doubling: bool = True):
-        """Grow the buffers so that ``positions`` positions fit: by ``GROWTH`` positions or to double their
-        capacity, whichever is less (a few copies over a long decode, little room held unused), or
+        """Grow the buffers so that ``positions`` positions fit: to at least double their capacity, or
         (``doubling`` off) to exactly ``positions``."""
         if positions <= self.capacity or not self.started:
             self.capacity = max(self.capacity, positions)
             return
-        capacity = max(positions, min(2 * self.capacity, self.capacity + GROWTH)) if doubling else positions
+        capacity = max(positions, 2 * self.capacity) if doubling else positions
         for buffers in (self.self_keys, self.self_values):  # one layer at a time: one transient copy at most
             for layer, buffer in enumerate(buffers):
                 buffers[layer] = F.pad(buffer, (0, 0, 0, capacity - self.capacity))
