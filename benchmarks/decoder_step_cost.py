@@ -82,7 +82,7 @@ def make_runner(engine, model):
     if engine not in ("compiled-eager", "compiled-exact"):
         return build_runner(model, PluginOptions(step_engine=engine), 1.0, None)
     runner = build_runner(model, PluginOptions(step_engine="compiled"), 1.0, None)
-    runner.many_rows_on_cpu = False
+    runner.units.packages = False  # no unit compiled ahead of time
     if engine == "compiled-exact":
         runner.fast_form = runner.decoder_step.exact
     return runner

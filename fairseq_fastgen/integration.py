@@ -87,8 +87,11 @@ from fairseq_fastgen.adapters.generate import give_attributes, take_back_attribu
 from fairseq_fastgen.adapters.inference_mode import generate_in_inference_mode
 from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears, QuantizedLinears, use_linear_forwards
 from fairseq_fastgen.adapters.output_layer import attach_to_stock_generator
+from fairseq_fastgen.cli.async_generate import async_generate_main
+from fairseq_fastgen.cli.batched_output import AnsweredTally, CountedLines, answered_buffers, stopped_between_batches
+from fairseq_fastgen.cli.generate_run import GenerateRun
 from fairseq_fastgen.cli.live_lines import LiveLines
-from fairseq_fastgen.cli.oversized_lines import TokenLimit, token_limit
+from fairseq_fastgen.cli.oversized_lines import OversizedLines, TokenLimit, token_limit
 from fairseq_fastgen.cluster.directory import run_direction
 from fairseq_fastgen.config import build_generation_config
 from fairseq_fastgen.engine import serve_stock_search
@@ -405,9 +408,6 @@ def _swapped(module, **replacements):
 
 
 def _wrap_generate_main(original_generate):
-    from fairseq_fastgen.cli.batched_output import stopped_between_batches
-    from fairseq_fastgen.cli.generate_run import GenerateRun
-
     @functools.wraps(original_generate)
     @exit_on_usage_error("fairseq-generate")
     def generate_main(cfg, output_file):
@@ -416,8 +416,6 @@ def _wrap_generate_main(original_generate):
         workers = options.common.postprocess_workers
         with _watching(GenerateRun(cfg, limit)) as run:
             if workers > 0:
-                from fairseq_fastgen.cli.async_generate import async_generate_main
-
                 scorer = async_generate_main(cfg, output_file, workers)  # its own signal handling, between batches too
             else:
                 with stopped_between_batches("fairseq-generate", output_file, run.tally) as run.output:
@@ -430,14 +428,6 @@ def _wrap_generate_main(original_generate):
 
 
 def _wrap_interactive_main(original_interactive):
-    from fairseq_fastgen.cli.batched_output import (
-        AnsweredTally,
-        CountedLines,
-        answered_buffers,
-        stopped_between_batches,
-    )
-    from fairseq_fastgen.cli.oversized_lines import OversizedLines
-
     @functools.wraps(original_interactive)
     @exit_on_usage_error("fairseq-interactive")
     def interactive_main(cfg):

@@ -6,7 +6,8 @@ them (``options.py``, ``cluster/``, ``fastseq/``), the adapters that attach to f
 (``engine/``: every runner, fairseq's included) and fairseq-generate's output (``cli/``), the decoders
 (``sequence_generators/``), the integration layer, the package's entry, and the programs (``bench/``, ``serve/``,
 ``distill.py``).  An import from a higher floor, at the top of a module or inside a function, or between two
-units of one floor, would tie a lower part to a higher one: the check names it.
+units of one floor, would tie a lower part to a higher one: the check names it.  And a module's imports of the
+package sit at its top, none hidden inside a function, so that its dependencies are read in one place.
 """
 
 import ast
@@ -79,6 +80,25 @@ def upward_imports():
     return offending
 
 
+def imports_inside_functions(tree: ast.AST, module: str):
+    """(line, dotted name) of every import of the package's modules made inside a function of ``tree``."""
+    found = []
+    for function in ast.walk(tree):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found += imported_modules(ast.Module(body=function.body, type_ignores=[]), module)
+    return sorted(set(found))
+
+
+def hidden_imports():
+    """{module file: [(line, imported module)]} of the package's imports made inside functions."""
+    offending = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        found = imports_inside_functions(ast.parse(path.read_text()), module_name(path))
+        if found:
+            offending[str(path.relative_to(PACKAGE))] = found
+    return offending
+
+
 def test_every_unit_of_the_package_has_a_floor():
     units = {path.stem if path.is_file() else path.name
              for path in PACKAGE.iterdir() if (path.suffix == ".py" or (path / "__init__.py").exists())}
@@ -87,6 +107,19 @@ def test_every_unit_of_the_package_has_a_floor():
 
 def test_no_module_imports_from_its_floor_or_above():
     assert upward_imports() == {}
+
+
+def test_no_module_imports_the_package_inside_a_function():
+    """A module's dependencies on the package are read at its top: none hidden inside a function."""
+    assert hidden_imports() == {}
+
+
+def test_the_rule_sees_imports_inside_functions():
+    source = ("from fairseq_fastgen.ops import heap\n"
+              "def f():\n    import torch\n    from fairseq_fastgen.engine import aot_step\n"
+              "class A:\n    def g(self):\n        from . import static_cache\n")
+    names = [name for _, name in imports_inside_functions(ast.parse(source), "fairseq_fastgen.engine.runners")]
+    assert names == ["fairseq_fastgen.engine", "fairseq_fastgen.engine.static_cache"]  # torch is not the package
 
 
 def test_the_rule_sees_upward_imports():

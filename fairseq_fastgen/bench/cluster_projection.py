@@ -28,6 +28,12 @@ from pathlib import Path
 
 import torch
 
+from fairseq_fastgen.adapters.output_layer import attached
+from fairseq_fastgen.cluster import train
+from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
+from fairseq_fastgen.cluster.projection import ProjectionStatistics, load_projection
+from fairseq_fastgen.cluster.train import cluster_active_sets, special_tokens, states_and_top_tokens
+
 DECODE_SETTINGS = ((1, 1), (5, 64))  # (beam, batch size)
 
 
@@ -59,8 +65,6 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    from fairseq_fastgen.cluster import train
-
     cfg = train.ClusterTrainingConfig(data=args.data, path=args.path, output="", split=args.train_split,
                                       top_k=max(int(k) for k in args.top_k.split(",")),
                                       max_states=args.max_states, cpu=True)
@@ -92,8 +96,6 @@ def main(argv=None):
 
 def grid(states, cfg, args):
     """(clusters, K, centroids) for every cluster count and K of the grid; k-means once per count."""
-    from fairseq_fastgen.cluster import train
-
     for clusters in (int(c) for c in args.clusters.split(",")):
         cfg.num_clusters = clusters
         centroids = train.kmeans_centroids(states, cfg)
@@ -103,9 +105,6 @@ def grid(states, cfg, args):
 
 def build_file(model, task, states, top_tokens, centroids, k, directory: Path):
     """Write ``directory/c{clusters}k{K}.pt``; returns (its path, the active sets)."""
-    from fairseq_fastgen.cluster.clusterfile import ClusterFile, ModelFingerprint
-    from fairseq_fastgen.cluster.train import cluster_active_sets, special_tokens
-
     active_sets = cluster_active_sets(states, top_tokens, centroids, special_tokens(task.target_dictionary),
                                       len(task.target_dictionary))
     path = directory / f"c{centroids.size(0)}k{k}.pt"
@@ -116,8 +115,6 @@ def build_file(model, task, states, top_tokens, centroids, k, directory: Path):
 
 
 def measure(model, task, args, states, top_tokens, centroids, k, test_features, baseline, directory):
-    from fairseq_fastgen.cluster.projection import ProjectionStatistics, load_projection
-
     path, active_sets = build_file(model, task, states, top_tokens, centroids, k, directory)
     projection = load_projection(path, model)
     row = {"clusters": centroids.size(0), "top_k": k,
@@ -151,8 +148,6 @@ def speed_ratio(model, task, args, projection, beam, batch):
 
 def held_out_states(model, task, split):
     """Teacher-forced decoder states of the test split, (states, 1, hidden)."""
-    from fairseq_fastgen.cluster.train import states_and_top_tokens
-
     parts = []
     for sample in batches(task, split, 64):
         net_input = sample["net_input"]
@@ -192,7 +187,6 @@ def translate(model, task, args, beam, batch_size, sentences=0, projection=None)
     from omegaconf import OmegaConf
     from fairseq import utils
     from fairseq.dataclass.configs import GenerationConfig
-    from fairseq_fastgen.adapters.output_layer import attached
 
     generator = task.build_generator([model], OmegaConf.structured(GenerationConfig(beam=beam)))
     dictionary = task.target_dictionary

@@ -15,17 +15,17 @@ import logging
 import sys
 import warnings
 
+import torch
+from fairseq import checkpoint_utils
+from fairseq.dataclass.configs import GenerationConfig
+
+import fairseq_fastgen  # noqa: F401  (registers the plugin's options in GenerationConfig)
+from fairseq_fastgen.adapters.ensemble import observing_steps
+from fairseq_fastgen.fastseq import encoder_attention_cache_bytes, share_encoder_cache
+
 
 def cache_peak_bytes(data_bin, checkpoint, subset, beam, batch_size, shared, threads):
     """Peak bytes of the encoder-decoder attention caches over one pass of ``subset``."""
-    import torch
-    from fairseq import checkpoint_utils
-    from fairseq.dataclass.configs import GenerationConfig
-
-    import fairseq_fastgen  # noqa: F401
-    from fairseq_fastgen.adapters.ensemble import observing_steps
-    from fairseq_fastgen.fastseq import encoder_attention_cache_bytes, share_encoder_cache
-
     torch.set_num_threads(threads)
     logging.getLogger("fairseq").setLevel(logging.WARNING)
     models, _, task = checkpoint_utils.load_model_ensemble_and_task([str(checkpoint)], arg_overrides={"data": str(data_bin)})

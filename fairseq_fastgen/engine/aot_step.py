@@ -40,27 +40,12 @@ import torch
 from torch import nn
 
 from fairseq_fastgen import safe_files
+from fairseq_fastgen.engine.compiled_step import PaddedStep
+from fairseq_fastgen.engine.encoder_pass import EncoderPass
 from fairseq_fastgen.engine.loaded_package import load_package
 
 COMPILED_DIR_ENV = "FASTGEN_COMPILED_DIR"
-ENGINE_SOURCES = ("decoder_step.py", "compiled.py", "fused_weights.py", "aot_step.py")
-
-
-class PaddedStep(nn.Module):
-    """The compiled engine's padded step with its log-softmax (``CompiledRunner.frozen_lprobs``) as a module
-    whose parameters and buffers are the weights it reads, as torch.export wants it; with ``block`` > 1 the
-    padded step of that many positions per row, its base features (``CompiledRunner.padded_block``)."""
-
-    def __init__(self, runner, beams: int = 1, block: int = 1):
-        super().__init__()
-        self.decoder_step = runner.decoder_step  # the decoder's parameters and the fused weights' buffers
-        self.outputs_of = runner.padded_lprobs if block == 1 else runner.padded_block
-        self.beams = beams  # > 1: encoder-decoder keys/values once per sentence, shared by its beams
-
-    def forward(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
-                cross_values, cross_mask):
-        return self.outputs_of(last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
-                               cross_values, cross_mask, self.decoder_step.fused_buffers.weights(), self.beams)
+ENGINE_SOURCES = ("decoder_step.py", "compiled_step.py", "fused_weights.py", "aot_step.py")
 
 
 def compiled_dir() -> Path:
@@ -72,18 +57,22 @@ def compiled_dir() -> Path:
     return Path(cache_dir()) / "fairseq_fastgen"
 
 
-def example_inputs(runner, position_table, rows: Optional[int], beams: int = 1, block: int = 1):
+def example_inputs(step: PaddedStep, position_table, rows: Optional[int]):
     """Inputs of the step at sizes no other dimension has (so that tracing ties none of them together); with
     ``beams`` > 1, 7 sentences of ``beams`` rows, the encoder-decoder inputs per sentence; with ``block`` > 1,
     that many positions per row (tokens and positions (rows, block))."""
+    beams, block = step.beams, step.block
     sentences = 7 if beams > 1 else None
     rows, capacity, width = rows or (sentences * beams if sentences else 5), 40, 24
     sources = sentences or rows
-    step = runner.decoder_step
-    weight = next(step.parameters())
-    buffers = lambda count, length: [weight.new_zeros(count, step.heads, length, step.head_dim)  # noqa: E731
-                                     for _ in range(step.num_layers)]
-    tokens = torch.full((rows, block), runner.model.decoder.dictionary.eos(), dtype=torch.long, device=weight.device)
+    decoder_step = step.decoder_step
+    weight = next(decoder_step.parameters())
+
+    def buffers(count: int, length: int):  # per layer (count, heads, length, head_dim)
+        shape = (count, decoder_step.heads, length, decoder_step.head_dim)
+        return [weight.new_zeros(shape) for _ in range(decoder_step.num_layers)]
+
+    tokens = torch.full((rows, block), decoder_step.decoder.dictionary.eos(), dtype=torch.long, device=weight.device)
     positions = torch.zeros((rows, block) if block > 1 else (rows,), dtype=torch.long, device=weight.device)
     attended = torch.zeros(rows, capacity, dtype=torch.bool, device=weight.device)
     return (tokens, positions, attended, position_table,
@@ -122,12 +111,13 @@ def digest_of(parts: str, sources, module: nn.Module) -> str:
 
 
 class StepPackage:
-    """The runner's padded decoder step for ``rows`` rows (None: any number; with ``beams`` > 1, any number of
-    sentences of that many beams sharing their encoder-decoder keys; with ``block`` > 1, that many positions per
-    row), as a package to compile or load: its file, the exported program and inductor's settings."""
+    """A :class:`~fairseq_fastgen.engine.compiled_step.PaddedStep` (its beams and block) for ``rows`` rows (None:
+    any number; with beams, any number of sentences), as a package to compile or load: its file, the exported
+    program and inductor's settings."""
 
-    def __init__(self, runner, position_table, rows: Optional[int] = None, beams: int = 1, block: int = 1):
-        self.runner, self.position_table, self.rows, self.beams, self.block = runner, position_table, rows, beams, block
+    def __init__(self, step: PaddedStep, position_table, rows: Optional[int] = None):
+        self.step, self.position_table, self.rows = step, position_table, rows
+        self.beams, self.block = step.beams, step.block
 
     @functools.cached_property  # its key hashes every weight: once
     def path(self) -> Path:
@@ -139,17 +129,12 @@ class StepPackage:
     def key(self) -> str:
         """The settings, the engine's code and the decoder step's weights (the decoder's parameters and the fused
         copies)."""
-        runner = self.runner
-        settings = repr((self.rows, self.beams, self.block, type(runner.model.decoder).__qualname__,
-                         runner.temperature, runner.projection is None, runner.decoder_step.heads,
-                         runner.decoder_step.head_dim, runner.scores_blocks))
-        return digest_of(settings, ENGINE_SOURCES, runner.decoder_step)
+        return digest_of(repr((self.rows,) + self.step.settings()), ENGINE_SOURCES, self.step.decoder_step)
 
     def export(self):
-        module = PaddedStep(self.runner, self.beams, self.block).eval()
-        inputs = example_inputs(self.runner, self.position_table, self.rows, self.beams, self.block)
-        dynamic = symbolic_dimensions(self.runner.decoder_step.num_layers, self.position_table, self.rows, self.beams)
-        return torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+        inputs = example_inputs(self.step, self.position_table, self.rows)
+        dynamic = symbolic_dimensions(self.step.decoder_step.num_layers, self.position_table, self.rows, self.beams)
+        return torch.export.export(self.step.eval(), inputs, dynamic_shapes=dynamic, strict=False)
 
     def settings(self) -> dict:
         """Frozen weights; for a fixed few rows also inductor's C++ GEMM template for the products (at 1-4 rows
@@ -162,33 +147,33 @@ class StepPackage:
 
 
 class EncoderPackage:
-    """The runner's encoder (``encoder_pass.EncoderPass``) for one row or (``rows`` None) any number of rows,
-    its source length symbolic, as a package to compile or load."""
+    """An encoder's :class:`~fairseq_fastgen.engine.encoder_pass.EncoderPass` for one row or (``rows`` None) any
+    number of rows, its source length symbolic, as a package to compile or load."""
 
     SOURCES = ("encoder_pass.py", "aot_step.py")
 
-    def __init__(self, runner, rows: Optional[int] = None):
-        self.runner, self.rows = runner, rows
-        self.position_table = runner.encoder_pass.position_table(2)
+    def __init__(self, encoder_pass: EncoderPass, rows: Optional[int] = None):
+        self.encoder_pass, self.rows = encoder_pass, rows
+        self.position_table = encoder_pass.position_table(2)
 
     @functools.cached_property  # its key hashes every weight: once
     def path(self) -> Path:
         return package_file(f"encoder-{'any' if self.rows is None else self.rows}-rows-{self.key()}")
 
     def key(self) -> str:
-        return digest_of(repr((self.rows, type(self.runner.model.encoder).__qualname__)), self.SOURCES,
-                         self.runner.encoder_pass)
+        return digest_of(repr((self.rows, type(self.encoder_pass.encoder).__qualname__)), self.SOURCES,
+                         self.encoder_pass)
 
     def export(self):
         from torch.export import Dim
 
-        weight = next(self.runner.encoder_pass.parameters())
+        weight = next(self.encoder_pass.parameters())
         rows = self.rows or 5
-        tokens = torch.full((rows, 11), self.runner.model.encoder.padding_idx + 1, dtype=torch.long,
+        tokens = torch.full((rows, 11), self.encoder_pass.encoder.padding_idx + 1, dtype=torch.long,
                             device=weight.device)
         row = {0: Dim("rows", min=2)} if self.rows is None else {}
         table = {0: Dim("table_positions", min=2)} if self.position_table is not None else None
-        return torch.export.export(self.runner.encoder_pass.eval(), (tokens, self.position_table),
+        return torch.export.export(self.encoder_pass.eval(), (tokens, self.position_table),
                                    dynamic_shapes=({**row, 1: Dim("source", min=2)}, table), strict=False)
 
     def settings(self) -> dict:

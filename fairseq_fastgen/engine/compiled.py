@@ -1,69 +1,50 @@
-"""``--step-engine compiled``: the padded decoder step through ``torch.compile``.
+"""``--step-engine compiled``: the runner of the compiled decoder step, and its cache's bookkeeping.
 
-A decode meets few shapes: the cache of a state holds its rows padded up to a
-row bucket (1 or 2 rows; the padding rows repeat row 0 and are never
-read back), its target positions up to ``POSITION_BUCKET`` times a power of two
-(``bucket_capacity``) and its source positions up to a multiple of
-``SOURCE_BUCKET`` (masked).  Each
-(rows, positions, source) bucket is compiled once per process (inductor's
-on-disk cache keeps the generated code for the next process); the time each
-compilation took is logged and counted (``compile_seconds``).
+A compiled step is read in three files:
 
-Above ``COMPILED_MAX_ROWS`` rows (``FROZEN_MAX_ROWS`` with ``--compiled-freezing``,
-which folds the weights into the compiled code), on the CPU, one more compiled
-unit serves every row count: the same padded step with its rows, target and
-source widths symbolic and its weights frozen, compiled ahead of time by
-AOTInductor and kept on disk between processes (``aot_step.py``); its products
-are oneDNN's prepacked ones, which run faster than MKL's at many rows on CPUs
-where MKL takes its generic path (docs/benchmarks.md, "Products and memory on
-the CPU").  Rows joined at different lengths
-(``step_rows``: streaming refills in finished rows' places) and rows holding
-left padding take the same units, each row at its own position and attending
-only its own positions (``StaticCache.attended``).  Blockwise verification
-(``step_block``: a block of positions per row) runs a unit of its own of the
-same kind, above the buckets and, with ``--compiled-freezing``, per bucket;
-shorter blocks are padded to the widest.  Where no unit can be built (or, with
---compile-in-background, while a child process compiles it), the step runs
-eager, in the decoder step's fast form (the exact form for blocks and left
-padding), its linear layers through oneDNN's prepacked products on the CPU
-(``ops/onednn_linear.py``).
+* ``decoder_step.py``: the decoder step, one layer loop; its padded form (``DecoderStep.padded``) reads
+  buffers of fixed shapes, every row at its own position, and ``compiled_step.PaddedStep`` adds its scores;
+* ``compiled_units.py``: which callable runs a step of a given shape (a row bucket through torch.compile,
+  a unit compiled ahead of time and kept on disk, one compiled in the background, or none: eager);
+* this runner: the cache laid out as the units read it, and the step's route through them.
 
-On the CPU the encoder runs a unit compiled ahead of time too (``encoder_pass.py``:
-one for a row, one for more; with --compile-in-background compiled once a step's
-unit is stored): at batch 1 it spares the Python dispatch of the encoder's many
-small operations.
+A decode meets few shapes: the cache of a state holds its rows padded up to a row bucket (1 or 2 rows,
+up to ``FROZEN_MAX_ROWS`` with --compiled-freezing; the padding rows repeat row 0 and are never read back),
+its target positions up to ``POSITION_BUCKET`` times a power of two (``bucket_capacity``) and its source
+positions up to a multiple of ``SOURCE_BUCKET`` (masked).  Above the buckets, on the CPU, one unit compiled
+ahead of time serves every row count (``aot_step.py``: its shapes symbolic, its weights frozen, oneDNN's
+prepacked products), its buffers growing ``POSITION_STEP`` positions at a time.  Rows joined at different
+lengths (``step_rows``: streaming refills) and rows holding left padding take the same units, each row
+attending only its own positions (``StaticCache.attended``).  Blockwise verification (``step_block``) runs a
+unit of its own for a block of positions per row, shorter blocks padded to the widest.  Where no unit serves,
+the step runs eager in the decoder step's fast form (the exact form for blocks and left padding), its
+products through oneDNN on the CPU (``ops/onednn_linear.py``).  On the CPU the encoder runs a unit compiled
+ahead of time too (``encoder_pass.py``).
 
-On CUDA the row buckets go up to ``CUDA_MAX_ROWS`` rows (powers of two), all
-served by one compilation whose shapes are symbolic, each bucket replayed as a
-CUDA graph (``triton.cudagraphs``): a step of a small model there costs its
+On CUDA the row buckets go up to ``CUDA_MAX_ROWS`` rows (powers of two), all served by one compilation
+whose shapes are symbolic, each bucket replayed as a CUDA graph: a step of a small model there costs its
 kernel launches, not its padding rows.
 
-On the CPU inductor fuses the operations between the products into C++
-loops and calls the products themselves as MKL's (at a few rows its
-matrix-vector products beat oneDNN's prepacked ones, whose calls cost more),
-through a C++ wrapper; a call checks only the
-guards of its input tensors.  The self-attention's query, key and value
-projections run as one product and the vocabulary projection reads its weight
-transposed (``fused_weights.py``).  The padded step sums its softmaxes over the
-whole buffer and fuses operations, so scores differ from fairseq's in the last
-bits: the tests hold the tokens equal and the scores within 1e-4.
+The self-attention's query, key and value projections run as one product and the vocabulary projection
+reads its weight transposed (``fused_weights.py``); the padded step sums its softmaxes over the whole buffer
+and inductor fuses operations, so scores differ from fairseq's in the last bits: the tests hold the tokens
+equal and the scores within 1e-4.
 """
 
 import contextlib
-import logging
-import time
-import types
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
+from fairseq_fastgen.engine.compiled_step import PaddedStep
+from fairseq_fastgen.engine.compiled_units import CompiledUnits
 from fairseq_fastgen.engine.encoder_pass import EncoderPass, unsupported_encoder_reason
 from fairseq_fastgen.engine.fairseq_runner import encoder_output
 from fairseq_fastgen.engine.runners import StaticRunner, shared_by_beams
-from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache, tensors_signature
+from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache
 from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear, onednn_serves, pack_weight
 
@@ -82,8 +63,6 @@ FROZEN_MAX_ROWS = 4
 # compilation), each bucket replayed as a CUDA graph: a step of a small model there is bound by its kernel launches,
 # not by the padding rows
 CUDA_MAX_ROWS = 512
-MAX_BUCKETS = 64  # compiled shapes kept per process
-logger = logging.getLogger("fairseq_fastgen.engine")
 
 
 def row_bucket(rows: int, max_rows: int) -> int:
@@ -111,39 +90,19 @@ class CompiledRunner(StaticRunner):
                  background: bool = False):
         # beams: above max_rows, on the CPU, the step for many rows reads keys/values held once per sentence
         super().__init__(model, temperature, projection, beams=beams)
-        self._compiled_step = None  # made on first use: torch.compile loads dynamo and inductor (much memory)
-        self.compiled_shapes: Dict[Tuple[int, int, int], float] = {}  # bucket -> seconds of its first call
-        self.compile_seconds = 0.0  # every first call of a bucket, recompilations after a weight change included
-        # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
-        # products for a few rows); it is compiled again when any decoder parameter changes
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.on_cuda = next(model.parameters()).device.type == "cuda"
+        # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
+        # products for a few rows); it is compiled again when any decoder parameter changes
         self.freezing = freezing and on_cpu
-        self.frozen_signature = None  # the decoder parameters (identity, version) the compiled code holds
         # on the CPU, steps compiled ahead of time and kept on disk (aot_step.py): above max_rows one for every row
-        # count (key None; ("beams", n) for sentences of n beams sharing their encoder-decoder keys), with
-        # --compiled-freezing one per row bucket (key: its rows); a key is absent until a decode first needs it,
-        # None where it could not be built (then eager, or torch.compile for a bucket)
-        self.many_rows_on_cpu = on_cpu and onednn_available()
-        self.packaged_steps: Dict[object, object] = {}
-        self.compiled_now: set = set()  # keys of the packages compiled in this process (the others were loaded)
-        # --compile-in-background: a step compiled ahead of time that is not on disk yet is compiled by a child
-        # process (aot_step.BackgroundCompilation) while those steps run eager; one at a time, in the order needed
-        self.compile_in_background = background
-        self.background = None  # (key, what, BackgroundCompilation) of the package being compiled, or None
-        # the largest row bucket
-        self.max_rows = CUDA_MAX_ROWS if self.on_cuda else FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS
-        # on CUDA one compilation with symbolic shapes serves every bucket (a CUDA graph is recorded per bucket)
-        self.symbolic_buckets = self.on_cuda
+        # count, with --compiled-freezing one per row bucket
+        packages = on_cpu and onednn_available()
+        max_rows = CUDA_MAX_ROWS if self.on_cuda else FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS
         self.fused_weights = FusedWeightsCache(model.decoder)
         self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
         # the products of the encoder and of the eager step (None: torch's own, on CUDA)
         self.eager_linears = OneDNNLinears(model) if on_cpu and onednn_available() else None
-        # on the CPU the encoder runs a unit compiled ahead of time where it can (encoder_pass.py)
-        self.encoder_pass = None
-        self.encoder_signature = None  # the encoder parameters (identity, version) its units hold
-        if self.many_rows_on_cpu and unsupported_encoder_reason(model.encoder) is None:
-            self.encoder_pass = EncoderPass(model.encoder)
         self.qkv_packed_from: Optional[FusedWeights] = None  # the fused weights qkv_packed holds, packed
         self.qkv_packed = []  # per layer: oneDNN's packed fused query/key/value weight (None: torch's product)
         self.block_width = 1  # positions per row of the widest block step_block ran: shorter ones are padded to it
@@ -151,20 +110,25 @@ class CompiledRunner(StaticRunner):
         # base output (an identity-first k-head decoder), with the model's own projection
         heads = getattr(model.decoder, "heads", None)
         self.scores_blocks = projection is None and bool(getattr(heads, "identity_first", False))
+        step = PaddedStep(self.decoder_step, temperature, projection is None, self.scores_blocks)
+        # on the CPU the encoder runs a unit compiled ahead of time where it can (encoder_pass.py)
+        encoder_pass = None
+        if packages and unsupported_encoder_reason(model.encoder) is None:
+            encoder_pass = EncoderPass(model.encoder)
+        # --compile-in-background: a unit that is not on disk yet is compiled by a child process while its steps
+        # run eager; on CUDA one compilation with symbolic shapes serves every bucket (a CUDA graph per bucket)
+        self.units = CompiledUnits(step, encoder_pass, max_rows, self.freezing, packages, symbolic=self.on_cuda,
+                                   background=background, eager_products=self.eager_products)
 
     @property
-    def compiled_step(self):
-        """``padded_lprobs`` through ``torch.compile``; a decode that never runs ``max_rows`` rows or fewer never
-        loads it."""
-        if self._compiled_step is None:
-            # one compiled graph per bucket: room for every bucket of a long decode (dynamo's default is 8)
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_BUCKETS)
-            # frozen weights: a copy of the method with its own code object, since torch.compile keeps compiled
-            # code per code object and code compiled for older weights (as constants) must not be reused
-            step = own_code(self.frozen_lprobs) if self.freezing else self.padded_lprobs
-            options = inductor_options(self.model, self.symbolic_buckets)
-            self._compiled_step = torch.compile(step, dynamic=self.symbolic_buckets, fullgraph=True, options=options)
-        return self._compiled_step
+    def max_rows(self) -> int:
+        """The largest row bucket: more rows run the step for every row count (or eager)."""
+        return self.units.max_rows
+
+    @property
+    def many_rows_on_cpu(self) -> bool:
+        """Whether steps are compiled ahead of time (on the CPU, where oneDNN serves)."""
+        return self.units.packages
 
     def eager_products(self):
         """The context in which eager work computes its products: oneDNN's on the CPU."""
@@ -174,34 +138,14 @@ class CompiledRunner(StaticRunner):
         """fairseq's encoder output; on the CPU through a unit compiled ahead of time (one for a row, one for
         any more rows), fairseq's own encoder (oneDNN's products) where it cannot be built."""
         src_tokens = net_input["src_tokens"]
-        unit = self.encoder_unit(src_tokens.size(0)) if self.encoder_pass is not None else None
+        unit = self.units.encoder_unit(src_tokens.size(0))
         if unit is None:
             with self.eager_products():
                 return super().encode(net_input)
         # contiguous: the unit reads its inputs at the strides it was compiled for (a subset's are a slice's)
-        states, padding = unit(src_tokens.contiguous(), self.encoder_pass.position_table(src_tokens.size(1)))
+        states, padding = unit(src_tokens.contiguous(), self.units.encoder_pass.position_table(src_tokens.size(1)))
         lengths = (~padding).sum(dim=1, dtype=torch.int32).reshape(-1, 1)  # (rows, 1), as fairseq's encoder's
         return encoder_output(states, padding, fc_results=[], src_lengths=[lengths])
-
-    def encoder_unit(self, rows: int):
-        """The encoder compiled ahead of time for ``rows`` rows (1, or any more), or None."""
-        key = ("encoder", 1 if rows == 1 else None)
-        signature = tensors_signature(self.model.encoder.parameters())
-        if signature != self.encoder_signature:  # units holding other weights as constants: dropped
-            self.encoder_signature = signature
-            for unit in [("encoder", 1), ("encoder", None)]:
-                self.packaged_steps.pop(unit, None)
-        if key in self.packaged_steps:
-            return self.packaged_steps[key]
-        if self.compile_in_background:
-            if self.background is not None:
-                return self.background_step(key)
-            if not any(step is not None for unit, step in self.packaged_steps.items() if not is_encoder(unit)):
-                return None  # the steps' units first: a decode spends more on its steps than on its encoder
-        from fairseq_fastgen.engine import aot_step
-
-        what = f"the encoder for {'one row' if rows == 1 else 'more rows'}"
-        return self.packaged(key, what, lambda: aot_step.EncoderPackage(self, key[1]))
 
     # ---- cache: rows padded to the bucket ---------------------------------------------------------
     @staticmethod
@@ -248,14 +192,7 @@ class CompiledRunner(StaticRunner):
             return
         self.fused = self.fused_weights.current()
         if self.freezing or self.many_rows_on_cpu:
-            signature = tensors_signature(self.model.decoder.parameters())
-            if signature != self.frozen_signature:  # compiled code holding other weights as constants: drop it
-                self.frozen_signature, self.background = signature, None
-                # the encoder's units stay: they follow the encoder's own parameters (encoder_unit)
-                self.packaged_steps = {key: unit for key, unit in self.packaged_steps.items() if is_encoder(key)}
-                self.decoder_step.fused_buffers = FusedBuffers(self.fused)  # a submodule: its buffers freeze
-                if self.freezing:
-                    self._compiled_step, self.compiled_shapes = None, {}
+            self.units.follow_decoder_weights(self.fused)
         states = encoder_out["encoder_out"][0]  # (src_len, rows, dim)
         src_len, rows = states.size(0), states.size(1)
         masks = encoder_out["encoder_padding_mask"]
@@ -282,13 +219,14 @@ class CompiledRunner(StaticRunner):
         beams = self.beams
         if beams <= self.max_rows or not self.many_rows_on_cpu or not shared_by_beams(origin, beams):
             return False
-        return self.packaged_step(None, cache, beams) is not None
+        table = self.decoder_step.position_table(cache.capacity)
+        return self.units.package_unit(None, beams, 1, table) is not None
 
     # ---- one decoder step ---------------------------------------------------------------------------
     @property
     def many_rows_step(self):
         """The step for every row count above ``max_rows`` (None until built, or where it could not be)."""
-        return self.packaged_steps.get(None) or self.packaged_steps.get(("beams", self.beams))
+        return self.units.many_rows_unit(self.beams)
 
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         if not cache.started:
@@ -311,24 +249,9 @@ class CompiledRunner(StaticRunner):
         return self.padded_step(unit, last_tokens, positions, encoder_out, cache)
 
     def padded_unit(self, rows: int, cache: StaticCache):
-        """What runs the padded step of ``rows`` rows: above ``max_rows`` the unit for every row count (None
-        where it cannot be built, or off the CPU: eager), else the rows' bucket (its frozen unit with
-        --compiled-freezing, or torch.compile's)."""
-        if rows > self.max_rows:
-            return self.packaged_step(None, cache, cache.beams) if self.many_rows_on_cpu else None
-        if self.freezing and self.many_rows_on_cpu:
-            bucket = cache.self_keys[0].size(0)  # the rows, padded
-            packaged = self.packaged_step(bucket, cache)
-            if packaged is not None:
-                return packaged
-            if bucket not in self.packaged_steps:  # compiled in the background: the same form, eager, till then
-                return self.eager_padded_step
-        return lambda *inputs: self.compiled_bucket_step(inputs, cache)
-
-    def eager_padded_step(self, *inputs):
-        """The padded step of a bucket whose unit a child process compiles: uncompiled, oneDNN's products."""
-        with self.eager_products():
-            return self.padded_lprobs(*inputs, self.fused)
+        """What runs the padded step of ``rows`` rows (``CompiledUnits.step_unit``; None: the eager step)."""
+        table = self.decoder_step.position_table(cache.capacity)
+        return self.units.step_unit(rows, cache.self_keys[0].size(0), cache.beams, table, self.fused)
 
     def padded_step(self, unit, last_tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
         """lprobs (rows, vocab) and attention (rows, src_len) of ``unit``'s step: last_tokens (rows, 1) at
@@ -380,125 +303,6 @@ class CompiledRunner(StaticRunner):
             features, attn = self.next_position(tokens, encoder_out, cache, form)
             lprobs = self.lprobs(features)
         return lprobs, attn[:, -1, : encoder_out["encoder_out"][0].size(0)]
-
-    def compiled_bucket_step(self, inputs, cache: StaticCache):
-        """The step of a row bucket through torch.compile (one compilation per bucket and process)."""
-        shape = (cache.self_keys[0].size(0), cache.capacity, cache.cross_keys[0].size(2))
-        start = time.perf_counter()
-        with self.compile_settings(shape):
-            if self.on_cuda:  # a new replay may overwrite the outputs of the last one: step() has copied them
-                torch.compiler.cudagraph_mark_step_begin()
-            outputs = self.compiled_step(*inputs, self.fused)
-        if shape not in self.compiled_shapes:
-            self.compiled_shapes[shape] = time.perf_counter() - start
-            self.compile_seconds += self.compiled_shapes[shape]
-            # a bucket served by code compiled for another (symbolic shapes) or found in inductor's cache: no news
-            seconds = self.compiled_shapes[shape]
-            logger.log(logging.INFO if seconds >= 1.0 else logging.DEBUG,
-                       f"--step-engine compiled: step for {shape[0]} rows, {shape[1]} target and {shape[2]} "
-                       f"source positions compiled in {seconds:.1f} s")
-        return outputs
-
-    def packaged_step(self, rows: Optional[int], cache: StaticCache, beams: int = 1, block: int = 1):
-        """The step compiled ahead of time for ``rows`` rows (None: every row count above ``max_rows``; with
-        ``beams`` > 1, sentences of that many beams sharing their encoder-decoder keys; with ``block`` > 1,
-        that many positions per row), loaded from disk or compiled the first time a decode needs it (with
-        --compile-in-background: by a child process, None until it is ready); None where it cannot be built
-        (one line says why)."""
-        key = ("block", block, rows) if block > 1 else rows if beams == 1 else ("beams", beams)
-        if key in self.packaged_steps:
-            return self.packaged_steps[key]
-        if self.compile_in_background:
-            if self.background is not None:  # polled at every step while a child compiles: nothing built before
-                return self.background_step(key)
-            if key is None and self.beams > self.max_rows:
-                return None  # beam search: only its sentences' unit is compiled; rows not laid out so run eager
-        from fairseq_fastgen.engine import aot_step
-
-        what = f"the step above {self.max_rows} rows" if rows is None else f"the step of {rows} rows"
-        if block > 1:
-            what = what.replace("the step", f"the step of {block} positions per row")
-        if beams > 1:
-            what += f" ({beams} beams a sentence, sharing its encoder-decoder keys)"
-        table = self.decoder_step.position_table(cache.capacity)
-        return self.packaged(key, what, lambda: aot_step.StepPackage(self, table, rows, beams, block))
-
-    def packaged(self, key, what: str, package):
-        """The unit ``package()`` describes (an ``aot_step`` package), loaded or compiled (with
-        --compile-in-background and no child compiling: by a child process, None until it is ready; the callers
-        poll a running child first); None where it cannot be built (one line says why)."""
-        from fairseq_fastgen.engine import aot_step
-
-        try:
-            package = package()
-            if self.compile_in_background:
-                path = package.path
-                if not path.exists():
-                    compilation = aot_step.BackgroundCompilation(package, path)
-                    self.background = (key, what, compilation)
-                    logger.info(f"--step-engine compiled: {what} is compiled in the background (process "
-                                f"{compilation.pid}, which stores it in {path.parent} even if this decode ends "
-                                f"first); those steps run eager until it is ready")
-                    return None
-            step, seconds, compiled_now = aot_step.load_or_compile(package)
-        except Exception as error:  # export or inductor refusing this model: eager, or torch.compile, serves it
-            return self.not_compiled(key, what, error)
-        return self.keep_packaged_step(key, what, step, seconds, compiled_now)
-
-    def background_step(self, key):
-        """The step the child process compiles, once it is ready (polled); None before, and for every other
-        step while one is compiled in the background (they run eager; the next is compiled after it)."""
-        compiling, what, compilation = self.background
-        if key != compiling:
-            return None
-        try:
-            ready = compilation.ready()  # (step, seconds) or None
-        except Exception as error:
-            self.background = None
-            return self.not_compiled(key, what, error)
-        if ready is None:
-            return None
-        self.background = None
-        return self.keep_packaged_step(key, what + " (in the background)", *ready, compiled_now=True)
-
-    def not_compiled(self, key, what: str, error: Exception):
-        self.packaged_steps[key] = None
-        reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        fallback = ("torch.compile compiles it" if isinstance(key, int) else "fairseq's encoder runs" if is_encoder(key)
-                    else "those steps run eager")
-        logger.warning(f"--step-engine compiled: {what} could not be compiled ahead of time ({reason}); {fallback}")
-        return None
-
-    def keep_packaged_step(self, key, what: str, step, seconds: float, compiled_now: bool):
-        self.packaged_steps[key] = step
-        self.compile_seconds += seconds
-        if isinstance(key, int):
-            self.compiled_shapes[(key, None, None)] = seconds
-        if compiled_now:
-            self.compiled_now.add(key)
-        from fairseq_fastgen.engine.aot_step import compiled_dir
-
-        done = "compiled and stored" if compiled_now else "loaded"
-        logger.info(f"--step-engine compiled: {what} {done} in {seconds:.1f} s ({compiled_dir()})")
-        return step
-
-    def compile_settings(self, shape):
-        """Inductor's settings around a call that compiles a new bucket: with --compiled-freezing the weights
-        become constants of the compiled code (inductor reads ``freezing`` before a torch.compile call's own
-        options apply) and their products take its C++ GEMM template, faster at one row at the price of a longer
-        compilation per bucket.  With symbolic shapes
-        every input dimension gets a symbol of its own: dynamo would otherwise give one symbol to dimensions
-        that happen to be equal at the first call (64 rows and a head of 64 values) and compile again once
-        they differ."""
-        if shape in self.compiled_shapes or not (self.freezing or self.symbolic_buckets):
-            return contextlib.nullcontext()
-        if self.symbolic_buckets:
-            import torch.fx.experimental._config
-
-            return torch.fx.experimental._config.patch(use_duck_shape=False)
-        import torch._inductor.config
-
-        return torch._inductor.config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
 
     def fast_form(self, last_tokens: Tensor, position_rows, cache: StaticCache):
         """The decoder step's fast form, its fused query/key/value products through oneDNN where it serves."""
@@ -556,95 +360,16 @@ class CompiledRunner(StaticRunner):
 
     def block_unit(self, rows: int, block: int, cache: StaticCache):
         """The unit compiled ahead of time for ``block`` positions per row of ``rows`` rows, or None (eager)."""
-        if block == 1 or not self.many_rows_on_cpu or cache.beams > 1:
-            return None
-        if rows > self.max_rows:
-            return self.packaged_step(None, cache, block=block)
-        if self.freezing:
-            return self.packaged_step(cache.self_keys[0].size(0), cache, block=block)
-        return None
+        table = self.decoder_step.position_table(cache.capacity)
+        return self.units.block_unit(rows, cache.self_keys[0].size(0), block, cache.beams, table)
 
     def keep_accepted(self, cache: StaticCache, accepted: Tensor):
         rows_index = padded_index(torch.arange(accepted.size(0), device=accepted.device), self.max_rows)
         cache.keep_accepted(accepted.index_select(0, rows_index))
 
-    def padded_lprobs(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
-                      cross_values, cross_mask, fused: FusedWeights, beams: int = 1):
-        """The compiled unit: the padded step and, with the full projection, log-softmax of its logits."""
-        features, attn, new_keys, new_values = self.decoder_step.padded(
-            last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys, cross_values,
-            cross_mask, fused.qkv_weights, fused.qkv_biases, beams,
-        )
-        if self.projection is not None:  # a cluster projection runs eager, after the step
-            return features, attn, new_keys, new_values
-        return self.log_softmax(features, fused)[:, -1, :], attn, new_keys, new_values
-
-    def log_softmax(self, features, fused: FusedWeights):
-        """Log-probabilities (rows, n, vocab) of features (rows, n, dim): the model's projection (its weight
-        transposed), the temperature, log-softmax."""
-        if fused.output_t is not None:
-            logits = torch.matmul(features, fused.output_t)  # (rows, n, vocab)
-        else:
-            logits = self.model.decoder.output_layer(features)
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        return F.log_softmax(logits.float(), dim=-1)
-
-    def padded_block(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
-                     cross_values, cross_mask, fused: FusedWeights, beams: int = 1):
-        """The compiled unit of several positions per row: the padded step's base features (no head: blockwise
-        decoding applies its heads to them) and, where ``scores_blocks``, [features, their log-probabilities]
-        (rows, n, vocab); attention and new keys/values."""
-        features, attn, new_keys, new_values = self.decoder_step.padded(
-            last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys, cross_values,
-            cross_mask, fused.qkv_weights, fused.qkv_biases, beams, first_head=False,
-        )
-        if self.scores_blocks:
-            features = [features, self.log_softmax(features, fused)]
-        return features, attn, new_keys, new_values
-
-    def frozen_lprobs(self, *inputs):
-        """``padded_lprobs`` reading the fused weights from the buffers of a submodule of the decoder step
-        instead of its last input: inductor's freezing then folds them, with the model's parameters, into the
-        compiled code (tensors reached otherwise stay inputs)."""
-        return self.padded_lprobs(*inputs[:-1], self.decoder_step.fused_buffers.weights())
-
     def statistics(self) -> dict:
-        """For the decoder's statistics: the buckets this runner met and the seconds of their first calls
-        (their compilation, or its load from inductor's on-disk cache)."""
-        packaged = sum(1 for key, step in self.packaged_steps.items()
-                       if step is not None and not isinstance(key, int) and not is_encoder(key))
-        buckets = len(self.compiled_shapes) + packaged  # the units above the buckets, and the block units
-        return {"compiled_buckets": buckets, "compile_seconds": round(self.compile_seconds, 2)}
-
-
-class FusedBuffers(nn.Module):
-    """:class:`FusedWeights` as the buffers of a module, where torch.compile's freezing reads constants."""
-
-    def __init__(self, fused: FusedWeights):
-        super().__init__()
-        self.layers = len(fused.qkv_weights)
-        for index, (weight, bias) in enumerate(zip(fused.qkv_weights, fused.qkv_biases)):
-            self.register_buffer(f"qkv_weight_{index}", weight)
-            self.register_buffer(f"qkv_bias_{index}", bias)
-        self.register_buffer("output_t", fused.output_t)
-
-    def weights(self) -> FusedWeights:
-        return FusedWeights([getattr(self, f"qkv_weight_{i}") for i in range(self.layers)],
-                            [getattr(self, f"qkv_bias_{i}") for i in range(self.layers)], self.output_t)
-
-
-def is_encoder(key) -> bool:
-    """Whether a key of ``CompiledRunner.packaged_steps`` is an encoder unit's."""
-    return isinstance(key, tuple) and key[0] == "encoder"
-
-
-def own_code(method):
-    """``method`` bound again to a copy of its function with a code object of its own."""
-    function = method.__func__
-    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
-    return types.MethodType(copy, method.__self__)
+        """For the decoder's statistics: the buckets this runner met and the seconds of their first calls."""
+        return self.units.statistics()
 
 
 def padded_index(index: Tensor, max_rows: int) -> Tensor:
@@ -653,15 +378,3 @@ def padded_index(index: Tensor, max_rows: int) -> Tensor:
     if bucket == index.numel():
         return index
     return torch.cat([index, index[:1].expand(bucket - index.numel())])
-
-
-def inductor_options(model, symbolic: bool) -> dict:
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    options = {"cpp_wrapper": True} if on_cpu else {"triton.cudagraphs": True}
-    # only the inputs' shapes, dtypes and strides choose a compiled bucket: the model, the temperature and the
-    # projection of a runner never change, and checking their guards is a visible share of a one-row step
-    # (each torch.compile call keeps its own compiled code, so another runner's model is never mistaken for it)
-    # (with symbolic shapes the guards relating them to each other stay)
-    if not symbolic:
-        options["guard_filter_fn"] = torch.compiler.keep_tensor_guards_unsafe
-    return options

@@ -15,6 +15,9 @@ from torch import Tensor
 from fairseq import utils
 
 from fairseq_fastgen.engine.int8_proposals import Int8Proposer
+from fairseq_fastgen.engine.row_plans import (KeepRows, LeftJustifySources, NarrowSources, PlaceRows, ReleaseRows,
+                                              WidenSources)
+from fairseq_fastgen.engine.runner_types import PlacesRows
 
 
 def encoder_output(states: Tensor, padding: Tensor, **fields) -> Dict[str, List[Tensor]]:
@@ -187,6 +190,44 @@ class ModelRunner:
             buffers["prev_key"] = F.pad(buffers["prev_key"], (0, 0, 0, extra))  # (rows, heads, width, head_dim)
             buffers["prev_value"] = F.pad(buffers["prev_value"], (0, 0, 0, extra))
             buffers["prev_key_padding_mask"] = F.pad(key_padding, (0, extra), value=True)
+
+    # ---- a scheduler's plans (``row_plans``), carried out by the operations above ----------------------
+    def carry_out(self, plan, encoder_out, cache):
+        """Carry out ``plan`` (a ``row_plans`` plan) on ``encoder_out``, returned anew, and ``cache``, changed in
+        place, by this runner's own operations (which the step engines override).  A plan this runner cannot
+        carry out (rows placed or released, sources narrowed: only a :class:`PlacesRows` cache can) is refused
+        (``ValueError``)."""
+        if isinstance(plan, KeepRows):
+            encoder_out = self.reorder_encoder_out(encoder_out, plan.index)
+            self.reorder_cache(cache, plan.index)
+            return encoder_out
+        if isinstance(plan, WidenSources):
+            encoder_out = self.widened_sources(encoder_out, plan.extra)
+            self.widen_cache(cache, plan.src_len, plan.extra)
+            return encoder_out
+        if isinstance(plan, LeftJustifySources):  # the cache holds no encoder-decoder keys yet
+            return self.left_justified_sources(encoder_out)
+        if not isinstance(plan, (PlaceRows, ReleaseRows, NarrowSources)):
+            raise ValueError(f"{type(plan).__name__} is not a plan of engine/row_plans.py")
+        if not isinstance(self, PlacesRows):
+            raise ValueError(f"{type(self).__name__} cannot carry out {type(plan).__name__}: its cache takes no "
+                             f"rows in place (only the step engines' do: --step-engine static or compiled)")
+        if isinstance(plan, PlaceRows):
+            encoder_out = self.placed_sources(encoder_out, plan.slots, plan.fresh_encoder_out, plan.rows)
+            self.place_rows(cache, plan.slots, plan.fresh_cache, plan.rows)
+        elif isinstance(plan, ReleaseRows):
+            if plan.rows is not None:
+                self.release_rows(cache, plan.rows)
+            self.drop_leading_padding(cache)  # the positions only the released rows attended
+        else:
+            encoder_out = self.narrowed_sources(encoder_out, plan.width)
+            self.narrow_cache(cache, plan.width)
+        return encoder_out
+
+    def merged_rows(self, encoder_outs, caches):
+        """(encoder output, cache) of the rows of several groups, one group after the other (new objects;
+        sources left-padded to the widest, as ``concat_encoder_out`` and ``concat_caches`` pad them)."""
+        return self.concat_encoder_out(encoder_outs), self.concat_caches(caches)
 
     # ---- one decoder step ------------------------------------------------------
     def step(self, tokens: Tensor, encoder_out, cache):

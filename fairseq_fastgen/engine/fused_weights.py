@@ -92,3 +92,19 @@ def plain_output_projection(decoder) -> Optional[nn.Linear]:
             or not isinstance(projection, nn.Linear) or projection.bias is not None):
         return None
     return projection
+
+
+class FusedBuffers(nn.Module):
+    """:class:`FusedWeights` as the buffers of a module, where inductor's freezing reads constants."""
+
+    def __init__(self, fused: FusedWeights):
+        super().__init__()
+        self.layers = len(fused.qkv_weights)
+        for index, (weight, bias) in enumerate(zip(fused.qkv_weights, fused.qkv_biases)):
+            self.register_buffer(f"qkv_weight_{index}", weight)
+            self.register_buffer(f"qkv_bias_{index}", bias)
+        self.register_buffer("output_t", fused.output_t)
+
+    def weights(self) -> FusedWeights:
+        return FusedWeights([getattr(self, f"qkv_weight_{i}") for i in range(self.layers)],
+                            [getattr(self, f"qkv_bias_{i}") for i in range(self.layers)], self.output_t)

@@ -3,7 +3,8 @@
 A decoder holds a runner and never the model; it does not know which engine the runner is.  Every engine
 (``fairseq_runner.ModelRunner``, ``runners.StaticRunner``, ``compiled.CompiledRunner``) is a :class:`Runner`.
 The step engines' caches also let a refill's rows take finished rows' places (:class:`PlacesRows`); a decoder
-asks ``isinstance(runner, PlacesRows)``, not a flag.  Shapes: ``rows`` decoded rows, ``n`` new positions of a
+asks ``isinstance(runner, PlacesRows)``, not a flag.  Decoders change rows' layout by plans (``row_plans.py``)
+that the runner carries out (``carry_out``).  Shapes: ``rows`` decoded rows, ``n`` new positions of a
 row, ``src_len`` source positions, ``dim`` the decoder's width.
 """
 
@@ -32,6 +33,10 @@ class Runner(Protocol):
     def widen_cache(self, cache, src_len: int, extra: int) -> None: ...  # ``extra`` masked source positions
     def keep_accepted(self, cache, accepted: Tensor) -> None: ...  # accepted (rows, n): a prefix of each row
     def drop_last_positions(self, cache, dropped: int) -> None: ...
+
+    # a scheduler's layout plans (row_plans.py: KeepRows, WidenSources, ...), by the operations above
+    def carry_out(self, plan, encoder_out, cache): ...  # -> encoder_out; the cache changed in place
+    def merged_rows(self, encoder_outs, caches): ...  # -> (encoder_out, cache) of several groups' rows
 
     # the steps
     def step(self, tokens: Tensor, encoder_out, cache): ...  # tokens (rows, length) -> lprobs (rows, vocab), attn

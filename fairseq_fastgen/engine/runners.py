@@ -1,8 +1,9 @@
 """The engine as runners: the same interface as ``ModelRunner``, another cache underneath.
 
-Decoders ask their runner for ``encode``, ``step``, ``step_block``,
-``reorder_cache``, ``concat_caches``, ``widen_cache``, ``keep_accepted``, ``place_rows`` and
-never look inside the cache, so they do not know which engine runs their steps:
+Decoders ask their runner for ``encode``, ``step``, ``step_block``, ``keep_accepted``, hand it
+their rows' layout plans (``carry_out``: rows kept, placed or released, sources widened or narrowed,
+carried out by ``reorder_cache``, ``place_rows``, ``widen_cache``, ...) and never look inside the cache,
+so they do not know which engine runs their steps:
 
 * :class:`StaticRunner` (``--step-engine static``): the exact form of
   :class:`~fairseq_fastgen.engine.decoder_step.DecoderStep`, eager; bitwise

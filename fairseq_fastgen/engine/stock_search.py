@@ -23,6 +23,9 @@ import torch
 from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
 from fairseq_fastgen.adapters.ensemble import use_ensemble
+from fairseq_fastgen.config import PluginOptions
+from fairseq_fastgen.engine.choice import engine_setting, make_runner
+from fairseq_fastgen.engine.decoder_step import unsupported_reason
 
 logger = logging.getLogger("fairseq_fastgen.engine")
 CACHE_KEY = "fastgen_engine_cache"  # where the runner's cache sits in fairseq's incremental state
@@ -71,8 +74,6 @@ class EngineEnsemble(EnsembleModel):
 
 def stock_search_refusal(generator, models) -> Optional[str]:
     """Why fairseq's search in ``generator`` cannot run on the engine (None if it can)."""
-    from fairseq_fastgen.engine.decoder_step import unsupported_reason
-
     if not isinstance(generator, SequenceGenerator) or type(generator.model) is not EnsembleModel:
         return f"{type(generator).__name__} is not fairseq's SequenceGenerator"
     if len(models) != 1:
@@ -88,8 +89,6 @@ def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = 
     runner (:func:`fairseq_fastgen.adapters.ensemble.use_ensemble`); returns whether it did (otherwise one line
     says why, and fairseq's step runs).  ``share_keys``: the beams of a sentence share its encoder-decoder
     keys/values in the runner's cache, else each beam keeps its copy."""
-    from fairseq_fastgen.engine import make_runner
-
     refusal = stock_search_refusal(generator, models)
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
@@ -98,3 +97,15 @@ def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = 
                          generator.beam_size if share_keys else 1, background)
     use_ensemble(generator, EngineEnsemble(models, runner, generator.max_len + 2))  # undone by restore_ensemble
     return True
+
+
+def serve_stock_search(generator, models, options: PluginOptions) -> bool:
+    """fairseq's own SequenceGenerator (``--decoder beam``) on the engine: fairseq's search loop over the
+    engine's step (``stock_search.py``; on ``static`` bitwise stock fairseq's hypotheses); returns whether the
+    engine serves it (not under ``--step-engine fairseq``, nor for a model the engine cannot serve).
+    ``--no-shared-encoder-cache``: every beam keeps its own copy of the encoder-decoder keys/values."""
+    engine = engine_setting(options)
+    if engine == "fairseq":
+        return False
+    return run_stock_search_on_engine(generator, models, engine, options.compiled_freezing,
+                                      options.compile_in_background, not options.no_shared_encoder_cache)

@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
+from fairseq_fastgen.cluster.projection import projection_from_options
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.options import FastgenOptions, parse_options
@@ -256,8 +257,6 @@ def reject_unsupported(name, gen_cfg, extra):
 
 
 def build_projection(options: PluginOptions, temperature, model, direction=None):
-    from fairseq_fastgen.cluster.projection import projection_from_options  # noqa: the cluster package imports this one
-
     return projection_from_options(options, temperature, model, direction)
 
 

@@ -22,10 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fairseq_fastgen.engine.row_plans import KeepRows, PlaceRows
+
 
 class DecodingState:
     def __init__(self, runner, tokens, sentence, max_len, encoder_out, cache, src_len):
-        self.runner = runner  # ModelRunner: knows how to reorder encoder outputs and caches
+        self.runner = runner  # a Runner: carries out the rows' plans on the encoder output and cache
         self.tokens = tokens  # (rows, 1 + width) long, column 0 is the bos (= eos) symbol
         self.cum_scores = tokens.new_zeros((tokens.size(0), 0), dtype=torch.float)  # (rows, width)
         self.attn: Optional[Tensor] = None  # (rows, src_len, width) or None
@@ -177,8 +179,7 @@ class DecodingState:
         for name, value in self.extra.items():
             if value is not None:
                 self.extra[name] = value.index_select(0, index)
-        self.encoder_out = self.runner.reorder_encoder_out(self.encoder_out, index)
-        self.runner.reorder_cache(self.cache, index)
+        self.encoder_out = self.runner.carry_out(KeepRows(index), self.encoder_out, self.cache)
 
     def resize_source_extras(self, width: int):
         """The source-shaped extras (``source_extras``) cut or right-padded to ``width`` source positions (a
@@ -200,8 +201,8 @@ class DecodingState:
         """Rows ``slots`` (n,) of this state (finished ones) take the rows ``rows`` (n,) of ``fresh``, a state of
         rows just started (their bos cached, greedy's first token taken), with per-row lengths as this one and the
         same source width.  Streaming: a refill's rows enter the rows finished ones left straight from the group
-        of sources encoded ahead, copying neither the running rows nor the group's; the runner moves the cache's
-        rows (``place_rows``)."""
+        of sources encoded ahead, copying neither the running rows nor the group's; the runner moves the encoder
+        output's and the cache's rows (``PlaceRows``)."""
         if self.row_lengths is None or fresh.row_lengths is None or fresh.src_len != self.src_len:
             raise ValueError("rows take others' places only with per-row lengths and equal source widths (a bug)")
         take = lambda tensor: tensor.index_select(0, rows)  # noqa: E731 (n, ...) fresh's rows
@@ -228,8 +229,8 @@ class DecodingState:
                 mine = mine.clone()
                 mine[slots] = 0 if theirs is None else theirs
             self.extra[name] = mine
-        self.encoder_out = self.runner.placed_sources(self.encoder_out, slots, fresh.encoder_out, rows)
-        self.runner.place_rows(self.cache, slots, fresh.cache, rows)
+        plan = PlaceRows(slots, fresh.encoder_out, fresh.cache, rows)
+        self.encoder_out = self.runner.carry_out(plan, self.encoder_out, self.cache)
 
     def candidate_rows(self, index: Tensor, tokens: Tensor, cum_scores: Tensor, attn=None) -> "DecodingState":
         """The rows ``index`` (k,), each continued by one of ``tokens`` (k,) at the cumulative scores
@@ -259,15 +260,10 @@ class DecodingState:
             raise ValueError("only states of equal length can be merged (or give them per-row lengths)")
         width = max(s.cum_scores.size(1) for s in states)  # token columns
         src_len = max(s.src_len for s in states)
-        merged = DecodingState(
-            first.runner,
-            torch.cat([_pad_last(s.tokens, 1 + width, first.pad) for s in states]),
-            torch.cat([s.sentence for s in states]),
-            torch.cat([s.max_len for s in states]),
-            first.runner.concat_encoder_out([s.encoder_out for s in states]),
-            first.runner.concat_caches([s.cache for s in states]),
-            src_len,
-        )
+        tokens = torch.cat([_pad_last(s.tokens, 1 + width, first.pad) for s in states])
+        sentence, max_len = torch.cat([s.sentence for s in states]), torch.cat([s.max_len for s in states])
+        encoder_out, cache = first.runner.merged_rows([s.encoder_out for s in states], [s.cache for s in states])
+        merged = DecodingState(first.runner, tokens, sentence, max_len, encoder_out, cache, src_len)
         merged.cum_scores = torch.cat([_pad_last(s.cum_scores, width) for s in states])
         if any(s.attn is not None for s in states):
             like = next(s.attn for s in states if s.attn is not None)

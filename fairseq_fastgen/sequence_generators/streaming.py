@@ -79,6 +79,7 @@ import torch.nn.functional as F
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from fairseq_fastgen.engine import cache_capacity
+from fairseq_fastgen.engine.row_plans import LeftJustifySources, NarrowSources, ReleaseRows, WidenSources
 from fairseq_fastgen.engine.runner_types import PlacesRows
 from fairseq_fastgen.option_checks import UsageError, require_finite_in_range, require_int
 from fairseq_fastgen.sequence_generators.state import DecodingState
@@ -348,19 +349,30 @@ def join_any_lengths(parts):
     free = running.sentence.eq(PADDING_SENTENCE).nonzero().squeeze(1)  # (free rows,)
     if not isinstance(running.runner, PlacesRows):
         free = free[:0]
+    places = free_rows_taken(free, [part.index for part in refills])  # the plan: which free rows each part takes
     left_over = []
-    for part in refills:
+    for part, (slots, placed, rest) in zip(refills, places):
         group = CompanionFreeLayout.widen(part.group, width)
-        placed = min(free.numel(), part.index.numel())
-        if placed:
-            running.place(free[:placed], group, part.index[:placed])
-            free = free[placed:]
-        if placed < part.index.numel():
-            left_over.append(group.taken(part.index[placed:]))
+        if slots.numel():
+            running.place(slots, group, placed)  # carried out by the runner (PlaceRows)
+        if rest.numel():
+            left_over.append(group.taken(rest))
     joined = DecodingState.concat([running] + left_over) if left_over else running
     if isinstance(joined.runner, PlacesRows):
         narrow_sources(joined)
     return [joined]
+
+
+def free_rows_taken(free: torch.Tensor, parts: List[torch.Tensor]) -> List[tuple]:
+    """Which of the ``free`` rows (free,) the rows of each of a refill's parts (n_i,) take, the first part first:
+    one (slots, placed, rest) per part, ``slots`` (p_i,) the free rows taken by its rows ``placed`` (p_i,), ``rest``
+    (n_i - p_i,) its rows left over (appended after the running rows)."""
+    plan = []
+    for rows in parts:
+        placed = min(free.numel(), rows.numel())
+        plan.append((free[:placed], rows[:placed], rows[placed:]))
+        free = free[placed:]
+    return plan
 
 
 def narrow_sources(state, slack: int = 2 * KEY_BLOCK):
@@ -371,11 +383,10 @@ def narrow_sources(state, slack: int = 2 * KEY_BLOCK):
     used = -(-int((~mask).sum(dim=1).max()) // KEY_BLOCK) * KEY_BLOCK if state.rows else 0
     if state.src_len - used < slack or not bool(mask[:, used:].all()):
         return
-    state.encoder_out = state.runner.narrowed_sources(state.encoder_out, used)
+    state.encoder_out = state.runner.carry_out(NarrowSources(used), state.encoder_out, state.cache)
     if state.attn is not None:
         state.attn = state.attn[:, :used]  # (rows, used, width)
     state.resize_source_extras(used)
-    state.runner.narrow_cache(state.cache, used)
     state.src_len = used
 
 
@@ -388,9 +399,8 @@ def finished_rows_wait(state, finished, streaming: bool = True) -> torch.Tensor:
         if finished.any():
             state.sentence = state.sentence.masked_fill(finished, PADDING_SENTENCE)
         waiting = state.sentence.eq(PADDING_SENTENCE).nonzero().squeeze(1)  # (waiting,)
-        if waiting.numel():
-            state.runner.release_rows(state.cache, waiting)
-            state.runner.drop_leading_padding(state.cache)  # the positions only finished rows attended
+        if waiting.numel():  # no longer attended; the positions only finished rows attended dropped
+            state.encoder_out = state.runner.carry_out(ReleaseRows(waiting), state.encoder_out, state.cache)
         return torch.arange(state.rows, device=finished.device)
     kept = (~finished).nonzero().squeeze(1)
     if kept.numel() < state.rows:
@@ -406,8 +416,8 @@ def drain_waiting_rows(state, multiple: int = 1):
     kept = torch.cat([kept, waiting[: (-kept.numel()) % multiple if kept.numel() else 0]])
     if kept.numel() < state.rows:
         state.select(kept)
-        if kept.numel():
-            state.runner.drop_leading_padding(state.cache)
+        if kept.numel():  # the positions only the rows that left attended dropped
+            state.encoder_out = state.runner.carry_out(ReleaseRows(), state.encoder_out, state.cache)
             narrow_sources(state)
     return state
 
@@ -457,8 +467,8 @@ class EncodedAhead:
 
     def _encode_group(self, first: int, end: int):
         group = self.ctx.start_state(torch.arange(first, end, device=self.ctx.pool.source_len.device))
-        if isinstance(group.runner, PlacesRows):
-            group.encoder_out = group.runner.left_justified_sources(group.encoder_out)
+        if isinstance(group.runner, PlacesRows):  # before its cache holds the rows' encoder-decoder keys
+            group.encoder_out = group.runner.carry_out(LeftJustifySources(), group.encoder_out, group.cache)
         self.first, self.state = first, self.start(group, self.ctx)  # (the cache's encoder keys/values at once)
         self.answered = bool(self.state.sentence.eq(PADDING_SENTENCE).any())
 
@@ -510,8 +520,8 @@ class CompanionFreeLayout:
         extra = width - state.src_len
         if extra <= 0:
             return state
-        state.encoder_out = state.runner.widened_sources(state.encoder_out, extra)  # (width, rows, dim)
-        state.runner.widen_cache(state.cache, state.src_len, extra)
+        plan = WidenSources(state.src_len, extra)
+        state.encoder_out = state.runner.carry_out(plan, state.encoder_out, state.cache)  # (width, rows, dim)
         if state.attn is not None:
             state.attn = F.pad(state.attn, (0, 0, 0, extra))  # (rows, width, length)
         state.resize_source_extras(width)

@@ -15,6 +15,11 @@ import io
 import sys
 from typing import List, Optional, Tuple
 
+from fairseq import options as fairseq_options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+import fairseq_fastgen  # noqa: F401  (registers the plugin's options before fairseq builds its parser)
+
 BATCHING = ("continuous", "fixed")
 DEFAULT_CAPACITY = 32  # sentences in the running batch when neither --batch-size nor --max-tokens is given
 PROGRAM = "fastgen-serve"
@@ -77,15 +82,11 @@ def check_server_options(args: argparse.Namespace):
 
 def parse_command_line(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, object]:
     """(the parsed arguments, fairseq's config of them).  A misuse prints one error line and exits 2."""
-    import fairseq_fastgen  # noqa: F401  (registers the plugin's options before fairseq builds its parser)
-    from fairseq import options
-    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-
-    parser = options.get_interactive_generation_parser()
+    parser = fairseq_options.get_interactive_generation_parser()
     add_server_options(parser)
     argv = sys.argv[1:] if argv is None else argv
     with one_line_errors():
-        args = options.parse_args_and_arch(parser, argv)
+        args = fairseq_options.parse_args_and_arch(parser, argv)
     try:
         check_server_options(args)
     except ValueError as error:

@@ -156,7 +156,7 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, bl
     assert all(torch.allclose(actual[s][1], expected[s][1], atol=1e-4, rtol=0) for s in expected)
 
     runner = generator.runner
-    units = {key[2] for key, step in runner.packaged_steps.items()
+    units = {key[2] for key, step in runner.units.packaged.items()
              if isinstance(key, tuple) and key[:2] == ("block", block_size) and step is not None}
     max_rows = compiled.FROZEN_MAX_ROWS if freezing else compiled.COMPILED_MAX_ROWS
     if freezing:  # every block ran compiled: 7 rows down to 1, the cache's rows padded to the bucket

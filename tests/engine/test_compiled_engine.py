@@ -55,8 +55,9 @@ def test_rows_above_the_row_buckets_share_one_compiled_step(toy, monkeypatch):
     from tests.engine.test_static_engine import translate_batches
 
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, SENTENCES, 32))
-    assert {rows for rows, _, _ in runner.compiled_shapes} <= {1, 2, 4}
-    assert counters["stats"]["unique_graphs"] == len(runner.compiled_shapes)  # the step above them is not dynamo's
+    assert {rows for rows, _, _ in runner.units.compiled_shapes} <= {1, 2, 4}
+    # the step above them is not dynamo's
+    assert counters["stats"]["unique_graphs"] == len(runner.units.compiled_shapes)
     if onednn_linear_module.onednn_available():
         assert runner.many_rows_step is not None and not eager_rows
     else:
@@ -80,7 +81,7 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
         generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled")
         with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
             assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
-        outcomes.append(None in generator.runner.compiled_now)
+        outcomes.append(None in generator.runner.units.compiled_now)
     assert outcomes == [True, False]
     assert len(list(tmp_path.glob("step-any-rows-*.pt2"))) == 1
     lines = [r.getMessage() for r in caplog.records if "the step above" in r.getMessage()]
@@ -111,43 +112,44 @@ def test_compiled_steps_compile_in_the_background_while_the_decode_runs_eager(to
                    compiled_freezing=case["freezing"])
     generator = toy.generator(**options)
     runner = generator.runner
+    units = runner.units
     uncompiled = []
-    for name in ("fast_form", "eager_padded_step"):  # the eager forms: above the row buckets, and of a bucket
-        form = getattr(runner, name)
-        monkeypatch.setattr(runner, name, lambda *inputs, form=form: uncompiled.append(1) or form(*inputs))
+    for owner, name in [(runner, "fast_form"), (units, "eager_padded")]:  # the eager forms: above the row
+        form = getattr(owner, name)  # buckets, and of a bucket
+        monkeypatch.setattr(owner, name, lambda *inputs, form=form: uncompiled.append(1) or form(*inputs))
     with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
         assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, batch))
-    assert runner.background is not None and runner.background[0] == key and uncompiled
+    assert units.background is not None and units.background[0] == key and uncompiled
     if case["freezing"]:
-        assert runner.compiled_shapes == {}  # no torch.compile bucket stood in for the unit
-    compilation = runner.background[2]
+        assert units.compiled_shapes == {}  # no torch.compile bucket stood in for the unit
+    compilation = units.background[2]
     lines = [r.getMessage() for r in caplog.records if "in the background" in r.getMessage()]
     assert lines == [f"--step-engine compiled: {case['what']} is compiled in the background (process "
                      f"{compilation.pid}, which stores it in {tmp_path} even if this decode ends first); those "
                      f"steps run eager until it is ready"]
     deadline = time.monotonic() + 600
-    while key not in runner.packaged_steps:  # what the decode's steps poll: the test waits, a decode does not
+    while key not in units.packaged:  # what the decode's steps poll: the test waits, a decode does not
         assert time.monotonic() < deadline, "the background compilation did not end"
-        runner.background_step(key)
+        units.poll_background(key)
         time.sleep(0.2)
-    assert runner.packaged_steps[key] is not None and key in runner.compiled_now and runner.background is None
+    assert units.packaged[key] is not None and key in units.compiled_now and units.background is None
     assert len(list(tmp_path.glob("step-*.pt2"))) == 1
     uncompiled.clear()
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, batch))
     assert not uncompiled  # no other step unit was needed
     # once a step's unit is stored, the encoder's is compiled in the background (fairseq's encoder meanwhile)
     encoder = ("encoder", None if batch > 1 else 1)
-    assert runner.background is not None and runner.background[0] == encoder or encoder in runner.packaged_steps
-    while encoder not in runner.packaged_steps:
+    assert units.background is not None and units.background[0] == encoder or encoder in units.packaged
+    while encoder not in units.packaged:
         assert time.monotonic() < deadline, "the background compilation did not end"
-        runner.background_step(encoder)
+        units.poll_background(encoder)
         time.sleep(0.2)
-    assert runner.packaged_steps[encoder] is not None and len(list(tmp_path.glob("encoder-*.pt2"))) == 1
+    assert units.packaged[encoder] is not None and len(list(tmp_path.glob("encoder-*.pt2"))) == 1
 
     later = toy.generator(**options)
     assert_same_tokens_close_scores(expected, translate_batches(toy, later, ids, batch))
-    assert later.runner.background is None and later.runner.packaged_steps[key] is not None
-    assert later.runner.compiled_now == set()
+    assert later.runner.units.background is None and later.runner.units.packaged[key] is not None
+    assert later.runner.units.compiled_now == set()
 
 
 def test_a_step_that_cannot_be_compiled_runs_eager_with_one_line(toy, tmp_path, monkeypatch, caplog):
@@ -179,7 +181,7 @@ def test_compilations_stay_at_the_buckets(toy, options):
     torch._dynamo.reset()
     counters.clear()
     generator, _ = decode(toy, list(range(200)), 64, step_engine="compiled", **options)
-    shapes = generator.runner.compiled_shapes
+    shapes = generator.runner.units.compiled_shapes
     # dynamo's graphs are the fixed-shape buckets; one more step, compiled ahead of time, serves every row
     # count above them (on the CPU with oneDNN)
     assert counters["stats"]["unique_graphs"] == len(shapes)
@@ -200,13 +202,13 @@ def test_symbolic_buckets_serve_every_row_count_with_one_compilation(toy, option
     _, expected = decode(toy, SENTENCES, 32, step_engine="fairseq", **options)
     generator = toy.generator(step_engine="compiled", **options)
     runner = generator.runner
-    runner.symbolic_buckets, runner.max_rows, runner.many_rows_on_cpu = True, compiled.CUDA_MAX_ROWS, False
+    runner.units.symbolic, runner.units.max_rows, runner.units.packages = True, compiled.CUDA_MAX_ROWS, False
     torch._dynamo.reset()
     counters.clear()
     from tests.engine.test_static_engine import translate_batches
 
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, SENTENCES, 32))
-    row_buckets = {rows for rows, _, _ in runner.compiled_shapes}
+    row_buckets = {rows for rows, _, _ in runner.units.compiled_shapes}
     assert len(row_buckets) >= 3 and max(row_buckets) > compiled.COMPILED_MAX_ROWS
     assert all(rows & (rows - 1) == 0 for rows in row_buckets)  # powers of two
     assert 1 <= counters["stats"]["unique_graphs"] <= 2
@@ -237,7 +239,7 @@ def test_frozen_weights_follow_a_weight_change(toy, freezing, batch_size):
     _, expected = decode(toy, ids, batch_size, step_engine="fairseq", decoder="greedy", beam=1)
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, batch_size))
     key = 1 if freezing else None  # the package of the 1-row bucket, or of every row count above the buckets
-    first_step = runner.packaged_steps.get(key)
+    first_step = runner.units.packaged.get(key)
     assert first_step is not None
     weight = toy.models[0].decoder.layers[-1].fc2.weight
     original = weight.detach().clone()
@@ -247,7 +249,7 @@ def test_frozen_weights_follow_a_weight_change(toy, freezing, batch_size):
         _, changed = decode(toy, ids, batch_size, step_engine="fairseq", decoder="greedy", beam=1)
         assert any(not torch.equal(changed[s][0]["tokens"], expected[s][0]["tokens"]) for s in ids)
         assert_same_tokens_close_scores(changed, translate_batches(toy, generator, ids, batch_size))
-        assert runner.packaged_steps.get(key) not in (None, first_step)  # compiled again, for the new weights
+        assert runner.units.packaged.get(key) not in (None, first_step)  # compiled again, for the new weights
     finally:
         with torch.no_grad():
             weight.copy_(original)

@@ -99,7 +99,7 @@ def test_the_beams_of_a_sentence_share_its_encoder_keys_on_the_compiled_engine(t
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8, prefix_size))
     assert shapes and all(sources * beam == rows and beams == beam for rows, sources, beams in shapes)
     assert len({rows for rows, _, _ in shapes}) > 2  # sentences finished and left
-    assert runner.packaged_steps[("beams", beam)] is runner.many_rows_step is not None
+    assert runner.units.packaged[("beams", beam)] is runner.many_rows_step is not None
 
 
 @pytest.mark.parametrize("beam,prefix_size,shared", [(5, 0, True), (4, 1, True), (4, 0, False)])
@@ -145,6 +145,6 @@ def test_stock_beam5_on_the_compiled_engine_compiles_one_step(toy):
     counters.clear()
     engine, _ = decode(toy, list(range(200)), 64, decoder="beam", beam=5, step_engine="compiled")
     runner = engine.model.runner
-    assert type(runner) is CompiledRunner and runner.compiled_shapes == {} and runner._compiled_step is None
+    assert type(runner) is CompiledRunner and runner.units.compiled_shapes == {} and runner.units._bucket_step is None
     assert counters["stats"]["unique_graphs"] == 0  # the step for many rows is compiled ahead of time
     assert (runner.many_rows_step is not None) == runner.many_rows_on_cpu

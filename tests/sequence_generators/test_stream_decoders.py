@@ -116,11 +116,11 @@ def test_greedy_stream_joins_lengths_wherever_a_step_engine_runs_the_model(toy, 
                                                                            unsupported, joins):
     """greedy-stream's form: refills in finished rows' places on a step engine, cohorts of equal length on
     fairseq's decoder (a model the engine does not serve included), never an error there; greedy's tokens."""
-    from fairseq_fastgen.engine import decoder_step
+    from fairseq_fastgen.engine import choice
     from fairseq_fastgen.sequence_generators.greedy import JoinedGreedyPolicy
 
-    if unsupported:
-        monkeypatch.setattr(decoder_step, "unsupported_reason", lambda decoder: "a decoder this test refuses")
+    if unsupported:  # what the engine's choice asks of the model
+        monkeypatch.setattr(choice, "unsupported_reason", lambda decoder: "a decoder this test refuses")
     ids = list(range(0, TEST_SENTENCES, 4))
     greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
     generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, step_engine=step_engine,

@@ -1,0 +1,79 @@
+"""Which runner runs a decoder's steps: ``--step-engine`` checked with the options that depend on it, the model
+the engine must serve (else fairseq's, in one line), and the runner built."""
+
+import logging
+from typing import Optional
+
+from fairseq_fastgen.config import PluginOptions
+from fairseq_fastgen.engine.compiled import CompiledRunner
+from fairseq_fastgen.engine.decoder_step import unsupported_reason
+from fairseq_fastgen.engine.fairseq_runner import ModelRunner
+from fairseq_fastgen.engine.runners import StaticRunner
+
+ENGINES = ("fairseq", "static", "compiled")
+logger = logging.getLogger("fairseq_fastgen.engine")
+
+
+_quantized_fallback_named = []  # the line saying compiled falls back under --quantize: once per process
+
+
+def cache_capacity(max_len) -> int:
+    """Target positions a cache needs for rows whose length limits are ``max_len`` (rows,): the bos,
+    up to ``max_len`` tokens and the forced eos."""
+    return int(max_len.max()) + 2 if max_len.numel() else 1
+
+
+def engine_setting(options: PluginOptions) -> str:
+    """``--step-engine``, checked with the options that depend on it."""
+    engine = options.step_engine
+    if engine not in ENGINES:
+        raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    for name in ("compiled_freezing", "compile_in_background"):
+        if getattr(options, name) and engine != "compiled":
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} applies to --step-engine compiled; got --step-engine {engine}")
+    if engine == "compiled" and options.quantize:
+        if not _quantized_fallback_named:
+            _quantized_fallback_named.append(True)
+            logger.warning(f"--step-engine compiled computes its units in float32: --quantize {options.quantize} "
+                           f"runs on --step-engine static")
+        return "static"
+    return engine
+
+
+def engine_refusal(model, options: PluginOptions) -> Optional[str]:
+    """Why the step engine ``--step-engine`` asks for cannot run ``model``'s steps (``build_runner`` then falls
+    back to fairseq's incremental decoder), or None where it can or fairseq's was asked for."""
+    return unsupported_reason(model.decoder) if engine_setting(options) != "fairseq" else None
+
+
+def engine_serves(model, options: PluginOptions) -> bool:
+    """Whether a step engine (``static`` or ``compiled``), not fairseq's incremental decoder, runs ``model``'s
+    steps under ``options``: the runner ``build_runner`` gives."""
+    return engine_setting(options) != "fairseq" and engine_refusal(model, options) is None
+
+
+def build_runner(model, options: PluginOptions, temperature: float, projection):
+    """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not
+    (``temperature``: fairseq's ``--temperature``)."""
+    engine = engine_setting(options)
+    refusal = engine_refusal(model, options)
+    if refusal:
+        logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
+        engine = "fairseq"
+    return make_runner(engine, model, temperature, projection, options.compiled_freezing,
+                       background=options.compile_in_background, blocks_by_position=options.quantize == "int8")
+
+
+def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1,
+                background: bool = False, blocks_by_position: bool = False):
+    """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job);
+    ``beams``: the rows of a sentence in fairseq's beam search (sharing their encoder-decoder keys);
+    ``freezing``, ``background``: --compiled-freezing, --compile-in-background;
+    ``blocks_by_position``: the static engine's blocks attend position by position (--quantize int8:
+    ``DecoderStep``'s exact form)."""
+    if engine == "static":
+        return StaticRunner(model, temperature, projection, blocks_by_position, beams)
+    if engine == "compiled":
+        return CompiledRunner(model, temperature, projection, freezing, beams, background)
+    return ModelRunner(model, temperature, projection)
