@@ -219,8 +219,7 @@ class CompiledRunner(StaticRunner):
         beams = self.beams
         if beams <= self.max_rows or not self.many_rows_on_cpu or not shared_by_beams(origin, beams):
             return False
-        table = self.decoder_step.position_table(cache.capacity)
-        return self.units.package_unit(None, beams, 1, table) is not None
+        return self.units.package_unit(None, beams, 1, cache.capacity) is not None
 
     # ---- one decoder step ---------------------------------------------------------------------------
     @property
@@ -250,8 +249,7 @@ class CompiledRunner(StaticRunner):
 
     def padded_unit(self, rows: int, cache: StaticCache):
         """What runs the padded step of ``rows`` rows (``CompiledUnits.step_unit``; None: the eager step)."""
-        table = self.decoder_step.position_table(cache.capacity)
-        return self.units.step_unit(rows, cache.self_keys[0].size(0), cache.beams, table, self.fused)
+        return self.units.step_unit(rows, cache.self_keys[0].size(0), cache.beams, cache.capacity, self.fused)
 
     def padded_step(self, unit, last_tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
         """lprobs (rows, vocab) and attention (rows, src_len) of ``unit``'s step: last_tokens (rows, 1) at
@@ -360,8 +358,7 @@ class CompiledRunner(StaticRunner):
 
     def block_unit(self, rows: int, block: int, cache: StaticCache):
         """The unit compiled ahead of time for ``block`` positions per row of ``rows`` rows, or None (eager)."""
-        table = self.decoder_step.position_table(cache.capacity)
-        return self.units.block_unit(rows, cache.self_keys[0].size(0), block, cache.beams, table)
+        return self.units.block_unit(rows, cache.self_keys[0].size(0), block, cache.beams, cache.capacity)
 
     def keep_accepted(self, cache: StaticCache, accepted: Tensor):
         rows_index = padded_index(torch.arange(accepted.size(0), device=accepted.device), self.max_rows)

@@ -52,36 +52,37 @@ class CompiledUnits:
         self.encoder_signature = None  # the encoder parameters the encoder's units hold
 
     # ---- the decoder step ---------------------------------------------------------------------------
-    def step_unit(self, rows: int, bucket: int, beams: int, table, fused: FusedWeights):
-        """What runs the padded step of ``rows`` rows (the cache holding ``bucket`` rows; ``table``: the
-        position table of its capacity): above ``max_rows`` the unit for every row count (None where it
+    def step_unit(self, rows: int, bucket: int, beams: int, capacity: int, fused: FusedWeights):
+        """What runs the padded step of ``rows`` rows (the cache holding ``bucket`` rows of ``capacity`` target
+        positions): above ``max_rows`` the unit for every row count (None where it
         cannot be built or off the CPU: eager), else the bucket's frozen unit with --compiled-freezing (its
         padded form, eager, while a child compiles it), or torch.compile's."""
         if rows > self.max_rows:
-            return self.package_unit(None, beams, 1, table) if self.packages else None
+            return self.package_unit(None, beams, 1, capacity) if self.packages else None
         if self.freezing and self.packages:
-            unit = self.package_unit(bucket, 1, 1, table)
+            unit = self.package_unit(bucket, 1, 1, capacity)
             if unit is not None:
                 return unit
             if bucket not in self.packaged:  # compiled in the background
                 return lambda *inputs: self.eager_padded(inputs, fused)
         return lambda *inputs: self.bucket_call(inputs, fused)
 
-    def block_unit(self, rows: int, bucket: int, block: int, beams: int, table):
+    def block_unit(self, rows: int, bucket: int, block: int, beams: int, capacity: int):
         """The unit of ``block`` positions per row for ``rows`` rows, or None (eager)."""
         if block == 1 or not self.packages or beams > 1:
             return None
         if rows > self.max_rows:
-            return self.package_unit(None, 1, block, table)
-        return self.package_unit(bucket, 1, block, table) if self.freezing else None
+            return self.package_unit(None, 1, block, capacity)
+        return self.package_unit(bucket, 1, block, capacity) if self.freezing else None
 
     def many_rows_unit(self, beams: int):
         """The step for every row count above ``max_rows`` (None until built, or where it could not be)."""
         return self.packaged.get(None) or self.packaged.get(("beams", beams))
 
-    def package_unit(self, rows: Optional[int], beams: int, block: int, table):
+    def package_unit(self, rows: Optional[int], beams: int, block: int, capacity: int):
         """The padded step compiled ahead of time for ``rows`` rows (None: every row count above ``max_rows``;
-        ``beams`` > 1: sentences of that many beams; ``block`` > 1: that many positions per row)."""
+        ``beams`` > 1: sentences of that many beams; ``block`` > 1: that many positions per row), built for
+        buffers of ``capacity`` target positions when it is not built yet."""
         key = ("block", block, rows) if block > 1 else rows if beams == 1 else ("beams", beams)
         if key in self.packaged:
             return self.packaged[key]
@@ -95,8 +96,7 @@ class CompiledUnits:
             what = what.replace("the step", f"the step of {block} positions per row")
         if beams > 1:
             what += f" ({beams} beams a sentence, sharing its encoder-decoder keys)"
-        step = PaddedStep(self.step.decoder_step, self.step.temperature, self.step.full_projection,
-                          self.step.scores_blocks, beams, block)
+        step, table = self.step.shaped(beams, block), self.step.decoder_step.position_table(capacity)
         return self.built(key, what, lambda: aot_step.StepPackage(step, table, rows))
 
     def follow_decoder_weights(self, fused: FusedWeights):
