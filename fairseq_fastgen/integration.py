@@ -19,10 +19,13 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    For ``--decoder beam`` it builds fairseq's own generator and then applies,
    to that instance only, the cluster projection (attached to the model's
    decoder only while that generator's ``generate`` runs, as other generators
-   may share the model: :mod:`fairseq_fastgen.adapters.output_layer`) and the FastSeq optimizations
-   (:func:`fairseq_fastgen.fastseq.optimize_stock_generator`: encoder cache
-   shared by the beams unless ``--no-shared-encoder-cache``, n-gram banning
-   that works on CPU).  For every decoder, ``--onednn-linear`` routes the
+   may share the model: :mod:`fairseq_fastgen.adapters.output_layer`), the
+   step engine's runner under fairseq's search (:mod:`fairseq_fastgen.engine.stock_search`,
+   on every engine: the beams' keys shared in the runner's cache) and the FastSeq
+   optimizations (:func:`fairseq_fastgen.fastseq.optimize_stock_generator`: the
+   lean loop, n-gram banning that works on CPU, and, where no runner serves the
+   model, encoder and prompt caches shared by the beams unless
+   ``--no-shared-encoder-cache``).  For every decoder, ``--onednn-linear`` routes the
    model's linear layers through oneDNN while that generator generates
    (:mod:`fairseq_fastgen.adapters.linear_forwards`), and ``--reuse-large-allocations``
    sets the process's malloc thresholds (:mod:`fairseq_fastgen.ops.heap`).
@@ -211,8 +214,8 @@ def _install_build_generator():
             # stock search calls decoder.forward; --temperature read as fairseq's generator reads it
             attach_to_stock_generator(generator, models, common, getattr(args, "temperature", 1.0), entry.name,
                                       direction)
-            on_engine = serve_stock_search(generator, models, common)  # fairseq's search over the engine's step
-            # shared encoder cache (unless the engine's cache serves), working n-gram banning, lean loop
+            on_engine = serve_stock_search(generator, models, common)  # fairseq's search over a runner's step
+            # shared caches (where no runner serves: the runner's cache shares keys), working n-gram banning, lean loop
             optimize_stock_generator(generator, common, share_cache=not on_engine)
         else:
             extra = dict(extra_gen_cls_kwargs or {})

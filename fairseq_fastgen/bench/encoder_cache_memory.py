@@ -21,7 +21,8 @@ from fairseq.dataclass.configs import GenerationConfig
 
 import fairseq_fastgen  # noqa: F401  (registers the plugin's options in GenerationConfig)
 from fairseq_fastgen.adapters.ensemble import observing_steps
-from fairseq_fastgen.fastseq import encoder_attention_cache_bytes, share_encoder_cache
+from fairseq_fastgen.engine.stock_search import CACHE_KEY
+from fairseq_fastgen.fastseq import encoder_attention_cache_bytes
 
 
 def cache_peak_bytes(data_bin, checkpoint, subset, beam, batch_size, shared, threads):
@@ -32,14 +33,15 @@ def cache_peak_bytes(data_bin, checkpoint, subset, beam, batch_size, shared, thr
     for model in models:
         model.eval()
     task.load_dataset(subset)
-    generator = task.build_generator(models, GenerationConfig(beam=beam, no_shared_encoder_cache=True))
-    if shared:
-        share_encoder_cache(generator)
+    # fairseq's runner: its cache is fairseq's incremental state, the keys shared by the beams or one copy each
+    config = GenerationConfig(beam=beam, step_engine="fairseq", no_shared_encoder_cache=not shared)
+    generator = task.build_generator(models, config)
     peak = 0
 
     def measure(incremental_states):
         nonlocal peak
-        peak = max(peak, encoder_attention_cache_bytes(models, incremental_states))
+        caches = [state.get(CACHE_KEY, state) for state in incremental_states]
+        peak = max(peak, encoder_attention_cache_bytes(models, caches))
 
     with torch.no_grad(), warnings.catch_warnings(), observing_steps(generator, measure):
         warnings.simplefilter("ignore", UserWarning)  # the data loader's pin_memory note on CPU

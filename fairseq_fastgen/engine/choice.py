@@ -76,4 +76,4 @@ def make_runner(engine: str, model, temperature: float, projection, freezing: bo
         return StaticRunner(model, temperature, projection, blocks_by_position, beams)
     if engine == "compiled":
         return CompiledRunner(model, temperature, projection, freezing, beams, background)
-    return ModelRunner(model, temperature, projection)
+    return ModelRunner(model, temperature, projection, beams)

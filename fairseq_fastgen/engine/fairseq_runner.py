@@ -18,6 +18,8 @@ from fairseq_fastgen.engine.int8_proposals import Int8Proposer
 from fairseq_fastgen.engine.row_plans import (KeepRows, LeftJustifySources, NarrowSources, PlaceRows, ReleaseRows,
                                               WidenSources)
 from fairseq_fastgen.engine.runner_types import PlacesRows
+from fairseq_fastgen.fastseq.shared_cache import (encoder_attention_modules, encoder_keys_shared_by_beams,
+                                                  supports_shared_cache)
 
 
 def encoder_output(states: Tensor, padding: Tensor, **fields) -> Dict[str, List[Tensor]]:
@@ -34,13 +36,30 @@ def sources_of(encoder_out):
     return encoder_out["encoder_out"][0], encoder_out["encoder_padding_mask"][0]
 
 
+class SentenceKeysCache(dict):
+    """fairseq's incremental state (the dict its decoder reads and writes) of a beam search whose ``beams`` beams
+    per sentence attend to their sentence's encoder-decoder keys/values, held once."""
+
+    def __init__(self, beams: int):
+        super().__init__()
+        self.beams = beams
+
+
 class ModelRunner:
     """``--step-engine fairseq``: a :class:`~fairseq_fastgen.engine.runner_types.Runner` over fairseq's own
-    incremental decoder and its dict cache (grown with ``torch.cat``); the base of the step engines' runners."""
+    incremental decoder and its dict cache (grown with ``torch.cat``); the base of the step engines' runners.
 
-    def __init__(self, model, temperature: float = 1.0, projection=None):
+    Built for fairseq's beam search (``beams`` > 1) over a model whose encoder-decoder attention allows it
+    (``fastseq.shared_cache.supports_shared_cache``), the beams of a sentence attend to its keys/values held
+    once in the cache (FastSeq's shared attention, switched on for this runner's calls only), bitwise stock
+    fairseq's step; otherwise every beam keeps its copy."""
+
+    def __init__(self, model, temperature: float = 1.0, projection=None, beams: int = 1):
         self.model = model
         self.temperature = temperature
+        sharing = beams > 1 and supports_shared_cache(model)
+        self.shared_attention = encoder_attention_modules(model) if sharing else []
+        self.beams = beams if sharing else 1  # rows of a sentence sharing its encoder-decoder keys in the cache
         # projection(features (rows, n, dim), decoder) -> logits (rows, n, vocab); None: full projection
         self.projection = projection
         # what a decoder may ask of the model, which it never holds: the target positions it has, and whether
@@ -126,20 +145,26 @@ class ModelRunner:
         return dict(encoder_out, encoder_out=[states], encoder_padding_mask=[mask])
 
     # ---- incremental cache -----------------------------------------------------
-    @staticmethod
-    def new_cache(capacity: int = 0) -> Dict[str, Dict[str, Optional[Tensor]]]:
+    def new_cache(self, capacity: int = 0) -> Dict[str, Dict[str, Optional[Tensor]]]:
         """An empty cache; ``capacity`` (the longest target, with bos) lets a static engine preallocate."""
+        if self.beams > 1:
+            return SentenceKeysCache(self.beams)
         return torch.jit.annotate(Dict[str, Dict[str, Optional[Tensor]]], {})
 
-    @staticmethod
-    def reorder_cache(cache, index: Tensor):
+    def reorder_cache(self, cache, index: Tensor):
         """Move every cached tensor (self- and encoder-decoder attention) to ``index``.
 
         Not fairseq's ``reorder_incremental_state``: it leaves the encoder-decoder
         keys/values in place whenever the row count is unchanged (stock beam
         search only reorders beams within a sentence), which mixes up sentences
-        when a policy reorders rows across sentences at a constant count.
+        when a policy reorders rows across sentences at a constant count.  A beam
+        search's cache of keys held per sentence is reordered by fairseq's rule
+        (beams move within their sentence; finished sentences leave).
         """
+        if isinstance(cache, SentenceKeysCache):
+            with encoder_keys_shared_by_beams(self.shared_attention, cache.beams):
+                self.model.decoder.reorder_incremental_state_scripting(cache, index)
+            return
         for buffers in cache.values():
             for name, value in buffers.items():
                 if value is not None:
@@ -237,6 +262,16 @@ class ModelRunner:
         the last position, earlier ones come from ``cache``).
         Returns lprobs (rows, vocab) float and attn (rows, src_len) or None.
         """
+        if isinstance(cache, SentenceKeysCache):
+            with encoder_keys_shared_by_beams(self.shared_attention, cache.beams):
+                if not cache:  # the first step: a sentence's beams are adjacent copies of its encoder rows
+                    first_beams = torch.arange(0, tokens.size(0), cache.beams, device=tokens.device)
+                    encoder_out = self.reorder_encoder_out(encoder_out, first_beams)
+                return self.extracted_step(tokens, encoder_out, cache)
+        return self.extracted_step(tokens, encoder_out, cache)
+
+    def extracted_step(self, tokens: Tensor, encoder_out, cache):
+        """``step`` by fairseq's ``extract_features`` and the runner's projection."""
         decoder = self.model.decoder
         features, extra = decoder.extract_features(tokens, encoder_out=encoder_out, incremental_state=cache)
         attn = extra.get("attn", [None])[0] if isinstance(extra, dict) else None

@@ -1,4 +1,4 @@
-"""Stock fairseq beam search (``--decoder beam``) on the engine: fairseq's own search, the engine's step.
+"""Stock fairseq beam search (``--decoder beam``) on a runner: fairseq's own search, the engine's step.
 
 fairseq's ``SequenceGenerator`` (and the plugin's lean loop, ``fastseq/beam_loop.py``)
 reaches the model only through its ``EnsembleModel``: ``forward_encoder``,
@@ -7,8 +7,9 @@ reaches the model only through its ``EnsembleModel``: ``forward_encoder``,
 steps answered by an engine runner, the cache reorders by the runner's cache,
 and the encoder output no longer reordered once the cache holds what the steps
 read of it: the search, its rules and its bookkeeping stay fairseq's, and over
-the static step its hypotheses are bitwise stock fairseq's
-(``tests/engine/test_stock_search.py``).
+fairseq's runner (``--step-engine fairseq``: fairseq's decoder, the keys shared by
+the beams as FastSeq shares them) and the static step its hypotheses are bitwise
+stock fairseq's (``tests/engine/test_stock_search.py``).
 
 The runner's cache lives in the search's own incremental state (the dict
 fairseq creates per model and hands back at every step), so a generator
@@ -91,7 +92,8 @@ def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = 
     keys/values in the runner's cache, else each beam keeps its copy."""
     refusal = stock_search_refusal(generator, models)
     if refusal:
-        logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
+        if engine != "fairseq":  # under fairseq's engine, fairseq's ensemble is what was asked for
+            logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         return False
     runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None), freezing,
                          generator.beam_size if share_keys else 1, background)
@@ -100,12 +102,11 @@ def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = 
 
 
 def serve_stock_search(generator, models, options: PluginOptions) -> bool:
-    """fairseq's own SequenceGenerator (``--decoder beam``) on the engine: fairseq's search loop over the
-    engine's step (``stock_search.py``; on ``static`` bitwise stock fairseq's hypotheses); returns whether the
-    engine serves it (not under ``--step-engine fairseq``, nor for a model the engine cannot serve).
+    """fairseq's own SequenceGenerator (``--decoder beam``) over a runner: fairseq's search loop over the
+    engine's step (``stock_search.py``; on ``fairseq`` and ``static`` bitwise stock fairseq's hypotheses);
+    returns whether a runner serves it (not for an ensemble, a model without an encoder or one the engines
+    cannot serve: fairseq's own ensemble then runs, with FastSeq's shared caches where they apply).
     ``--no-shared-encoder-cache``: every beam keeps its own copy of the encoder-decoder keys/values."""
     engine = engine_setting(options)
-    if engine == "fairseq":
-        return False
     return run_stock_search_on_engine(generator, models, engine, options.compiled_freezing,
                                       options.compile_in_background, not options.no_shared_encoder_cache)

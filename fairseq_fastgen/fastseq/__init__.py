@@ -2,7 +2,9 @@
 
 * :mod:`.shared_cache`: encoder output and encoder-decoder attention
   keys/values kept once per sentence and shared by its beams
-  (off with ``--no-shared-encoder-cache``);
+  (off with ``--no-shared-encoder-cache``): on fairseq's own ensemble, for the
+  models no runner serves (an ensemble), and in fairseq's runner's cache
+  (``encoder_keys_shared_by_beams``, ``engine/fairseq_runner.py``);
 * :mod:`.shared_prompt`: for decoder-only ``transformer_lm`` generation, the
   prompt decoded once per sentence and its self-attention keys/values kept
   once per sentence, shared by its beams (off with the same
@@ -57,7 +59,7 @@ __all__ = [
 
 def optimize_stock_generator(generator, options: PluginOptions, share_cache: bool = True):
     """Apply the optimizations to a generator built by fairseq itself (``--decoder beam``);
-    returns it.  Generators without a beam search or a supported model are left as they are.
+    returns it (the shared caches apply where fairseq's own ensemble runs: no runner serves the models).  Generators without a beam search or a supported model are left as they are.
     ``--no-shared-encoder-cache`` (or ``share_cache=False``: the step engine keeps its own
     cache) switches off both shared caches: the encoder's (encoder-decoder models) and the
     prompt's (decoder-only language models); ``--no-lean-beam-loop`` keeps fairseq's own search loop."""

@@ -268,15 +268,27 @@ class _BeamSharing:
         with self._sharing():
             return self.forward_all_decoders(tokens, encoder_outs, incremental_states, temperature)
 
-    @contextlib.contextmanager
     def _sharing(self):
-        for module in self.attention_modules:
-            module.beam_size = self.beams
-        try:
-            yield
-        finally:
-            for module in self.attention_modules:
-                module.beam_size = 1
+        return encoder_keys_shared_by_beams(self.attention_modules, self.beams)
+
+
+@contextlib.contextmanager
+def encoder_keys_shared_by_beams(attention_modules: List[MultiheadAttention], beams: int):
+    """Inside the block, ``attention_modules`` (a model's encoder-decoder attention, which
+    :func:`supports_shared_cache` accepts) serve fairseq's beam search with ``beams`` beams per sentence from
+    keys/values held once per sentence: :class:`SharedEncoderAttention` with fairseq's ``beam_size`` set to
+    ``beams`` (its per-sentence cache reorder included).  Afterwards each module has its class and a
+    ``beam_size`` of 1 again: the model is stock for every other user between the calls."""
+    classes = [type(module) for module in attention_modules]
+    for module in attention_modules:
+        module.__class__ = SharedEncoderAttention
+        module.beam_size = beams
+    try:
+        yield
+    finally:
+        for module, original in zip(attention_modules, classes):
+            module.__class__ = original
+            module.beam_size = 1
 
 
 def share_encoder_cache(generator) -> bool:

@@ -19,11 +19,12 @@ import types
 import pytest
 
 from fairseq.sequence_generator import EnsembleModel
+from fairseq_fastgen.adapters.ensemble import restore_ensemble
 from fairseq_fastgen.engine.compiled import CompiledRunner
 from fairseq_fastgen.engine.runners import StaticRunner
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from tests.engine.test_compiled_engine import assert_same_tokens_close_scores
-from tests.engine.test_static_engine import SENTENCES, decode
+from tests.engine.test_static_engine import SENTENCES, decode, translate_batches
 from tests.models.khead_toy import one_thread  # noqa: F401  (fixture)
 from tests.models.preset_toy import BLOCK_SIZE, preset_toy  # noqa: F401  (fixture)
 from tests.sequence_generators.test_blockwise import SOURCE_LENGTH
@@ -63,8 +64,10 @@ FIXED_LENGTH = {"max_len_a": 0, "max_len_b": 16}  # a limit stock's search and t
 
 def test_greedy_on_fairseqs_step_is_stock_beam_1(preset):
     _, greedy = decode(preset.base, IDS, 7, decoder="greedy", beam=1, step_engine="fairseq", **FIXED_LENGTH)
-    stock, expected = decode(preset.base, IDS, 7, decoder="beam", beam=1, step_engine="fairseq", **FIXED_LENGTH)
+    stock = preset.base.generator(decoder="beam", beam=1, step_engine="fairseq", **FIXED_LENGTH)
+    restore_ensemble(stock)  # fairseq's own ensemble and decoder calls, not fairseq's runner
     assert type(stock.model) is EnsembleModel
+    expected = translate_batches(preset.base, stock, IDS, 7)
     assert_identical(expected, greedy, across_batches=True)
     # the toy's tokens differ from sentence to sentence (its base has had two updates: see preset_toy.py)
     assert len({tuple(hypotheses[0]["tokens"].tolist()) for hypotheses in expected.values()}) >= 5

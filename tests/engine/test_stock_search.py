@@ -5,13 +5,17 @@ the beams of a sentence share its encoder-decoder keys in the engine's cache; en
 import logging
 
 import pytest
-from fairseq.sequence_generator import EnsembleModel
+from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 from omegaconf import OmegaConf
 
+from fairseq_fastgen.adapters.ensemble import restore_ensemble
 from fairseq_fastgen.engine.compiled import CompiledRunner
+from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from fairseq_fastgen.engine.runners import StaticRunner
 from fairseq_fastgen.engine.stock_search import EngineEnsemble, run_stock_search_on_engine
-from fairseq_fastgen.fastseq import shares_encoder_cache
+from fairseq_fastgen.fastseq import share_encoder_cache, shares_encoder_cache
+from fairseq_fastgen.fastseq.shared_cache import encoder_attention_modules
+from fairseq_fastgen.integration import restore_stock_generator
 from tests.engine.test_compiled_engine import assert_same_tokens_close_scores
 from tests.engine.test_static_engine import SENTENCES, assert_same_attention, decode, translate_batches
 from tests.sequence_generators.test_var_beam import assert_identical, toy  # noqa: F401  (fixture)
@@ -38,6 +42,7 @@ def decode_on_static_engine(toy, ids, batch_size, prefix_size=0, **options):
     """``decode`` with stock beam search moved onto the static step by hand."""
     config = stock_config(step_engine="fairseq", **options)
     generator = toy.task.build_generator(toy.models, config)
+    restore_ensemble(generator)  # fairseq's ensemble, which fairseq's runner replaced
     assert run_stock_search_on_engine(generator, toy.models, "static")
     return generator, translate_batches(toy, generator, ids, batch_size, prefix_size)
 
@@ -45,9 +50,8 @@ def decode_on_static_engine(toy, ids, batch_size, prefix_size=0, **options):
 @pytest.mark.parametrize("case,batch_size", CASES_AND_BATCHES)
 def test_stock_search_on_the_static_engine_is_bitwise_stock(toy, case, batch_size):
     ids = SENTENCES[:30] if batch_size == 1 else SENTENCES
-    stock, expected = decode(toy, ids, batch_size, decoder="beam", step_engine="fairseq", **STOCK_CASES[case])
+    expected = fairseqs_ensemble(toy, ids, batch_size, **STOCK_CASES[case])  # asserts fairseq's ensemble ran
     engine, actual = decode_on_static_engine(toy, ids, batch_size, **STOCK_CASES[case])
-    assert type(stock.model) is EnsembleModel
     assert type(engine.model) is EngineEnsemble and type(engine.model.runner) is StaticRunner
     assert_identical(expected, actual)
     assert_same_attention(expected, actual)
@@ -148,3 +152,87 @@ def test_stock_beam5_on_the_compiled_engine_compiles_one_step(toy):
     assert type(runner) is CompiledRunner and runner.units.compiled_shapes == {} and runner.units._bucket_step is None
     assert counters["stats"]["unique_graphs"] == 0  # the step for many rows is compiled ahead of time
     assert (runner.many_rows_step is not None) == runner.many_rows_on_cpu
+
+
+def fairseqs_ensemble(toy, ids, batch_size, prefix_size=0, **options):
+    """{sentence id: hypotheses} of ``--decoder beam`` over fairseq's own ensemble and decoder calls, with the
+    FastSeq changes (fastseq/: the shared encoder cache, n-gram banning, the lean loop) and no runner."""
+    generator = toy.task.build_generator(toy.models, stock_config(step_engine="fairseq", **options))
+    restore_ensemble(generator)
+    if not options.get("no_shared_encoder_cache"):
+        assert share_encoder_cache(generator) == (options.get("beam", 5) > 1)
+    assert type(generator.model) is EnsembleModel
+    hypotheses = translate_batches(toy, generator, ids, batch_size, prefix_size)
+    restore_stock_generator(generator)  # the models' attention classes as fairseq made them
+    return hypotheses
+
+
+def untouched_fairseq(toy, ids, batch_size, **options):
+    """{sentence id: hypotheses} of fairseq's SequenceGenerator with every change of the plugin undone."""
+    generator = restore_stock_generator(toy.task.build_generator(toy.models, stock_config(**options)))
+    assert type(generator) is SequenceGenerator and type(generator.model) is EnsembleModel
+    return translate_batches(toy, generator, ids, batch_size)
+
+
+def recorded_sentence_keys(runner) -> list:
+    """A list that gets, at each of fairseq's runner's steps from now on: the step's rows, and the rows of
+    every layer's cached encoder-decoder keys times the cache's beams."""
+    shapes, step = [], runner.step
+
+    def recording_step(tokens, encoder_out, cache):
+        outputs = step(tokens, encoder_out, cache)
+        beams = getattr(cache, "beams", 1)
+        keys = [module._get_input_buffer(cache)["prev_key"].size(0) * beams
+                for module in encoder_attention_modules(runner.model)]
+        shapes.append((tokens.size(0), *keys))
+        return outputs
+
+    runner.step = recording_step
+    return shapes
+
+
+@pytest.mark.parametrize("case,batch_size", [("beam4", 7), ("beam4", 64), ("beam8-nbest3", 7), ("beam1", 7),
+                                             ("beam4-ngram2", 7), ("beam4-cut-at-max-len", 7),
+                                             ("beam4-fairseqs-own-loop", 7)])
+def test_stock_search_on_fairseqs_engine_runs_over_its_runner_bitwise(toy, case, batch_size):
+    """--step-engine fairseq serves --decoder beam over fairseq's runner (one seam: the search reaches the
+    model through the runner): the beams of a sentence share its encoder-decoder keys in the runner's cache;
+    hypotheses and attention bitwise those of fairseq's own ensemble with FastSeq's shared cache, and, where
+    the plugin changes no search rule (n-gram banning: stock's bans nothing on the CPU), of untouched fairseq."""
+    options = STOCK_CASES[case]
+    expected = fairseqs_ensemble(toy, SENTENCES, batch_size, **options)
+    generator = toy.generator(decoder="beam", step_engine="fairseq", **options)
+    runner = generator.model.runner
+    assert type(generator.model) is EngineEnsemble and type(runner) is ModelRunner
+    assert not shares_encoder_cache(generator)
+    shapes = recorded_sentence_keys(runner)
+    attention_classes = [type(m) for m in encoder_attention_modules(toy.models[0])]
+    actual = translate_batches(toy, generator, SENTENCES, batch_size)
+    assert [type(m) for m in encoder_attention_modules(toy.models[0])] == attention_classes  # stock between calls
+    assert_identical(expected, actual)
+    assert_same_attention(expected, actual)
+    assert shapes and all(len(set(shape)) == 1 for shape in shapes)  # one key row per sentence, times its beams
+    beams = options["beam"]
+    assert runner.beams == beams
+    if beams > 1 and "max_len_b" not in options:
+        assert len({rows for rows, *_ in shapes}) > 2  # sentences finished and left
+    if "no_repeat_ngram_size" not in options:
+        stock = untouched_fairseq(toy, SENTENCES, batch_size, **options)
+        assert_identical(stock, actual)
+        assert_same_attention(stock, actual)
+
+
+@pytest.mark.parametrize("prefix_size,shared", [(1, True), (0, False)])
+def test_stock_search_on_fairseqs_engine_with_prefix_tokens_or_copied_keys(toy, prefix_size, shared):
+    """Prefix tokens (fairseq's own loop) and --no-shared-encoder-cache (each beam its copy of the keys) over
+    fairseq's runner: fairseq's ensemble's hypotheses bitwise."""
+    options = dict(beam=4, no_shared_encoder_cache=not shared)
+    ids = SENTENCES[:40]
+    expected = fairseqs_ensemble(toy, ids, 8, prefix_size, **options)
+    generator = toy.generator(decoder="beam", step_engine="fairseq", **options)
+    assert type(generator.model) is EngineEnsemble and generator.model.runner.beams == (4 if shared else 1)
+    shapes = recorded_sentence_keys(generator.model.runner)
+    actual = translate_batches(toy, generator, ids, 8, prefix_size)
+    assert_identical(expected, actual)
+    assert_same_attention(expected, actual)
+    assert shapes and all(len(set(shape)) == 1 for shape in shapes)

@@ -15,21 +15,24 @@ from tests.fastseq.test_shared_cache import assert_bitwise_equal
 ENSEMBLE_METHODS = {"forward_decoder", "reorder_encoder_out", "reorder_incremental_state"}
 
 
-@pytest.mark.parametrize("step_engine", ["fairseq", "compiled"])
-def test_a_restored_generator_and_its_models_are_stock_again(toy_model, translate, step_engine):
+@pytest.mark.parametrize("step_engine,copies", [("fairseq", 2), ("fairseq", 1), ("compiled", 1)])
+def test_a_restored_generator_and_its_models_are_stock_again(toy_model, translate, step_engine, copies):
+    """``copies``: the ensemble's models (2: fairseq's own ensemble with FastSeq's shared cache, which no runner
+    serves; 1: a runner's ensemble)."""
     # loaded afresh: the session's loaded_toy models carry the attention classes other tests' sharing left them
     loaded_toy = load(toy_model.checkpoint, toy_model.data_bin)
     model = loaded_toy.models[0]
     classes = [type(module) for module in model.modules()]
     weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     config = GenerationConfig(beam=4, no_repeat_ngram_size=2, step_engine=step_engine)
-    generator = loaded_toy.task.build_generator([model], config)
-    translate(loaded_toy, generator, 16, models=[model])
+    models = [model] * copies
+    generator = loaded_toy.task.build_generator(models, config)
+    translate(loaded_toy, generator, 16, models=models)
     # what the plugin changed: the loop, the blocker, the generate wrappers, and the shared cache's attention
-    # classes (fairseq's step) or the engine's ensemble (compiled)
+    # classes (fairseq's ensemble) or the engine's ensemble (a runner's)
     assert type(generator) is not SequenceGenerator and "generate" in vars(generator)
     assert type(generator.repeat_ngram_blocker) is not NGramRepeatBlock
-    if step_engine == "fairseq":
+    if copies == 2:
         assert [type(module) for module in model.modules()] != classes
     else:
         assert isinstance(generator.model, EngineEnsemble)
@@ -41,6 +44,6 @@ def test_a_restored_generator_and_its_models_are_stock_again(toy_model, translat
     assert [type(module) for module in model.modules()] == classes
     assert all(torch.equal(tensor, weights[name]) for name, tensor in model.state_dict().items())
     assert all(module.beam_size == 1 for module in model.modules() if hasattr(module, "beam_size"))
-    plain = SequenceGenerator([model], loaded_toy.task.target_dictionary, beam_size=4, no_repeat_ngram_size=2)
-    assert_bitwise_equal(translate(loaded_toy, plain, 16, models=[model]),
-                         translate(loaded_toy, generator, 16, models=[model]))
+    plain = SequenceGenerator(models, loaded_toy.task.target_dictionary, beam_size=4, no_repeat_ngram_size=2)
+    assert_bitwise_equal(translate(loaded_toy, plain, 16, models=models),
+                         translate(loaded_toy, generator, 16, models=models))

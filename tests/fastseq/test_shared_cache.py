@@ -12,6 +12,7 @@ import torch
 from fairseq.dataclass.configs import GenerationConfig
 from fairseq.sequence_generator import SequenceGenerator
 
+from fairseq_fastgen.adapters.ensemble import restore_ensemble
 from fairseq_fastgen.fastseq import (
     SharedEncoderAttention,
     encoder_attention_cache_bytes,
@@ -25,9 +26,13 @@ BATCH_1_IDS = set(range(0, 200, 4))  # batch size 1: every 4th test sentence kee
 
 
 def stock_generator(loaded, beam, models=None, max_len_b=200):
+    """fairseq's generator with fairseq's own ensemble and decoder calls (what FastSeq's shared cache serves:
+    the models no runner serves), the plugin's shared caches and lean loop off."""
     config = GenerationConfig(beam=beam, max_len_b=max_len_b, no_shared_encoder_cache=True, no_lean_beam_loop=True,
-                              step_engine="fairseq")  # fairseq's step: the engine shares keys in its own cache
-    return loaded.task.build_generator(models or loaded.models, config)
+                              step_engine="fairseq")
+    generator = loaded.task.build_generator(models or loaded.models, config)
+    restore_ensemble(generator)  # the runner fairseq's engine gives a single model's beam search
+    return generator
 
 
 def assert_bitwise_equal(stock, shared):
@@ -158,10 +163,12 @@ def test_other_generators_on_the_same_models_stay_stock(loaded_toy, translate):
 
 
 def test_build_generator_shares_unless_switched_off(loaded_toy):
-    """On fairseq's step the plugin's build_generator shares by default; ``--no-shared-encoder-cache`` keeps stock."""
+    """On fairseq's step, for an ensemble (which no runner serves), the plugin's build_generator shares by
+    default; ``--no-shared-encoder-cache`` keeps stock."""
     config = GenerationConfig(beam=4, step_engine="fairseq")
-    assert shares_encoder_cache(loaded_toy.task.build_generator(loaded_toy.models, config))
-    assert not shares_encoder_cache(stock_generator(loaded_toy, 4))
+    ensemble = loaded_toy.models * 2
+    assert shares_encoder_cache(loaded_toy.task.build_generator(ensemble, config))
+    assert not shares_encoder_cache(stock_generator(loaded_toy, 4, ensemble))
 
 
 def test_optimize_stock_generator_follows_the_switch(loaded_toy):
