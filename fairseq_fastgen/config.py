@@ -138,6 +138,15 @@ class PluginOptions(FairseqDataclass):
                           "gives the same output with fewer passes over the vocabulary per step",
                   "decoders": ("beam",)},
     )
+    stop_at_top_eos: bool = field(
+        default=False,
+        metadata={"help": "--decoder beam: a sentence ends at the first step whose best candidate is "
+                          "end-of-sentence (with --nbest hypotheses ended), as OpenNMT's and CTranslate2's beam "
+                          "searches stop, instead of when --beam hypotheses have ended (stock fairseq's rule): "
+                          "fewer steps; the hypotheses are the first ones stock's search ends, so an output can "
+                          "differ from stock's (docs/benchmarks.md gives the share)",
+                  "decoders": ("beam",)},
+    )
 
 
 def build_generation_config():

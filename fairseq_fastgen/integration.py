@@ -216,7 +216,7 @@ def _install_build_generator():
                                       direction)
             on_engine = serve_stock_search(generator, models, common)  # fairseq's search over a runner's step
             # shared caches (where no runner serves: the runner's cache shares keys), working n-gram banning, lean loop
-            optimize_stock_generator(generator, common, share_cache=not on_engine)
+            optimize_stock_generator(generator, common, share_cache=not on_engine, nbest=getattr(args, "nbest", 1))
         else:
             extra = dict(extra_gen_cls_kwargs or {})
             extra["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn

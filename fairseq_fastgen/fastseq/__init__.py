@@ -17,6 +17,8 @@
   :mod:`fairseq_fastgen.cli.async_generate` (``--postprocess-workers N``).
 """
 
+import logging
+
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.fastseq.beam_loop import LeanBeamLoop, leave_lean_beam_loop, use_lean_beam_loop
 from fairseq_fastgen.fastseq.ngram import RepeatedNgramBlocker, restore_ngram_blocking, use_fastgen_ngram_blocking
@@ -36,6 +38,8 @@ from fairseq_fastgen.fastseq.shared_prompt import (
     supports_shared_prompt,
     unshare_prompt_cache,
 )
+
+logger = logging.getLogger("fairseq_fastgen.fastseq")
 
 __all__ = [
     "LeanBeamLoop",
@@ -57,18 +61,24 @@ __all__ = [
 ]
 
 
-def optimize_stock_generator(generator, options: PluginOptions, share_cache: bool = True):
+def optimize_stock_generator(generator, options: PluginOptions, share_cache: bool = True, nbest: int = 1):
     """Apply the optimizations to a generator built by fairseq itself (``--decoder beam``);
     returns it (the shared caches apply where fairseq's own ensemble runs: no runner serves the models).  Generators without a beam search or a supported model are left as they are.
     ``--no-shared-encoder-cache`` (or ``share_cache=False``: the step engine keeps its own
     cache) switches off both shared caches: the encoder's (encoder-decoder models) and the
-    prompt's (decoder-only language models); ``--no-lean-beam-loop`` keeps fairseq's own search loop."""
+    prompt's (decoder-only language models); ``--no-lean-beam-loop`` keeps fairseq's own search loop;
+    ``--stop-at-top-eos`` (with ``nbest``, ``--nbest``) gives the lean loop its stopping rule."""
+    if options.stop_at_top_eos and options.no_lean_beam_loop:
+        raise ValueError("--stop-at-top-eos is a rule of the plugin's beam loop: drop --no-lean-beam-loop")
     if share_cache and not options.no_shared_encoder_cache:
         share_encoder_cache(generator)
         share_prompt_cache(generator)
     use_fastgen_ngram_blocking(generator)
     if not options.no_lean_beam_loop:
-        use_lean_beam_loop(generator)
+        lean = use_lean_beam_loop(generator, options.stop_at_top_eos, nbest)
+        if options.stop_at_top_eos and not lean:
+            logger.warning(f"--stop-at-top-eos: {type(generator).__name__} keeps fairseq's own loop, with stock's "
+                           f"stopping rule")
     return generator
 
 

@@ -30,6 +30,7 @@ tokens, a language model, search strategies other than beam search,
 ``--match-source-len``) runs through fairseq's own loop, unchanged.
 """
 
+import logging
 import math
 from typing import Dict, List, Optional
 
@@ -41,6 +42,8 @@ from fairseq.sequence_generator import SequenceGenerator
 from fairseq_fastgen.fastseq.shared_cache import IncrementalState
 
 CHUNK = 64  # entries per chunk of a row in top_candidates
+logger = logging.getLogger("fairseq_fastgen.fastseq")
+_stock_rule_named = []  # the line saying fairseq's loop keeps stock's stopping rule: once per process
 
 
 def top_candidates(lprobs: Tensor, prev_scores: Optional[Tensor], k: int):
@@ -90,7 +93,14 @@ def mask_nan_(lprobs: Tensor) -> Tensor:
 
 
 class LeanBeamLoop(SequenceGenerator):
-    """fairseq's SequenceGenerator whose beam search loop is :mod:`this module's <beam_loop>`."""
+    """fairseq's SequenceGenerator whose beam search loop is :mod:`this module's <beam_loop>`.
+
+    ``top_eos_stops`` (``--stop-at-top-eos``): a sentence also ends at the first step whose best candidate is
+    eos, once ``nbest_wanted`` of its hypotheses have ended; its hypotheses are then the first ones stock's
+    search ends (the steps up to there are stock's)."""
+
+    top_eos_stops = False
+    nbest_wanted = 1
 
     def lean_loop_applies(self, sample, prefix_tokens, constraints) -> bool:
         net_input = sample["net_input"]
@@ -107,6 +117,10 @@ class LeanBeamLoop(SequenceGenerator):
 
     def _generate(self, sample, prefix_tokens=None, constraints=None, bos_token=None):
         if not self.lean_loop_applies(sample, prefix_tokens, constraints):
+            if self.top_eos_stops and not _stock_rule_named:
+                _stock_rule_named.append(True)
+                logger.warning("--stop-at-top-eos: this search (prefix tokens, constraints, another search "
+                               "strategy or a language model) runs fairseq's own loop, with stock's stopping rule")
             return super()._generate(sample, prefix_tokens, constraints, bos_token)
         net_input = sample["net_input"]
         src_tokens = net_input["src_tokens"]  # (bsz, src_len)
@@ -164,10 +178,13 @@ class LeanBeamLoop(SequenceGenerator):
             newly_finished: List[int] = []
             if eos_rows.numel() > 0:
                 eos_scores = torch.masked_select(cand_scores[:, :beam], eos_mask[:, :beam])
+                open_sentences = [s for s, done in enumerate(finished) if not done]  # a batch row's sentence
                 newly_finished = self.finalize_hypos(
                     step, eos_rows, eos_scores, tokens, scores, finalized, finished, beam, attn,
                     src_lengths, max_len,
                 )
+                if self.top_eos_stops:
+                    newly_finished += self.ended_at_top(eos_mask[:, 0], open_sentences, finalized, finished)
                 remaining -= len(newly_finished)
             if remaining == 0:
                 break
@@ -209,6 +226,17 @@ class LeanBeamLoop(SequenceGenerator):
             finalized[sentence] = [hypotheses[i] for i in order]
         return finalized
 
+    def ended_at_top(self, top_ended: Tensor, open_sentences: List[int], finalized, finished: List[bool]) -> List[int]:
+        """The batch rows (sentences) whose best candidate ended at this step (``top_ended`` (bsz,) bool), with
+        ``nbest_wanted`` hypotheses ended, not finished by stock's rule: marked finished in ``finished``."""
+        rows = []
+        for row in torch.nonzero(top_ended).view(-1).tolist():
+            sentence = open_sentences[row]
+            if not finished[sentence] and len(finalized[sentence]) >= self.nbest_wanted:
+                finished[sentence] = True
+                rows.append(row)
+        return rows
+
     def _constrain(self, lprobs: Tensor, step: int, max_len: int):
         """fairseq's edits of the step's log-probabilities, in its order (no prefix tokens here)."""
         lprobs[:, self.pad] = -math.inf
@@ -231,14 +259,17 @@ class LeanBeamLoop(SequenceGenerator):
         return top_candidates(by_beam, previous, min(cand_size, by_beam[0].numel() - 1))
 
 
-def use_lean_beam_loop(generator) -> bool:
+def use_lean_beam_loop(generator, top_eos_stops: bool = False, nbest: int = 1) -> bool:
     """Switch a stock SequenceGenerator (exactly that class) to :class:`LeanBeamLoop`; returns whether it did.
+    ``top_eos_stops``, ``nbest``: ``--stop-at-top-eos`` and ``--nbest`` (:class:`LeanBeamLoop`).
 
     Subclasses (e.g. ``SequenceGeneratorWithAlignment``) keep their own loop.
     """
     if type(generator) is not SequenceGenerator:
         return isinstance(generator, LeanBeamLoop)
     generator.__class__ = LeanBeamLoop
+    if top_eos_stops:
+        generator.top_eos_stops, generator.nbest_wanted = True, nbest
     return True
 
 
@@ -247,4 +278,6 @@ def leave_lean_beam_loop(generator) -> bool:
     if type(generator) is not LeanBeamLoop:
         return False
     generator.__class__ = SequenceGenerator
+    for name in ("top_eos_stops", "nbest_wanted"):
+        vars(generator).pop(name, None)
     return True
