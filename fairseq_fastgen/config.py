@@ -140,11 +140,12 @@ class PluginOptions(FairseqDataclass):
     )
     stop_at_top_eos: bool = field(
         default=False,
-        metadata={"help": "--decoder beam: a sentence ends at the first step whose best candidate is "
-                          "end-of-sentence (with --nbest hypotheses ended), as OpenNMT's and CTranslate2's beam "
-                          "searches stop, instead of when --beam hypotheses have ended (stock fairseq's rule): "
-                          "fewer steps; the hypotheses are the first ones stock's search ends, so an output can "
-                          "differ from stock's (docs/benchmarks.md gives the share)",
+        metadata={"help": "--decoder beam: a sentence ends once its best candidate at a step has been "
+                          "end-of-sentence and --nbest hypotheses have ended (CTranslate2's early exit), instead of "
+                          "when --beam hypotheses have ended (stock fairseq's rule): fewer steps; the hypotheses "
+                          "are the first ones stock's search ends, so with length-normalized scores (the default) "
+                          "an output can differ from stock's (docs/benchmarks.md gives the share); with "
+                          "--unnormalized the best hypothesis is stock's",
                   "decoders": ("beam",)},
     )
 

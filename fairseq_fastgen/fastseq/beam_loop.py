@@ -32,7 +32,7 @@ tokens, a language model, search strategies other than beam search,
 
 import logging
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
 import torch
 from torch import Tensor
@@ -95,9 +95,10 @@ def mask_nan_(lprobs: Tensor) -> Tensor:
 class LeanBeamLoop(SequenceGenerator):
     """fairseq's SequenceGenerator whose beam search loop is :mod:`this module's <beam_loop>`.
 
-    ``top_eos_stops`` (``--stop-at-top-eos``): a sentence also ends at the first step whose best candidate is
-    eos, once ``nbest_wanted`` of its hypotheses have ended; its hypotheses are then the first ones stock's
-    search ends (the steps up to there are stock's)."""
+    ``top_eos_stops`` (``--stop-at-top-eos``): a sentence also ends once its best candidate at a step has been
+    eos and ``nbest_wanted`` of its hypotheses have ended (CTranslate2's early exit); its hypotheses are then the
+    first ones stock's search ends (the steps up to there are stock's).  Without length normalization
+    (``--unnormalized``) no later hypothesis can score higher, and the best one is stock's."""
 
     top_eos_stops = False
     nbest_wanted = 1
@@ -145,6 +146,7 @@ class LeanBeamLoop(SequenceGenerator):
         ignored = torch.zeros(bsz, beam, dtype=torch.bool, device=device)  # beams with nothing left to finalize
         finalized: List[List[Dict[str, Tensor]]] = [[] for _ in range(bsz)]
         finished = [False] * bsz
+        top_ended: Set[int] = set()  # sentences whose best candidate has ended (--stop-at-top-eos)
         remaining = bsz
         cand_size = 2 * beam
         cand_offsets = torch.arange(cand_size, device=device)
@@ -178,13 +180,14 @@ class LeanBeamLoop(SequenceGenerator):
             newly_finished: List[int] = []
             if eos_rows.numel() > 0:
                 eos_scores = torch.masked_select(cand_scores[:, :beam], eos_mask[:, :beam])
-                open_sentences = [s for s, done in enumerate(finished) if not done]  # a batch row's sentence
+                open_sentences = [s for s, done in enumerate(finished) if not done]  # each batch row's sentence
                 newly_finished = self.finalize_hypos(
                     step, eos_rows, eos_scores, tokens, scores, finalized, finished, beam, attn,
                     src_lengths, max_len,
                 )
                 if self.top_eos_stops:
-                    newly_finished += self.ended_at_top(eos_mask[:, 0], open_sentences, finalized, finished)
+                    newly_finished += self.ended_at_top(eos_mask[:, 0], eos_mask[:, :beam].any(dim=1),
+                                                        open_sentences, top_ended, finalized, finished)
                 remaining -= len(newly_finished)
             if remaining == 0:
                 break
@@ -226,13 +229,17 @@ class LeanBeamLoop(SequenceGenerator):
             finalized[sentence] = [hypotheses[i] for i in order]
         return finalized
 
-    def ended_at_top(self, top_ended: Tensor, open_sentences: List[int], finalized, finished: List[bool]) -> List[int]:
-        """The batch rows (sentences) whose best candidate ended at this step (``top_ended`` (bsz,) bool), with
-        ``nbest_wanted`` hypotheses ended, not finished by stock's rule: marked finished in ``finished``."""
+    def ended_at_top(self, best_ended: Tensor, some_ended: Tensor, open_sentences: List[int], top_ended: Set[int],
+                     finalized, finished: List[bool]) -> List[int]:
+        """The batch rows whose sentence's best candidate has ended (now: ``best_ended`` (bsz,) bool, or at an
+        earlier step: ``top_ended``, updated here) and that have ``nbest_wanted`` hypotheses ended (some now:
+        ``some_ended`` (bsz,) bool), not finished by stock's rule: marked finished in ``finished``."""
         rows = []
-        for row in torch.nonzero(top_ended).view(-1).tolist():
+        for row in torch.nonzero(some_ended).view(-1).tolist():
             sentence = open_sentences[row]
-            if not finished[sentence] and len(finalized[sentence]) >= self.nbest_wanted:
+            if bool(best_ended[row]):
+                top_ended.add(sentence)
+            if sentence in top_ended and not finished[sentence] and len(finalized[sentence]) >= self.nbest_wanted:
                 finished[sentence] = True
                 rows.append(row)
         return rows

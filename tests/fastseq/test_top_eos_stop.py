@@ -1,8 +1,9 @@
-"""``--stop-at-top-eos``: stock beam search whose sentences end at the first step their best candidate is eos.
+"""``--stop-at-top-eos``: stock beam search whose sentences end once their best candidate has been eos.
 
 Up to the step a sentence ends, its search is stock's: at batch 1 (no companions leaving at other steps) its
 hypotheses are the first ones stock's search ends, bitwise, in fewer decoder steps.  ``--nbest`` hypotheses are
-always there.  The rule lives in the plugin's loop: with ``--no-lean-beam-loop`` it is refused in one line.
+always there.  Without length normalization (``--unnormalized``) the best hypothesis is stock's.  The rule lives
+in the plugin's loop: with ``--no-lean-beam-loop`` it is refused in one line.
 """
 
 import pytest
@@ -67,3 +68,15 @@ def test_the_rule_needs_the_plugins_loop(loaded_toy):
     with pytest.raises(ValueError, match="^--stop-at-top-eos is a rule of the plugin's beam loop: drop "
                                          "--no-lean-beam-loop$"):
         optimize_stock_generator(built, parse_options(config).common)
+
+
+def test_without_length_normalization_the_best_hypothesis_is_stocks(loaded_toy, translate):
+    """--unnormalized: a hypothesis's score only falls as it grows, so once the best candidate has ended no
+    later one scores higher: every sentence's best hypothesis is stock's, bitwise, in fewer steps."""
+    stock_generator = generator(loaded_toy, lean=True, beam=5, unnormalized=True)
+    early_generator = generator(loaded_toy, lean=True, beam=5, unnormalized=True, stop_at_top_eos=True)
+    stock_rows, early_rows = counted_rows(stock_generator), counted_rows(early_generator)
+    stock = translate(loaded_toy, stock_generator, 1, keep_ids=BATCH_1_IDS)
+    early = translate(loaded_toy, early_generator, 1, keep_ids=BATCH_1_IDS)
+    assert all(key(early[s][0]) == key(stock[s][0]) for s in stock)
+    assert sum(early_rows) < sum(stock_rows)
