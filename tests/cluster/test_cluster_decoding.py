@@ -93,6 +93,12 @@ def test_whole_vocabulary_file_changes_nothing(toy, model, full_coverage_path, d
     assert_unchanged_by_whole_vocabulary_file(toy.task, model, full_coverage_path, decoder, 1 if decoder == "greedy" else 4)
 
 
+def test_whole_vocabulary_file_changes_nothing_in_stock_beam_on_fairseqs_runner(toy, model, full_coverage_path):
+    """--step-engine fairseq: stock beam search over fairseq's runner, which projects through the file."""
+    assert_unchanged_by_projection(toy.task, model, "beam", 4, common_options={"step_engine": "fairseq"},
+                                   cluster_projection=str(full_coverage_path))
+
+
 @pytest.mark.parametrize("decoder", PLAIN_DECODERS)
 def test_time_projection_times_the_full_projection_and_changes_nothing(toy, model, decoder):
     if decoder not in DECODERS:
