@@ -63,7 +63,8 @@ __all__ = [
 
 def optimize_stock_generator(generator, options: PluginOptions, share_cache: bool = True, nbest: int = 1):
     """Apply the optimizations to a generator built by fairseq itself (``--decoder beam``);
-    returns it (the shared caches apply where fairseq's own ensemble runs: no runner serves the models).  Generators without a beam search or a supported model are left as they are.
+    returns it.  Generators without a beam search or a supported model are left as they are; the
+    shared caches apply where fairseq's own ensemble runs (no runner serves the models).
     ``--no-shared-encoder-cache`` (or ``share_cache=False``: the step engine keeps its own
     cache) switches off both shared caches: the encoder's (encoder-decoder models) and the
     prompt's (decoder-only language models); ``--no-lean-beam-loop`` keeps fairseq's own search loop;

@@ -180,7 +180,8 @@ class LeanBeamLoop(SequenceGenerator):
             newly_finished: List[int] = []
             if eos_rows.numel() > 0:
                 eos_scores = torch.masked_select(cand_scores[:, :beam], eos_mask[:, :beam])
-                open_sentences = [s for s, done in enumerate(finished) if not done]  # each batch row's sentence
+                # each batch row's sentence, before finalize_hypos marks some finished (--stop-at-top-eos only)
+                open_sentences = [s for s, done in enumerate(finished) if not done] if self.top_eos_stops else []
                 newly_finished = self.finalize_hypos(
                     step, eos_rows, eos_scores, tokens, scores, finalized, finished, beam, attn,
                     src_lengths, max_len,
@@ -234,10 +235,10 @@ class LeanBeamLoop(SequenceGenerator):
         """The batch rows whose sentence's best candidate has ended (now: ``best_ended`` (bsz,) bool, or at an
         earlier step: ``top_ended``, updated here) and that have ``nbest_wanted`` hypotheses ended (some now:
         ``some_ended`` (bsz,) bool), not finished by stock's rule: marked finished in ``finished``."""
-        rows = []
+        rows, best = [], best_ended.tolist()
         for row in torch.nonzero(some_ended).view(-1).tolist():
             sentence = open_sentences[row]
-            if bool(best_ended[row]):
+            if best[row]:
                 top_ended.add(sentence)
             if sentence in top_ended and not finished[sentence] and len(finalized[sentence]) >= self.nbest_wanted:
                 finished[sentence] = True
