@@ -29,6 +29,7 @@ setup(
     extras_require={
         "gpu": ["cupy-cuda12x", "faiss-gpu-cu12"],
         "bench": ["ctranslate2"],
+        "ray": ["ray[serve]>=2.30"],  # fastgen-serve --ray-replicas
     },
     entry_points={
         "console_scripts": [

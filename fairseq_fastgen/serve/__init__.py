@@ -3,7 +3,8 @@
 Read top to bottom: ``options.py`` (the command line: fairseq-interactive's plus the server's), ``translator.py``
 (the model and fairseq-interactive's pre- and post-processing, loaded once), ``batching.py`` (the decoding thread:
 continuous batching through one live stream, or fixed batches), ``metrics.py`` (Prometheus' text format) and
-``app.py`` (the HTTP routes, refusals, streaming and the SIGTERM shutdown).  Usage: docs/serving.md.
+``app.py`` (the HTTP routes, refusals, streaming and the SIGTERM shutdown); ``ray_serve.py`` runs N replicas of
+it as a Ray Serve deployment (``--ray-replicas``).  Usage: docs/serving.md.
 """
 
 import asyncio
@@ -20,7 +21,7 @@ from fairseq_fastgen.sequence_generators.streaming import prepare_streaming_cli
 from fairseq_fastgen.serve.app import Server
 from fairseq_fastgen.serve.batching import ContinuousBatching, FixedBatching
 from fairseq_fastgen.serve.metrics import Metrics
-from fairseq_fastgen.serve.options import PROGRAM, parse_command_line
+from fairseq_fastgen.serve.options import PROGRAM, parse_command_line, usage_exit
 from fairseq_fastgen.serve.translator import Translator
 
 
@@ -28,10 +29,24 @@ def cli_main(argv: Optional[List[str]] = None):
     logging.basicConfig(format="%(asctime)s | %(levelname)s | %(name)s | %(message)s", datefmt="%Y-%m-%d %H:%M:%S",
                         level=logging.INFO, stream=sys.stderr, force=True)  # (fairseq configured it at import)
     args, cfg = parse_command_line(argv)
-    exit_on_usage_error(PROGRAM)(serve)(args, cfg)
+    if args.ray_replicas:
+        try:
+            from fairseq_fastgen.serve.ray_serve import serve_replicas  # (imports ray: an optional extra)
+        except ImportError as missing:
+            usage_exit(f"--ray-replicas runs on Ray Serve, which is not installed ({missing}): "
+                       f"pip install 'fairseq_fastgen[ray]'")
+        exit_on_usage_error(PROGRAM)(serve_replicas)(args, cfg, sys.argv[1:] if argv is None else argv)
+    else:
+        exit_on_usage_error(PROGRAM)(serve)(args, cfg)
 
 
 def serve(args, cfg):
+    server = build_server(args, cfg)
+    asyncio.run(server.run())
+
+
+def build_server(args, cfg) -> Server:
+    """The model loaded, the decoding thread started, the HTTP side ready to answer (not yet listening)."""
     prepare(args, cfg)
     limits = [(option, value) for option, value in (("--max-source-tokens", args.max_source_tokens),
                                                     ("--max-tokens", args.max_tokens)) if value is not None]
@@ -44,7 +59,7 @@ def serve(args, cfg):
         batching = FixedBatching(translator, metrics, args.max_queue, args.fixed_batch_size,
                                  args.fixed_batch_wait_ms / 1000)
     batching.start()
-    asyncio.run(Server(args, translator, batching, metrics).run())
+    return Server(args, translator, batching, metrics)
 
 
 def prepare(args, cfg):

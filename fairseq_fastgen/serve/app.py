@@ -71,9 +71,13 @@ class Server:
 
     # ---- routes -------------------------------------------------------------------------------------
     async def health(self, request):
+        return web.json_response(*self.health_status())
+
+    def health_status(self):
+        """(the payload of ``GET /health``, its status)."""
         if self.stopping:
-            return web.json_response({"status": "stopping"}, status=503)
-        return web.json_response({"status": "ok", "decoder": self.decoder, "batching": self.args.batching})
+            return {"status": "stopping"}, 503
+        return {"status": "ok", "decoder": self.decoder, "batching": self.args.batching}, 200
 
     async def metrics_text(self, request):
         return web.Response(text=self.metrics.text(), content_type="text/plain", charset="utf-8",
@@ -82,26 +86,33 @@ class Server:
     async def translate(self, request):
         arrived = time.monotonic()
         try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raw = None
+        return await self.respond(raw, arrived, AiohttpAnswer(request))
+
+    async def respond(self, raw, arrived: float, out):
+        """A ``POST /translate`` whatever serves HTTP: its body (``raw``; None: larger than --max-request-bytes)
+        in, the answer through ``out`` (:class:`AiohttpAnswer` here; the Ray Serve deployment's own)."""
+        try:
             if self.stopping:
                 raise Refusal(503, "the server is stopping; send the request to another replica",
                               "stopping", {"Retry-After": str(self.args.retry_after), "Connection": "close"})
-            texts, nbest, timeout, stream = self.fields(await self.body(request))
+            texts, nbest, timeout, stream = self.fields(self.body(raw))
             try:
                 sources = self.translator.sources(texts)
             except SentenceTooLong as error:
                 raise Refusal(413, str(error), "too_long") from None
         except Refusal as refusal:
             self.metrics.inc("fastgen_serve_refused_total", reason=refusal.reason)
-            return error_response(refusal.status, str(refusal), refusal.headers)
-        return await self.answer(request, sources, nbest, arrived, timeout, stream)
+            return out.reply(refusal.status, {"error": str(refusal)}, refusal.headers)
+        return await self.answer(out, sources, nbest, arrived, timeout, stream)
 
     # ---- a request's fields ------------------------------------------------------------------------
-    async def body(self, request) -> dict:
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+    def body(self, raw) -> dict:
+        if raw is None or len(raw) > self.args.max_request_bytes:
             raise Refusal(413, f"the request body is larger than --max-request-bytes {self.args.max_request_bytes}",
-                          "too_large") from None
+                          "too_large")
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as error:
@@ -142,7 +153,7 @@ class Server:
         return texts, nbest, float(timeout), stream
 
     # ---- answering ------------------------------------------------------------------------------------
-    async def answer(self, request, sources, nbest: int, arrived: float, timeout: float, stream: bool):
+    async def answer(self, out, sources, nbest: int, arrived: float, timeout: float, stream: bool):
         deadline = arrived + timeout
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()  # (kind, sentence, payload) from the decoding thread
@@ -156,19 +167,19 @@ class Server:
             self.batching.submit(jobs)
         except QueueFull as full:
             self.metrics.inc("fastgen_serve_refused_total", reason="queue_full")
-            return error_response(503, f"the server is busy: {full}", {"Retry-After": str(self.args.retry_after)})
+            return out.reply(503, {"error": f"the server is busy: {full}"}, {"Retry-After": str(self.args.retry_after)})
         self.in_flight.add(events)
         self.idle.clear()
         try:
             if stream:
-                return await self.streamed(request, jobs, events, nbest, arrived, timeout)
+                return await self.streamed(out, jobs, events, nbest, arrived, timeout)
             translations = [None] * len(jobs)
             async for kind, index, payload in self.events(jobs, events, deadline, timeout):
                 translations[index] = self.translator.translation(jobs[index].source, payload, nbest)
             self.metrics.observe("fastgen_serve_request_seconds", time.monotonic() - arrived)
-            return web.json_response({"translations": translations})
+            return out.reply(200, {"translations": translations})
         except Refusal as refusal:
-            return error_response(refusal.status, str(refusal), refusal.headers)
+            return out.reply(refusal.status, {"error": str(refusal)}, refusal.headers)
         except asyncio.CancelledError:  # the client disconnected (aiohttp cancels its handler)
             self.batching.cancel(jobs, "disconnect")
             raise
@@ -201,13 +212,9 @@ class Server:
                 remaining -= 1
             yield kind, index, payload
 
-    async def streamed(self, request, jobs, events, nbest, arrived, timeout):
-        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await response.prepare(request)
-
-        async def line(record):
-            await response.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
-
+    async def streamed(self, out, jobs, events, nbest, arrived, timeout):
+        await out.open()
+        line = out.line
         try:
             async for kind, index, payload in self.events(jobs, events, arrived + timeout, timeout):
                 if kind == "partial":
@@ -221,8 +228,7 @@ class Server:
         except Refusal as refusal:  # the status line went out already: the error is the last line
             self.metrics.inc("fastgen_serve_requests_total", code=str(refusal.status))
             await line({"error": str(refusal), "status": refusal.status})
-        await response.write_eof()
-        return response
+        return await out.close()
 
     # ---- every error as one JSON line ------------------------------------------------------------
     @web.middleware
@@ -273,6 +279,31 @@ class Server:
             loop.remove_signal_handler(signum)
             signal.signal(signum, signal.SIG_IGN)
         print("fastgen-serve: stopped", flush=True)
+
+
+class AiohttpAnswer:
+    """How :meth:`Server.respond` answers on aiohttp: a whole JSON answer, or JSON lines as they come."""
+
+    def __init__(self, request):
+        self.request, self.response = request, None
+
+    def reply(self, status: int, payload: dict, headers=None) -> web.Response:
+        return web.json_response(payload, status=status, headers=headers)
+
+    async def open(self):
+        self.response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await self.response.prepare(self.request)
+
+    async def line(self, record: dict):
+        await self.response.write(json_line(record))
+
+    async def close(self) -> web.StreamResponse:
+        await self.response.write_eof()
+        return self.response
+
+
+def json_line(record: dict) -> bytes:
+    return (json.dumps(record, ensure_ascii=False) + "\n").encode()
 
 
 def integer_field(body: dict, name: str, default: int) -> int:

@@ -59,6 +59,17 @@ def add_server_options(parser: argparse.ArgumentParser):
                             "in flight have to finish before they are answered 503; then the server exits 0")
     group.add_argument("--max-request-bytes", type=int, default=1 << 20,
                        help="a larger request body is refused (413)")
+    ray = parser.add_argument_group("fastgen-serve on Ray Serve", "N replicas of the server as one Ray Serve "
+                                    "deployment (needs the extra: pip install 'fairseq_fastgen[ray]')")
+    ray.add_argument("--ray-replicas", type=int, default=0,
+                     help="run this many replicas of the server (each loads the model and runs its own batch) as a "
+                          "Ray Serve deployment; Ray Serve's proxy listens on --host/--port and spreads the requests "
+                          "over them (0: this process serves, without Ray)")
+    ray.add_argument("--ray-address", default=None,
+                     help="with --ray-replicas: the Ray cluster to deploy on ('auto': the one running on this "
+                          "machine; ray://HOST:PORT: a remote one); default: start a local one for this process")
+    ray.add_argument("--ray-cpus-per-replica", type=float, default=1.0,
+                     help="with --ray-replicas: CPUs Ray reserves for each replica (its torch threads)")
 
 
 def check_server_options(args: argparse.Namespace):
@@ -78,6 +89,12 @@ def check_server_options(args: argparse.Namespace):
         raise ValueError("--request-timeout must be above 0")
     if args.retry_after < 0:
         raise ValueError(f"--retry-after must be >= 0; got {args.retry_after}")
+    if args.ray_replicas < 0:
+        raise ValueError(f"--ray-replicas must be >= 0; got {args.ray_replicas}")
+    if args.ray_replicas and args.port == 0:
+        raise ValueError("--ray-replicas needs a --port (Ray Serve's proxy does not pick a free one)")
+    if not args.ray_cpus_per_replica >= 0 or args.ray_cpus_per_replica == float("inf"):
+        raise ValueError(f"--ray-cpus-per-replica must be a finite number >= 0; got {args.ray_cpus_per_replica}")
 
 
 def parse_command_line(argv: Optional[List[str]] = None) -> Tuple[argparse.Namespace, object]:

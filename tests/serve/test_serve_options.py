@@ -10,7 +10,8 @@ from tests.serve.servers import model_options, serve_command
 
 SERVER_OPTIONS = ["--host", "--port", "--batching", "--fixed-batch-size", "--fixed-batch-wait-ms",
                   "--max-sentences-per-request", "--max-source-tokens", "--max-queue", "--retry-after",
-                  "--request-timeout", "--grace-period", "--max-request-bytes"]
+                  "--request-timeout", "--grace-period", "--max-request-bytes", "--ray-replicas", "--ray-address",
+                  "--ray-cpus-per-replica"]
 
 
 def run(*arguments):
@@ -30,6 +31,10 @@ def test_help_lists_every_server_option_and_fairseq_interactives():
     (["--batching", "sometimes"], "argument --batching: invalid choice: 'sometimes'"),
     (["--decoder", "greedy", "--beam", "1"], "--batching continuous runs one stream across requests, which "
                                              "--decoder greedy does not"),
+    (["--ray-replicas", "-1"], "--ray-replicas must be >= 0; got -1"),
+    (["--ray-replicas", "2", "--port", "0"], "--ray-replicas needs a --port"),
+    (["--ray-replicas", "2", "--port", "8000", "--decoder", "greedy", "--beam", "1"],
+     "--batching continuous runs one stream across requests"),  # checked before any replica starts
 ])
 def test_misuse_is_one_line(toy_model, plugin_dir, arguments, message):
     completed = run(*model_options(toy_model, plugin_dir), *arguments)
