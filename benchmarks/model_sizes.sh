@@ -9,11 +9,11 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 bs64 beam5 clusters relaxed big". CTranslate2 joins when installed.
+# ROWS picks rows by name: "bs1 int8 bs64 beam5 clusters relaxed varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
-ROWS=" ${3:-bs1 int8 bs64 beam5 clusters relaxed big} "
+ROWS=" ${3:-bs1 int8 bs64 beam5 clusters relaxed varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=$M/khead4/checkpoint_last.pt
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
@@ -55,6 +55,10 @@ if wanted clusters; then
   row base-clusters-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 192 \
     --repeat 2 --reference self --step-engine fairseq --no-ctranslate2 "${CP[@]}"
 fi
+# variable-width beams (var-batch) and their stream (var-stream, var-batch's outputs) beside stock beam search at
+# beam 5 and 20, batch 64
+wanted varbeam && row base-var-beam-bs64 --path "$BASE" --decoders beam,var-batch,var-stream --beam 5,20 \
+  --batch-size 64 --max-sentences 192 --repeat 2 --step-engine static --no-ctranslate2
 # the big shapes, untrained (one update at a learning rate of 1e-9, made here when missing; outputs capped at 25
 # tokens): speed only, greedy at batch 1 and 64
 BIG=${BIG:-bench_out/multi30k-big/base/checkpoint_last.pt}

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# fastgen-serve under Poisson load, continuous batching (greedy-stream) against fixed batches (greedy), one server
+# fastgen-serve under Poisson load, continuous batching (greedy-stream) against fixed batches (greedy), and
+# CTranslate2 decoding the same server's fixed batches (--peer ctranslate2, where it is installed), one server
 # process at a time on one torch thread, the load generator beside it: the figures of docs/serving.md.
 #
 #   bash benchmarks/serve_curve.sh [MODEL_DIR] [OUT_DIR] [RATES] [REQUESTS]
@@ -38,3 +39,8 @@ COMPARE=()
 measure fixed --decoder greedy --batching fixed --fixed-batch-size "$BATCH" --fixed-batch-wait-ms 10
 COMPARE=(--compare "$OUT/fixed.json" --plot "$OUT/p99.png")
 measure continuous --decoder greedy-stream --batching continuous
+if .venv/bin/python -c "import ctranslate2" 2> /dev/null; then
+  COMPARE=(--compare "$OUT/fixed.json" "$OUT/continuous.json" --plot "$OUT/p99.png")
+  measure ctranslate2 --decoder greedy --batching fixed --fixed-batch-size "$BATCH" --fixed-batch-wait-ms 10 \
+    --peer ctranslate2
+fi

@@ -50,6 +50,8 @@ class Outcome:
     first_line: Optional[float] = None  # seconds from ``scheduled`` to the first streamed line (--stream)
     tokens: int = 0  # tokens of the answers (their H- text, split on spaces)
     refused_connection: bool = False
+    texts: Optional[List[Optional[str]]] = None  # a 200's translations (D- text), one per sentence in order
+    error: Optional[str] = None  # the client's exception where the request got no status
 
 
 @dataclass
@@ -139,23 +141,28 @@ async def send(session, url: str, texts: List[str], stream: bool, outcome: Outco
         async with session.post(url + "/translate", json=body) as response:
             outcome.status = response.status
             if stream and response.status == 200:
+                outcome.texts = [None] * len(texts)
                 async for line in response.content:
                     if outcome.first_line is None:
                         outcome.first_line = time.monotonic() - t0 - outcome.scheduled
                     record = json.loads(line)
                     if "translation" in record:
                         outcome.tokens += len(record["translation"]["tokens"].split())
+                        outcome.texts[record["sentence"]] = record["translation"]["text"]
                     if "error" in record:
                         outcome.status = record["status"]
             else:
                 reply = await response.read()
                 if response.status == 200:
-                    outcome.tokens = sum(len(t["tokens"].split()) for t in json.loads(reply)["translations"])
+                    translations = json.loads(reply)["translations"]
+                    outcome.tokens = sum(len(t["tokens"].split()) for t in translations)
+                    outcome.texts = [t["text"] for t in translations]
     except aiohttp.ClientConnectorError as error:
         outcome.refused_connection = isinstance(error.os_error, ConnectionRefusedError)
+        outcome.error = type(error).__name__
         return
-    except (aiohttp.ClientError, asyncio.TimeoutError, socket.error):
-        outcome.status = None
+    except (aiohttp.ClientError, asyncio.TimeoutError, socket.error) as error:
+        outcome.status, outcome.error = None, type(error).__name__
         return
     outcome.latency = time.monotonic() - t0 - outcome.scheduled
 

@@ -22,6 +22,7 @@ from fairseq_fastgen.serve.app import Server
 from fairseq_fastgen.serve.batching import ContinuousBatching, FixedBatching
 from fairseq_fastgen.serve.metrics import Metrics
 from fairseq_fastgen.serve.options import PROGRAM, parse_command_line, usage_exit
+from fairseq_fastgen.serve.peer import CTranslate2Generator
 from fairseq_fastgen.serve.translator import Translator
 
 
@@ -52,6 +53,8 @@ def build_server(args, cfg) -> Server:
                                                     ("--max-tokens", args.max_tokens)) if value is not None]
     with usage_errors():  # a decoder that does not fit the model: one line
         translator = Translator(cfg, limits)
+        if args.peer == "ctranslate2":  # the benchmark's peer decodes the fixed batches (serve/peer.py)
+            translator.generator = CTranslate2Generator(cfg, translator)
     metrics = Metrics()
     if args.batching == "continuous":
         batching = ContinuousBatching(translator, metrics, args.max_queue)
@@ -73,6 +76,11 @@ def prepare(args, cfg):
         entry = DECODERS.get(name)
         if entry is None:
             raise UsageError(f"unknown --decoder {name!r}; choose one of: {', '.join(DECODERS)}")
+        if args.peer and args.batching != "fixed":
+            raise UsageError(f"--peer {args.peer} decodes fixed batches (it cannot take sentences into a batch that "
+                             f"is decoding): add --batching fixed")
+        if args.peer and name not in ("greedy", "beam"):
+            raise UsageError(f"--peer {args.peer} decodes with greedy or beam search, not --decoder {name}")
         if cfg.generation.constraints:
             raise UsageError("fastgen-serve does not take lexical constraints (--constraints)")
         streams = entry.prepare_cli is prepare_streaming_cli

@@ -59,6 +59,10 @@ def add_server_options(parser: argparse.ArgumentParser):
                             "in flight have to finish before they are answered 503; then the server exits 0")
     group.add_argument("--max-request-bytes", type=int, default=1 << 20,
                        help="a larger request body is refused (413)")
+    group.add_argument("--peer", choices=("ctranslate2",), default=None,
+                       help="for the serving benchmark: CTranslate2 decodes the fixed batches (--batching fixed, "
+                            "--decoder greedy or beam; the checkpoint converted once, cached) behind the same server, "
+                            "queue, batching and text processing")
     ray = parser.add_argument_group("fastgen-serve on Ray Serve", "N replicas of the server as one Ray Serve "
                                     "deployment (needs the extra: pip install 'fairseq_fastgen[ray]')")
     ray.add_argument("--ray-replicas", type=int, default=0,

@@ -125,3 +125,29 @@ def test_only_loopback_addresses():
     serve_load.check_loopback("http://127.0.0.1:8000")
     serve_load.check_loopback("http://[::1]:8000")
     serve_load.check_loopback("http://localhost:8000")
+
+
+def test_resilience_tally_counts_each_request_once_and_finds_crossed_answers():
+    import serve_resilience
+
+    Outcome = serve_load.Outcome
+    draws = [["a", "b"], ["a"], ["b", "a"], ["c"], ["a"], ["b"], ["c"], ["a"], ["c"]]
+    outcomes = [
+        Outcome(0.0, 2, status=200, texts=["A", "B"]),
+        Outcome(0.1, 1, status=200, texts=["A"]),
+        Outcome(0.2, 2, status=200, texts=["B", "X"]),  # "a" answered "X" where its other answers are "A": crossed
+        Outcome(0.3, 1, status=200, texts=[]),  # a translation missing: malformed
+        Outcome(0.4, 1, status=503),
+        Outcome(0.5, 1, refused_connection=True),
+        Outcome(0.6, 1, status=None, error="ClientOSError"),  # the connection broke under it: lost
+        Outcome(0.7, 1, status=None),  # its client hung up (below): disconnected, not lost
+        Outcome(0.8, 1, status=504),
+    ]
+    hung_up = [False] * 7 + [True, False]
+    counts = serve_resilience.tally(outcomes, hung_up, draws)
+    assert (counts.requests, counts.answered, counts.refused, counts.disconnected, counts.failed, counts.lost) == \
+        (9, 4, 2, 1, 1, 1)
+    assert (counts.crossed_sentences, counts.malformed) == (1, 1)
+    assert counts.lost_errors == {"ClientOSError": 1}
+    assert counts.statuses == {"answered": 4, "refused 503": 1, "refused connection": 1, "lost": 1,
+                               "disconnected": 1, "failed 504": 1}

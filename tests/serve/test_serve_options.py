@@ -11,7 +11,7 @@ from tests.serve.servers import model_options, serve_command
 SERVER_OPTIONS = ["--host", "--port", "--batching", "--fixed-batch-size", "--fixed-batch-wait-ms",
                   "--max-sentences-per-request", "--max-source-tokens", "--max-queue", "--retry-after",
                   "--request-timeout", "--grace-period", "--max-request-bytes", "--ray-replicas", "--ray-address",
-                  "--ray-cpus-per-replica"]
+                  "--ray-cpus-per-replica", "--peer"]
 
 
 def run(*arguments):
@@ -31,6 +31,11 @@ def test_help_lists_every_server_option_and_fairseq_interactives():
     (["--batching", "sometimes"], "argument --batching: invalid choice: 'sometimes'"),
     (["--decoder", "greedy", "--beam", "1"], "--batching continuous runs one stream across requests, which "
                                              "--decoder greedy does not"),
+    (["--peer", "ctranslate2", "--decoder", "greedy-stream", "--beam", "1"],
+     "--peer ctranslate2 decodes fixed batches (it cannot take sentences into a batch that is decoding): add "
+     "--batching fixed"),
+    (["--peer", "ctranslate2", "--batching", "fixed", "--decoder", "blockwise", "--beam", "1"],
+     "--peer ctranslate2 decodes with greedy or beam search, not --decoder blockwise"),
     (["--ray-replicas", "-1"], "--ray-replicas must be >= 0; got -1"),
     (["--ray-replicas", "2", "--port", "0"], "--ray-replicas needs a --port"),
     (["--ray-replicas", "2", "--port", "8000", "--decoder", "greedy", "--beam", "1"],
