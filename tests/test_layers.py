@@ -20,7 +20,7 @@ PACKAGE = Path(fairseq_fastgen.__file__).parent
 FLOORS = [
     {"safe_files", "checkpoint_safety", "stop_signals", "text_codec", "registry", "commands", "stock_fairseq",
      "models", "tasks"},
-    {"option_checks", "counters"},
+    {"option_checks", "counters", "ctranslate2_model"},
     {"criterions"},
     {"ops"},
     {"config"},

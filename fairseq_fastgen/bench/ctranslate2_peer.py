@@ -10,7 +10,6 @@ torch load the checkpoint with ``weights_only=True``.
 """
 
 import logging
-import pickle
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -19,37 +18,9 @@ from fairseq import utils
 
 from fairseq_fastgen.bench.measure import Candidate
 from fairseq_fastgen.option_checks import UsageError
-from fairseq_fastgen.safe_files import cached_build
+from fairseq_fastgen.ctranslate2_model import CONVERSION_ERRORS, convert, import_ctranslate2  # noqa: F401
 
 logger = logging.getLogger("fastgen_bench")
-
-# what CTranslate2's converter raises for a checkpoint it cannot convert
-CONVERSION_ERRORS = (ValueError, NotImplementedError, KeyError, AttributeError, RuntimeError, pickle.UnpicklingError)
-
-
-def import_ctranslate2():
-    """(module, None) or (None, note saying why it is not measured)."""
-    try:
-        import ctranslate2
-    except ImportError:
-        return None, "CTranslate2 is not installed (pip install ctranslate2): not measured"
-    return ctranslate2, None
-
-
-def convert(ctranslate2, checkpoint: str, data_dir: str, source_lang=None, target_lang=None) -> Path:
-    from ctranslate2.converters import FairseqConverter
-
-    checkpoint_file = Path(checkpoint).resolve()
-    stat = checkpoint_file.stat()
-    key = [checkpoint_file, stat.st_size, stat.st_mtime_ns, Path(data_dir).resolve(), source_lang, target_lang,
-           ctranslate2.__version__]
-
-    def build(output_dir):
-        converter = FairseqConverter(str(checkpoint_file), data_dir, source_lang=source_lang, target_lang=target_lang)
-        converter.convert(str(output_dir), force=True)
-
-    return cached_build("ctranslate2", key, build)
-
 
 def translate_sample(translator, sample, src_dict, tgt_dict, **search) -> Dict[int, List[int]]:
     """{sentence id: best tokens, ending in eos as fairseq's hypotheses} of CTranslate2's ``translate_batch`` on

@@ -3,27 +3,20 @@
 Read top to bottom: ``options.py`` (the command line: fairseq-interactive's plus the server's), ``translator.py``
 (the model and fairseq-interactive's pre- and post-processing, loaded once), ``batching.py`` (the decoding thread:
 continuous batching through one live stream, or fixed batches), ``metrics.py`` (Prometheus' text format) and
-``app.py`` (the HTTP routes, refusals, streaming and the SIGTERM shutdown); ``ray_serve.py`` runs N replicas of
-it as a Ray Serve deployment (``--ray-replicas``).  Usage: docs/serving.md.
+``app.py`` (the HTTP routes, refusals, streaming and the SIGTERM shutdown); ``server_setup.py`` checks the options
+and builds them; ``ray_serve.py`` runs N replicas of it as a Ray Serve deployment (``--ray-replicas``).  Usage: docs/serving.md.
 """
 
 import asyncio
+import importlib.util
 import logging
 import sys
 from typing import List, Optional
 
-from fairseq_fastgen.integration import check_checkpoint_files
-from fairseq_fastgen.option_checks import (UsageError, check_fairseq_generation_options, check_generation_options,
-                                           exit_on_usage_error, usage_errors)
-from fairseq_fastgen.options import parse_options
-from fairseq_fastgen.registry import DECODERS
-from fairseq_fastgen.sequence_generators.streaming import prepare_streaming_cli
-from fairseq_fastgen.serve.app import Server
-from fairseq_fastgen.serve.batching import ContinuousBatching, FixedBatching
-from fairseq_fastgen.serve.metrics import Metrics
+from fairseq_fastgen.option_checks import exit_on_usage_error
 from fairseq_fastgen.serve.options import PROGRAM, parse_command_line, usage_exit
-from fairseq_fastgen.serve.peer import CTranslate2Generator
-from fairseq_fastgen.serve.translator import Translator
+from fairseq_fastgen.serve.ray_serve import serve_replicas
+from fairseq_fastgen.serve.server_setup import build_server
 
 
 def cli_main(argv: Optional[List[str]] = None):
@@ -31,11 +24,8 @@ def cli_main(argv: Optional[List[str]] = None):
                         level=logging.INFO, stream=sys.stderr, force=True)  # (fairseq configured it at import)
     args, cfg = parse_command_line(argv)
     if args.ray_replicas:
-        try:
-            from fairseq_fastgen.serve.ray_serve import serve_replicas  # (imports ray: an optional extra)
-        except ImportError as missing:
-            usage_exit(f"--ray-replicas runs on Ray Serve, which is not installed ({missing}): "
-                       f"pip install 'fairseq_fastgen[ray]'")
+        if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+            usage_exit("--ray-replicas runs on Ray Serve, which is not installed: pip install 'fairseq_fastgen[ray]'")
         exit_on_usage_error(PROGRAM)(serve_replicas)(args, cfg, sys.argv[1:] if argv is None else argv)
     else:
         exit_on_usage_error(PROGRAM)(serve)(args, cfg)
@@ -44,50 +34,3 @@ def cli_main(argv: Optional[List[str]] = None):
 def serve(args, cfg):
     server = build_server(args, cfg)
     asyncio.run(server.run())
-
-
-def build_server(args, cfg) -> Server:
-    """The model loaded, the decoding thread started, the HTTP side ready to answer (not yet listening)."""
-    prepare(args, cfg)
-    limits = [(option, value) for option, value in (("--max-source-tokens", args.max_source_tokens),
-                                                    ("--max-tokens", args.max_tokens)) if value is not None]
-    with usage_errors():  # a decoder that does not fit the model: one line
-        translator = Translator(cfg, limits)
-        if args.peer == "ctranslate2":  # the benchmark's peer decodes the fixed batches (serve/peer.py)
-            translator.generator = CTranslate2Generator(cfg, translator)
-    metrics = Metrics()
-    if args.batching == "continuous":
-        batching = ContinuousBatching(translator, metrics, args.max_queue)
-    else:
-        batching = FixedBatching(translator, metrics, args.max_queue, args.fixed_batch_size,
-                                 args.fixed_batch_wait_ms / 1000)
-    batching.start()
-    return Server(args, translator, batching, metrics)
-
-
-def prepare(args, cfg):
-    """The plugin's checks of the options before the model loads (as fairseq-interactive's run), and the stream's
-    capacity for continuous batching: ``--batch-size`` (or ``--max-tokens``)."""
-    with usage_errors():
-        options = parse_options(cfg.generation)
-        check_fairseq_generation_options(cfg.generation)
-        check_generation_options(options)
-        name = str(options.common.decoder)
-        entry = DECODERS.get(name)
-        if entry is None:
-            raise UsageError(f"unknown --decoder {name!r}; choose one of: {', '.join(DECODERS)}")
-        if args.peer and args.batching != "fixed":
-            raise UsageError(f"--peer {args.peer} decodes fixed batches (it cannot take sentences into a batch that "
-                             f"is decoding): add --batching fixed")
-        if args.peer and name not in ("greedy", "beam"):
-            raise UsageError(f"--peer {args.peer} decodes with greedy or beam search, not --decoder {name}")
-        if cfg.generation.constraints:
-            raise UsageError("fastgen-serve does not take lexical constraints (--constraints)")
-        streams = entry.prepare_cli is prepare_streaming_cli
-        if args.batching == "continuous":
-            if not streams:
-                raise UsageError(f"--batching continuous runs one stream across requests, which --decoder {name} "
-                                 f"does not: use a streaming decoder (greedy-stream, blockwise-stream, var-stream, "
-                                 f"fixed-stream) or --batching fixed")
-            prepare_streaming_cli(cfg, "interactive")  # the capacity from --batch-size / --max-tokens
-    check_checkpoint_files(cfg)

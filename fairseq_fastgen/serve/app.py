@@ -18,6 +18,9 @@ sentences than ``--max-sentences-per-request``, a sentence longer than the model
 503 with Retry-After (the queue is full, or the server is stopping), 504 (the deadline passed: the request's
 sentences leave the queue and the batch).  A client that disconnects has its sentences leave too.
 
+The route's work is :meth:`Server.respond` (a body in, an answer out through an answer object: aiohttp's here,
+Starlette's in ``ray_serve.py``), so that the Ray Serve replicas answer with the same code.
+
 SIGTERM or SIGINT: the server stops listening, answers new requests on open connections 503, lets the requests
 in flight finish for ``--grace-period`` seconds (a second signal ends it at once), answers those still unfinished
 503, and exits 0.

@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import torch
 
-from fairseq_fastgen.bench.ctranslate2_peer import CONVERSION_ERRORS, convert, import_ctranslate2
+from fairseq_fastgen.ctranslate2_model import CONVERSION_ERRORS, convert, import_ctranslate2
 from fairseq_fastgen.option_checks import UsageError
 
 PEERS = ("ctranslate2",)

@@ -22,31 +22,30 @@ import signal
 import threading
 import time
 
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-
-from ray import serve
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.serve.app import json_line
+from fairseq_fastgen.serve.options import parse_command_line
+from fairseq_fastgen.serve.server_setup import build_server, prepare
 
 logger = logging.getLogger("fairseq_fastgen.serve")
 
 JSON = "application/json"
 
 
-@serve.deployment
 class Replica:
-    """One server: the model, its batch and the routes of ``app.py`` (module doc)."""
+    """One server: the model, its batch and the routes of ``app.py`` (module doc); a Ray Serve deployment once
+    :func:`serve_replicas` wraps it (Ray and Starlette are imported where they are used: an optional extra)."""
 
     def __init__(self, argv):
-        from fairseq_fastgen.serve import build_server
-        from fairseq_fastgen.serve.options import parse_command_line
+        from ray import serve
 
         args, cfg = parse_command_line(list(argv) + ["--ray-replicas", "0"])
         self.server = build_server(args, cfg)
         self.name = str(serve.get_replica_context().replica_id.unique_id)
 
-    async def __call__(self, request: Request):
+    async def __call__(self, request):
+        from starlette.responses import Response, StreamingResponse
+
         path, method = request.url.path, request.method
         headers = {"X-Fastgen-Replica": self.name}
         if path == "/translate" and method == "POST":
@@ -80,7 +79,9 @@ class StarletteAnswer:
         self.opened = asyncio.get_running_loop().create_future()
         self.lines: asyncio.Queue = asyncio.Queue()  # bytes; None after the last
 
-    def reply(self, status: int, payload: dict, headers=None) -> Response:
+    def reply(self, status: int, payload: dict, headers=None):
+        from starlette.responses import Response
+
         return Response(json_line(payload), status_code=status, media_type=JSON,
                         headers=dict(self.headers, **(headers or {})))
 
@@ -93,7 +94,9 @@ class StarletteAnswer:
     async def close(self):
         self.lines.put_nowait(None)
 
-    async def response(self, responding) -> Response:
+    async def response(self, responding):
+        from starlette.responses import StreamingResponse
+
         task = asyncio.ensure_future(responding)
         try:
             await asyncio.wait({task, self.opened}, return_when=asyncio.FIRST_COMPLETED)
@@ -120,8 +123,7 @@ class StarletteAnswer:
 def serve_replicas(args, cfg, argv):
     """The driver: check the options, deploy ``--ray-replicas`` replicas, serve until SIGTERM or SIGINT."""
     import ray
-
-    from fairseq_fastgen.serve import prepare
+    from ray import serve
 
     prepare(args, cfg)  # a misuse is one line here, before any replica starts
     try:
@@ -137,12 +139,13 @@ def serve_replicas(args, cfg, argv):
         signal.signal(signum, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        deployment = Replica.options(
+        deployment = serve.deployment(Replica).options(
             num_replicas=args.ray_replicas, ray_actor_options={"num_cpus": args.ray_cpus_per_replica},
             max_ongoing_requests=args.max_queue, graceful_shutdown_timeout_s=args.grace_period)
         serve.run(deployment.bind(list(argv)), name="fastgen", route_prefix="/")
-        print(f"fastgen-serve: listening on http://{args.host}:{args.port} (--decoder {getattr(args, 'decoder', 'beam')}, "
-              f"--batching {args.batching}, {args.ray_replicas} Ray Serve replicas)", flush=True)
+        decoder = getattr(args, "decoder", "beam")
+        print(f"fastgen-serve: listening on http://{args.host}:{args.port} (--decoder {decoder}, --batching "
+              f"{args.batching}, {args.ray_replicas} Ray Serve replicas)", flush=True)
         while not stop.wait(0.5):
             pass
         print(f"fastgen-serve: stopping: the replicas finish their requests (--grace-period {args.grace_period} s)",

@@ -17,15 +17,18 @@ ctranslate2 = pytest.importorskip("ctranslate2", reason="CTranslate2 is not inst
 def test_ctranslate2_behind_the_server_answers_its_own_translations(toy_model, plugin_dir, tmp_path, sources):
     from fairseq.data import Dictionary
 
-    from fairseq_fastgen.bench.ctranslate2_peer import convert
+    from fairseq_fastgen.ctranslate2_model import convert
 
     source_words = Dictionary.load(str(Path(toy_model.data_bin) / "dict.en.txt"))
     known = [s for s in sources if all(source_words.index(w) != source_words.unk() for w in s.split())]
     assert len(known) >= 16
     translator = ctranslate2.Translator(str(convert(ctranslate2, str(toy_model.checkpoint), str(toy_model.data_bin),
                                                     "en", "fr")), device="cpu", intra_threads=1)
+    from fairseq import checkpoint_utils
+
+    positions = checkpoint_utils.load_checkpoint_to_cpu(str(toy_model.checkpoint))["cfg"].model.max_target_positions
     expected = {s: " ".join(r.hypotheses[0]) for s, r in zip(known, translator.translate_batch(
-        [s.split() for s in known], beam_size=1))}
+        [s.split() for s in known], beam_size=1, max_decoding_length=positions - 1))}  # fairseq's cap, as the server
 
     server = Server(toy_model, plugin_dir, tmp_path, "--decoder", "greedy", "--beam", "1", "--batching", "fixed",
                     "--fixed-batch-size", "8", "--peer", "ctranslate2")
