@@ -8,13 +8,12 @@ and builds them; ``ray_serve.py`` runs N replicas of it as a Ray Serve deploymen
 """
 
 import asyncio
-import importlib.util
 import logging
 import sys
 from typing import List, Optional
 
 from fairseq_fastgen.option_checks import exit_on_usage_error
-from fairseq_fastgen.serve.options import PROGRAM, parse_command_line, usage_exit
+from fairseq_fastgen.serve.options import PROGRAM, parse_command_line
 from fairseq_fastgen.serve.ray_serve import serve_replicas
 from fairseq_fastgen.serve.server_setup import build_server
 
@@ -24,8 +23,6 @@ def cli_main(argv: Optional[List[str]] = None):
                         level=logging.INFO, stream=sys.stderr, force=True)  # (fairseq configured it at import)
     args, cfg = parse_command_line(argv)
     if args.ray_replicas:
-        if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
-            usage_exit("--ray-replicas runs on Ray Serve, which is not installed: pip install 'fairseq_fastgen[ray]'")
         exit_on_usage_error(PROGRAM)(serve_replicas)(args, cfg, sys.argv[1:] if argv is None else argv)
     else:
         exit_on_usage_error(PROGRAM)(serve)(args, cfg)

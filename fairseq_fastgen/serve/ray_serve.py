@@ -122,10 +122,14 @@ class StarletteAnswer:
 
 def serve_replicas(args, cfg, argv):
     """The driver: check the options, deploy ``--ray-replicas`` replicas, serve until SIGTERM or SIGINT."""
-    import ray
-    from ray import serve
-
     prepare(args, cfg)  # a misuse is one line here, before any replica starts
+    try:
+        import ray
+        from ray import serve
+    except ImportError as missing:
+        raise UsageError(f"--ray-replicas runs on Ray Serve, which is not installed ({missing}): "
+                         f"pip install 'fairseq_fastgen[ray]'") from None
+
     try:
         if args.ray_address is None:
             ray.init(num_cpus=max(1, int(args.ray_replicas * args.ray_cpus_per_replica + 0.999)),
