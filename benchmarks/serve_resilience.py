@@ -111,6 +111,7 @@ class ServerProcess:
                 if found:
                     self.url = found.group(1)
                     listening.set()
+            log.close()
             listening.set()
 
         threading.Thread(target=read, daemon=True).start()

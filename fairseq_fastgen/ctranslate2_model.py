@@ -4,6 +4,7 @@ file, the data directory and CTranslate2's version."""
 
 import pickle
 from pathlib import Path
+from typing import List
 
 from fairseq_fastgen.safe_files import cached_build
 
@@ -33,3 +34,15 @@ def convert(ctranslate2, checkpoint: str, data_dir: str, source_lang=None, targe
         converter.convert(str(output_dir), force=True)
 
     return cached_build("ctranslate2", key, build)
+
+
+def source_symbols(src_tokens, src_dict) -> List[List[str]]:
+    """A fairseq batch's sources (``src_tokens`` (sentences, source length), eos included) as the symbol lists
+    CTranslate2 takes: pad and eos left out."""
+    skipped = {src_dict.pad(), src_dict.eos()}
+    return [[src_dict[t] for t in row if t not in skipped] for row in src_tokens.cpu().tolist()]
+
+
+def decoding_length_cap(gen_cfg, src_len: int, max_positions: int) -> int:
+    """fairseq SequenceGenerator's limit on a hypothesis's length for a batch whose sources are ``src_len`` wide."""
+    return min(int(gen_cfg.max_len_a * src_len + gen_cfg.max_len_b), max_positions - 1)

@@ -18,7 +18,8 @@ from fairseq import utils
 
 from fairseq_fastgen.bench.measure import Candidate
 from fairseq_fastgen.option_checks import UsageError
-from fairseq_fastgen.ctranslate2_model import CONVERSION_ERRORS, convert, import_ctranslate2  # noqa: F401
+from fairseq_fastgen.ctranslate2_model import (CONVERSION_ERRORS, convert, decoding_length_cap, import_ctranslate2,
+                                               source_symbols)
 
 logger = logging.getLogger("fastgen_bench")
 
@@ -26,9 +27,7 @@ def translate_sample(translator, sample, src_dict, tgt_dict, **search) -> Dict[i
     """{sentence id: best tokens, ending in eos as fairseq's hypotheses} of CTranslate2's ``translate_batch`` on
     one fairseq batch (its source tokens as symbols, pad and eos left out), the whole batch at once, with the
     search options ``search`` (beam_size, length_penalty, ...)."""
-    skipped_symbols = {src_dict.pad(), src_dict.eos()}
-    src_tokens = sample["net_input"]["src_tokens"].cpu()  # (sentences, src_len), eos included
-    sources = [[src_dict[t] for t in row if t not in skipped_symbols] for row in src_tokens.tolist()]
+    sources = source_symbols(sample["net_input"]["src_tokens"], src_dict)
     translations = translator.translate_batch(sources, max_batch_size=0, num_hypotheses=1, **search)
     return {sentence_id: [tgt_dict.index(symbol) for symbol in translation.hypotheses[0]] + [tgt_dict.eos()]
             for sentence_id, translation in zip(sample["id"].tolist(), translations)}
@@ -123,5 +122,4 @@ class CTranslate2Candidate(Candidate):
         return best
 
     def _max_len(self, src_len: int) -> int:
-        """fairseq SequenceGenerator's limit for a batch whose sources are ``src_len`` wide."""
-        return min(int(self.gen_cfg.max_len_a * src_len + self.gen_cfg.max_len_b), self.max_positions - 1)
+        return decoding_length_cap(self.gen_cfg, src_len, self.max_positions)

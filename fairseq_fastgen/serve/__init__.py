@@ -4,7 +4,8 @@ Read top to bottom: ``options.py`` (the command line: fairseq-interactive's plus
 (the model and fairseq-interactive's pre- and post-processing, loaded once), ``batching.py`` (the decoding thread:
 continuous batching through one live stream, or fixed batches), ``metrics.py`` (Prometheus' text format) and
 ``app.py`` (the HTTP routes, refusals, streaming and the SIGTERM shutdown); ``server_setup.py`` checks the options
-and builds them; ``ray_serve.py`` runs N replicas of it as a Ray Serve deployment (``--ray-replicas``).  Usage: docs/serving.md.
+and builds them; ``ray_serve.py`` runs N replicas of it as a Ray Serve deployment (``--ray-replicas``).
+Usage: docs/serving.md.
 """
 
 import asyncio

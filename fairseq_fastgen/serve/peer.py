@@ -1,7 +1,7 @@
 """CTranslate2 behind fastgen-serve (``--peer ctranslate2``): the serving benchmark's peer, on the same server.
 
 With ``--batching fixed`` the server's fixed batches are decoded by CTranslate2 instead of fairseq: the same
-checkpoint converted once (``fairseq_fastgen.bench.ctranslate2_peer.convert``, cached), the same HTTP side,
+checkpoint converted once (``fairseq_fastgen.ctranslate2_model.convert``, cached), the same HTTP side,
 queue, batching, tokenization and post-processing, so that a load curve compares the decoders alone.
 CTranslate2 has no way to let sentences join a batch that is decoding, so it runs under fixed batches only.
 
@@ -15,10 +15,9 @@ from typing import Dict, List
 
 import torch
 
-from fairseq_fastgen.ctranslate2_model import CONVERSION_ERRORS, convert, import_ctranslate2
+from fairseq_fastgen.ctranslate2_model import (CONVERSION_ERRORS, convert, decoding_length_cap, import_ctranslate2,
+                                               source_symbols)
 from fairseq_fastgen.option_checks import UsageError
-
-PEERS = ("ctranslate2",)
 
 
 class CTranslate2Generator:
@@ -47,13 +46,10 @@ class CTranslate2Generator:
 
     def generate(self, models, sample, **unused) -> List[List[Dict[str, torch.Tensor]]]:
         """fairseq's hypotheses of one batch (``sample["net_input"]["src_tokens"]`` (sentences, source length))."""
-        skipped = {self.src_dict.pad(), self.src_dict.eos()}
-        src_tokens = sample["net_input"]["src_tokens"].cpu()  # (sentences, source length), eos included
-        sources = [[self.src_dict[t] for t in row if t not in skipped] for row in src_tokens.tolist()]
-        longest = min(int(self.generation.max_len_a * src_tokens.size(1) + self.generation.max_len_b),
-                      self.max_positions - 1)  # fairseq's limit for the batch
-        results = self.translator.translate_batch(sources, max_batch_size=0, max_decoding_length=longest,
-                                                  **self.search)
+        src_tokens = sample["net_input"]["src_tokens"]  # (sentences, source length), eos included
+        longest = decoding_length_cap(self.generation, src_tokens.size(1), self.max_positions)
+        results = self.translator.translate_batch(source_symbols(src_tokens, self.src_dict), max_batch_size=0,
+                                                  max_decoding_length=longest, **self.search)
         eos = self.tgt_dict.eos()
         return [[self.hypothesis([self.tgt_dict.index(s) for s in symbols] + [eos], score)
                  for symbols, score in zip(result.hypotheses, result.scores)] for result in results]

@@ -6,9 +6,9 @@ cluster (``--ray-address``), starts and restarts replicas, routes each request t
 open, and drains replicas on shutdown.  It is an optional extra (``pip install 'fairseq_fastgen[ray]'``); without
 it ``fastgen-serve`` serves alone (``app.py``).
 
-Each replica builds what ``fastgen-serve`` builds (:func:`~fairseq_fastgen.serve.build_server`: the translator,
-the batching thread, the :class:`~fairseq_fastgen.serve.app.Server`) from the same command line, and answers the
-same routes with the same code (:meth:`Server.respond`); only the HTTP objects are Starlette's (Ray Serve's
+Each replica builds what ``fastgen-serve`` builds (:func:`~fairseq_fastgen.serve.server_setup.build_server`: the
+translator, the batching thread, the :class:`~fairseq_fastgen.serve.app.Server`) from the same command line, and
+answers the same routes with the same code (:meth:`Server.respond`); only the HTTP objects are Starlette's (Ray Serve's
 proxy).  Each answer names its replica (``X-Fastgen-Replica``); ``GET /metrics`` is that replica's.
 
 The driver (this process) checks the options as ``fastgen-serve`` does, deploys, prints the ``listening on`` line
@@ -17,7 +17,6 @@ and waits; SIGTERM or SIGINT shuts the deployment down (Ray Serve lets each repl
 """
 
 import asyncio
-import logging
 import signal
 import threading
 import time
@@ -26,8 +25,6 @@ from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.serve.app import json_line
 from fairseq_fastgen.serve.options import parse_command_line
 from fairseq_fastgen.serve.server_setup import build_server, prepare
-
-logger = logging.getLogger("fairseq_fastgen.serve")
 
 JSON = "application/json"
 
