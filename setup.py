@@ -14,7 +14,7 @@ setup(
     # CUDA sources live in the checkout's kernels/; a normal install copies them
     # into the package as fairseq_fastgen/kernels/*.cu
     package_dir={"fairseq_fastgen.kernels": "kernels"},
-    package_data={"fairseq_fastgen.kernels": ["*.cu", "emu/*.h", "emu/*.cu"]},
+    package_data={"fairseq_fastgen.kernels": ["*.cu", "*.cpp", "emu/*.h", "emu/*.cu"]},
     include_package_data=True,
     install_requires=[
         "torch>=2.6",

@@ -17,7 +17,7 @@ ROWS=" ${3:-bs1 int8 bs64 beam5 clusters relaxed varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=$M/khead4/checkpoint_last.pt
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
-source "$(dirname "$0")/bench_rows.sh"  # wanted, row
+source "$(dirname "$0")/bench_rows.sh"  # wanted, row, untrained
 FROZEN=(--variant "frozen=--step-engine compiled --compiled-freezing")
 
 # greedy and blockwise (the frozen-base k = 4 student) at batch 1 on static and on the frozen compiled engine
@@ -63,11 +63,7 @@ wanted varbeam && row base-var-beam-bs64 --path "$BASE" --decoders beam,var-batc
 # tokens): speed only, greedy at batch 1 and 64
 BIG=${BIG:-bench_out/multi30k-big/base/checkpoint_last.pt}
 if wanted big; then
-  [ -f "$BIG" ] || .venv/bin/python -m fairseq_cli.train "$M/bin" --arch transformer_vaswani_wmt_en_de_big \
-    --share-all-embeddings --max-source-positions 256 --max-target-positions 256 --optimizer adam --lr 1e-9 \
-    --lr-scheduler fixed --max-tokens 256 --max-update 1 --disable-validation --cpu --num-workers 0 \
-    --save-dir "$(dirname "$BIG")" --no-epoch-checkpoints --no-save-optimizer-state \
-    --criterion label_smoothed_cross_entropy > "$OUT/big-train.log" 2>&1 || tail -5 "$OUT/big-train.log"
+  untrained transformer_vaswani_wmt_en_de_big "$BIG"
   for BATCH in 1 64; do
     row "big-greedy-bs$BATCH" --path "$BIG" --decoders greedy --beam 1 --batch-size "$BATCH" --max-len-a 0 \
       --max-len-b 25 --max-sentences $((BATCH == 1 ? 30 : 128)) --repeat 2 --reference greedy --step-engine static

@@ -1,51 +1,115 @@
-"""One linear product at the base model's shapes in float32, int8 rows (``--quantize int8``: through fbgemm's
-kernel and through oneDNN's, which give the same bits; the option takes fbgemm's below ``ONEDNN_MIN_ROWS`` rows),
-fbgemm's own int8 (one range for the whole input: --blockwise-int8-proposals) and bfloat16 (``--quantize bf16``):
-median microseconds of one call on one thread, under inference mode, for 1, 4, 16, 64 and 320 rows. A weight
-timed alone is read from the processor's cache; in a decoder step it comes from memory.
+"""``--quantize``'s products at the base model's shapes, one thread, under inference mode.
+
+1. One product, median microseconds of one call for 1, 4, 16, 64 and 320 rows: float32 (``F.linear``), int8 rows
+   through the plugin's kernel (``ops/int8_kernel.py``), through fbgemm's and through oneDNN's (all three the same
+   bits), and bfloat16 (``--quantize bf16``).  A weight timed alone is read from the processor's cache.
+2. The 49 products of one base-size decoder step (6 layers of 6 attention products of 512 x 512, FFN 2048 x 512 and
+   512 x 2048, the 32003 x 512 vocabulary projection), each weight of its own, so that they come from memory as in
+   decoding: median milliseconds for the step's products, float32 against int8 rows in each kernel.
 
     .venv/bin/python benchmarks/precision_products.py
 """
 
-import sys
-from pathlib import Path
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 
-from fairseq_fastgen.ops import precision_linear
+from fairseq_fastgen.ops import int8_kernel, precision_linear
 from fairseq_fastgen.ops.precision_linear import Int8Rows, bf16_linear, int8_linear
-from fairseq_fastgen.engine.int8_proposals import Int8Linear
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from onednn_products import median_ms  # noqa: E402  (the timing of one call, shared with that script)
 
 SHAPES = [(512, 512), (2048, 512), (512, 2048), (32003, 512)]  # (out, in): attention, FFN in / out, vocabulary
+STEP_SHAPES = ([(512, 512)] * 6 + [(2048, 512), (512, 2048)]) * 6 + [(32003, 512)]
 ROWS = (1, 4, 16, 64, 320)
-PASSES = 40
+PASSES = 40  # timed calls of a product, fewer where one call takes long (oneDNN's int8 on AMD: seconds)
+BUDGET_S = 0.5
+TOO_SLOW_S = 1.0  # a call slower than this is shown as such, not timed
+
+
+def median_us(call) -> float:
+    start = time.perf_counter()
+    call()  # warm-up, and the estimate of one call
+    if time.perf_counter() - start > TOO_SLOW_S:
+        return float("inf")
+    passes = max(3, min(PASSES, int(BUDGET_S / (time.perf_counter() - start))))
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def int8_kernels(weight):
+    """name -> product of int8 rows, each kernel that runs here."""
+    library = Int8Rows(weight, kernel=False)
+    kernels = {}
+    if int8_kernel.available():
+        own = Int8Rows(weight, kernel=True)
+        kernels["int8 rows, plugin's kernel"] = lambda x: int8_linear(x, own, None)
+    kernels["int8 rows, fbgemm"] = lambda x: in_library(x, library, 10 ** 9)
+    vendor = precision_linear.processor_vendor
+    precision_linear.processor_vendor = lambda: "GenuineIntel"  # the option takes oneDNN's on Intel only: time it
+    try:                                                          # here whatever the processor
+        if precision_linear.onednn_int8_available():
+            in_onednn = Int8Rows(weight, kernel=False)
+            kernels["int8 rows, oneDNN"] = lambda x: in_library(x, in_onednn, 1)
+    finally:
+        precision_linear.processor_vendor = vendor
+    return kernels
+
+
+def in_library(x, rows, onednn_min_rows):
+    """``--quantize int8``'s product in the library kernels: oneDNN's from ``onednn_min_rows`` rows, fbgemm's below."""
+    precision_linear.ONEDNN_MIN_ROWS = onednn_min_rows
+    return int8_linear(x, rows, None)
+
+
+def one_product():
+    names = None
+    for out_features, in_features in SHAPES:
+        weight = torch.randn(out_features, in_features) / in_features ** 0.5
+        weight_bf16 = weight.bfloat16()
+        calls = {"float32": lambda x: F.linear(x, weight), **int8_kernels(weight)}
+        if precision_linear.precision_refusal("bf16") is None:
+            calls["bf16"] = lambda x: bf16_linear(x, weight_bf16, None)
+        if names is None:
+            names = list(calls)
+            print("| weight (out x in) | rows | " + " | ".join(f"{name} us" for name in names) + " |")
+            print("|---|---|" + "---|" * len(names))
+        for count in ROWS:
+            x = torch.randn(count, in_features)
+            times = [median_us(lambda: call(x)) for call in calls.values()]
+            print(f"| {out_features} x {in_features} | {count} | " + " | ".join(f"{t:,.0f}" if t < float("inf") else f"> {TOO_SLOW_S:g} s" for t in times) + " |")
+
+
+def decoder_step_products():
+    weights = [torch.randn(out_features, in_features) / in_features ** 0.5 for out_features, in_features in STEP_SHAPES]
+    steps = {"float32": [lambda x, w=w: F.linear(x, w) for w in weights]}
+    for weight in weights:
+        for name, call in int8_kernels(weight).items():
+            if "oneDNN" not in name:  # oneDNN's at one row is slower than fbgemm's wherever measured
+                steps.setdefault(name, []).append(call)
+    print("\n| rows | " + " | ".join(f"{name} ms" for name in steps) + " |")
+    print("|---|" + "---|" * len(steps))
+    for count in (1, 2, 4, 8, 16, 64):
+        inputs = [torch.randn(count, in_features) for _, in_features in STEP_SHAPES]
+        times = {name: [] for name in steps}
+        for _ in range(6):  # interleaved passes: the first warms up
+            for name, products in steps.items():
+                start = time.perf_counter()
+                for product, x in zip(products, inputs):
+                    product(x)
+                times[name].append(time.perf_counter() - start)
+        print(f"| {count} | " + " | ".join(f"{1e3 * statistics.median(t[1:]):,.2f}" for t in times.values()) + " |")
 
 
 def main():
     torch.set_num_threads(1)
-    print("| weight (out x in) | rows | float32 us | int8 rows, fbgemm us | int8 rows, oneDNN us | fbgemm int8 us "
-          "| bf16 us |")
-    print("|---|---|---|---|---|---|---|")
     with torch.inference_mode():
-        for out_features, in_features in SHAPES:
-            weight = torch.randn(out_features, in_features) / in_features ** 0.5
-            rows, per_call, weight_bf16 = Int8Rows(weight), Int8Linear(weight), weight.bfloat16()
-            for count in ROWS:
-                x = torch.randn(count, in_features)
-                calls = [lambda: F.linear(x, weight), lambda: int8_rows(x, rows, 10 ** 9),
-                         lambda: int8_rows(x, rows, 1), lambda: per_call(x), lambda: bf16_linear(x, weight_bf16, None)]
-                times = [1e3 * median_ms(call, PASSES) for call in calls]
-                print(f"| {out_features} x {in_features} | {count} | " + " | ".join(f"{t:,.0f}" for t in times) + " |")
-
-
-def int8_rows(x, rows, onednn_min_rows):
-    """``--quantize int8``'s product with oneDNN's kernel from ``onednn_min_rows`` rows, fbgemm's below."""
-    precision_linear.ONEDNN_MIN_ROWS = onednn_min_rows
-    return int8_linear(x, rows, None)
+        one_product()
+        decoder_step_products()
 
 
 if __name__ == "__main__":

@@ -103,6 +103,12 @@ class PluginOptions(FairseqDataclass):
         default=False,
         metadata={"help": "with --quantize int8: keep the vocabulary projection in float32 (bf16 always does)"},
     )
+    int8_library_kernels: bool = field(
+        default=False,
+        metadata={"help": "with --quantize int8: compute the int8 products through fbgemm's and oneDNN's kernels "
+                          "instead of the plugin's own (built on first use where the processor has AVX-512 VNNI, "
+                          "kernels/int8_rows_cpu.cpp); the same bits, slower at a few rows: for comparison"},
+    )
     reuse_large_allocations: bool = field(
         default=False,
         metadata={"help": "keep buffers up to 1 GiB in the process's heap (glibc mallopt) instead of fresh pages "

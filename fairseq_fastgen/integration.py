@@ -244,8 +244,11 @@ def linear_forwards(models, common):
         raise ValueError("--onednn-linear and --quantize both replace the linear layers' products: choose one")
     if common.float32_vocabulary_projection and not common.quantize:
         raise ValueError("--float32-vocabulary-projection applies to --quantize int8 or bf16")
+    if common.int8_library_kernels and common.quantize != "int8":
+        raise ValueError("--int8-library-kernels applies to --quantize int8")
     if common.quantize:
-        return [QuantizedLinears(model, str(common.quantize), common.float32_vocabulary_projection)
+        precision = "int8-library" if common.int8_library_kernels else str(common.quantize)
+        return [QuantizedLinears(model, precision, common.float32_vocabulary_projection)
                 for model in models]
     if common.onednn_linear:
         return [OneDNNLinears(model) for model in models]

@@ -94,7 +94,7 @@ class QuantizedLinears(LinearForwards):
     attention_through_projections = True
 
     def __init__(self, model: nn.Module, precision: str, float32_vocabulary: bool = False):
-        refusal = precision_refusal(precision)
+        refusal = precision_refusal(precision.split("-")[0])
         if refusal:
             raise ValueError(refusal)
         # bfloat16 products give bfloat16 outputs: logits rounded so, candidates a hair apart would tie exactly

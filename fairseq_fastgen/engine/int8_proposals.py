@@ -4,9 +4,9 @@ Blockwise decoding verifies every proposed token with head 1 in full
 precision; where the proposals of heads 2..k come from is free.  At small
 batches on the CPU their products are slow: the k-head layer is k x ffn_dim
 wide, and MKL's fp32 product onto the vocabulary costs at 3 rows about what
-3 one-row products cost.  fbgemm's dynamic int8 linear reads a quarter of the
-bytes and costs about the same at 1 and 3 rows (docs/benchmarks.md,
-"At batch 1 (base size)").
+3 one-row products cost.  An int8 product (``precision_linear.Int8Rows``, the
+plugin's kernel or fbgemm's) reads a quarter of the bytes and costs about the
+same at 1 and 3 rows (docs/benchmarks.md, "At batch 1 (base size)").
 
 Exact acceptance keeps greedy's output whatever the proposals are (a token
 int8 rounding changed is rejected by head 1); the approximate criteria accept
@@ -21,26 +21,22 @@ in exact mode a stale copy costs speed, never output.
 
 from typing import List
 
-import torch
 from torch import Tensor
 
-from fairseq_fastgen.ops.precision_linear import prepack_int8_rows
+from fairseq_fastgen.ops.precision_linear import Int8Rows
 
 
 class Int8Linear:
-    """``F.linear(x, weight, bias)`` with weight rounded to int8, one scale per output row.
-
-    The input is quantized per call (fbgemm's dynamic quantization, the
-    reduced range its x86 kernels need).
-    """
+    """``F.linear(x, weight, bias)`` with weight rounded to int8, one scale per output row, and each input row
+    rounded on a scale of its own (``--quantize int8``'s product)."""
 
     def __init__(self, weight: Tensor, bias=None):
-        # torch announces the removal of quantized tensors; once they are gone, Int8Proposer refuses the option
-        self.packed = prepack_int8_rows(weight, bias)
+        self.rows = Int8Rows(weight)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: (..., in) float -> (..., out) float."""
-        return torch.ops.quantized.linear_dynamic(x.contiguous(), self.packed, True)
+        return self.rows(x, self.bias)
 
 
 class Int8Proposer:

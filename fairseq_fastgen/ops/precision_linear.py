@@ -6,9 +6,11 @@ it runs at the speed of memory: fewer bytes per weight go faster.
 * int8: each weight row rounded once to int8 with a float32 scale of its own,
   each input row rounded at each call to integers on a scale of its own, and
   their product summed exactly in int32 (VNNI where the processor has it):
-  by fbgemm's dynamic linear at a few rows, by oneDNN's int8 linear at more
-  (:class:`Int8Rows`).  A row's output is bitwise the same at batch 1 and 64,
-  in either kernel, in a blockwise block or a stream's refill
+  by the plugin's own kernel where the processor has AVX-512 VNNI
+  (``int8_kernel.py``), else by fbgemm's dynamic linear at a few rows and
+  oneDNN's int8 linear at more (:class:`Int8Rows`).  A row's output is
+  bitwise the same at batch 1 and 64, in any of the three kernels, in a
+  blockwise block or a stream's refill
   (``tests/ops/test_precision_linear.py``): within int8 the decoders'
   exactness promises hold as in float32.
 * bfloat16: the weight stored in bfloat16, the input rounded to bfloat16, the
@@ -25,6 +27,7 @@ each product is ``F.linear`` on the float32 weight; the tests bound the
 difference.
 """
 
+import functools
 import warnings
 from typing import Optional
 
@@ -32,13 +35,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fairseq_fastgen.ops import int8_kernel
 from fairseq_fastgen.ops.linear_forward import LinearForward
 
 PRECISIONS = ("int8", "bf16")
-# int8 rows cost five more small torch calls a product (the rows' magnitudes, their scales, the division and
-# rounding, the rescale), which a small weight does not win back: in int8 the toy model's 256 x 256 attention weights
-# are slower than in float32 at one row and no faster at many; the base model's 512 x 512 ones no slower at one row
-# and faster at many.
+# Through fbgemm's product int8 rows cost five more small torch calls a product (the rows' magnitudes, their scales,
+# the division and rounding, the rescale), which a small weight does not win back: in int8 the toy model's 256 x 256
+# attention weights are slower than in float32 at one row and no faster at many; the base model's 512 x 512 ones no
+# slower at one row and faster at many.  The plugin's kernel has no such cost, but the threshold stays the same on
+# every processor, so that the same layers are int8 whichever kernel runs.
 # Weights below this many entries keep their float32 product; the choice depends on the weight's shape only, so a
 # row's result still does not depend on the rows beside it.
 MIN_INT8_WEIGHT = 1 << 18
@@ -63,18 +68,6 @@ def precision_refusal(precision: str) -> Optional[str]:
     return f"--quantize must be one of {', '.join(PRECISIONS)}; got {precision!r}"
 
 
-def prepack_int8_rows(weight: Tensor, bias: Optional[Tensor] = None):
-    """weight (out, in) rounded to int8 rows, one float scale each, and ``bias`` (out,) or None, packed for
-    fbgemm's ``quantized::linear_dynamic``."""
-    weight = weight.detach().float().contiguous()
-    scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).double()  # (out,)
-    zero_points = torch.zeros(weight.size(0), dtype=torch.long)
-    with warnings.catch_warnings():  # torch announces the removal of quantized tensors
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-        rows = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
-    return torch.ops.quantized.linear_prepack(rows, None if bias is None else bias.detach().float())
-
-
 # Each input row is rounded to integers in [-INPUT_LEVELS, INPUT_LEVELS] on a scale of its own. Without VNNI the
 # int8 kernels sum pairs of products in int16 and need 7-bit inputs to stay clear of saturation.
 INPUT_LEVELS = 127 if torch.cpu._is_vnni_supported() else 63
@@ -84,26 +77,51 @@ ONEDNN_MIN_ROWS = 16
 
 
 def onednn_int8_available() -> bool:
+    """oneDNN's int8 product, on Intel processors only: on an AMD EPYC (Zen 5) torch's oneDNN took a reference
+    path, 4.4 ms for one row of a 512 x 512 weight against fbgemm's 25 us (benchmarks/precision_products.py)."""
     return (torch.cpu._is_vnni_supported() and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.onednn, "qlinear_pointwise"))
+            and hasattr(torch.ops.onednn, "qlinear_pointwise") and processor_vendor() == "GenuineIntel")
+
+
+@functools.lru_cache(maxsize=None)
+def processor_vendor() -> str:
+    """The x86 vendor string of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or "" where it does not say."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 class Int8Rows:
-    """A weight (out, in) as int8 rows with one float32 scale each, packed for fbgemm's and oneDNN's products.
+    """A weight (out, in) as int8 rows with one float32 scale each, and its product with float32 input rows.
 
     An input row is divided by its own scale (its largest magnitude over ``INPUT_LEVELS``) and rounded to
     integers; the product of those integers with the weight's is summed exactly in int32, scaled by the weight
-    row's scale, then by the input row's.  At a few rows fbgemm computes it (``quantized::linear_dynamic``: it
-    rounds its input once more, on one range for the whole call, which two fence rows of +-(INPUT_LEVELS + 0.5)
-    pin to a scale of exactly 1, so the integers pass unchanged); at more rows oneDNN does
-    (``onednn::qlinear_pointwise`` on int8 inputs).  Either way the int32 sums and the two scalings are the same:
-    a row's result does not depend on the kernel nor on the rows beside it."""
+    row's scale, then by the input row's, then the bias is added.  Three kernels compute it with the same bits
+    (tests/ops/test_precision_linear.py, tests/ops/test_int8_kernel.py):
 
-    def __init__(self, weight: Tensor):
+    * the plugin's own (``int8_kernel.py``, AVX-512 VNNI): rounding, product and scaling in one call, at every
+      row count; used wherever it builds (``kernel``: None asks ``int8_kernel.available()``);
+    * else fbgemm's at a few rows (``quantized::linear_dynamic``: it rounds its input once more, on one range for
+      the whole call, which two fence rows of +-(INPUT_LEVELS + 0.5) pin to a scale of exactly 1, so the integers
+      pass unchanged), and oneDNN's from ``ONEDNN_MIN_ROWS`` rows (``onednn::qlinear_pointwise`` on int8 inputs).
+
+    A row's result depends neither on the kernel nor on the rows beside it."""
+
+    def __init__(self, weight: Tensor, kernel: Optional[bool] = None):
         weight = weight.detach().float().contiguous()
         self.out_features = weight.size(0)
         self.scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
         integers = torch.round(weight / self.scales.unsqueeze(1)).to(torch.int8)  # (out, in)
+        if kernel is None:
+            kernel = INPUT_LEVELS == 127 and int8_kernel.available()
+        self.kernel = int8_kernel.KernelRows(integers, self.scales) if kernel else None
+        self.fbgemm = self.onednn = self.integers = None
+        if self.kernel is not None:
+            return
         self.zero_points = torch.zeros(weight.size(0), dtype=torch.long)  # (out,)
         with warnings.catch_warnings():  # torch announces the removal of quantized tensors
             warnings.filterwarnings("ignore", message=".*quantized tensor.*")
@@ -111,15 +129,17 @@ class Int8Rows:
             self.fbgemm = torch.ops.quantized.linear_prepack(rows, None)
         self.has_onednn = onednn_int8_available()
         self.integers = integers if self.has_onednn else None  # packed for oneDNN on first use, then dropped
-        self.onednn = None
         # (2, in): two rows that fix fbgemm's input range to +-(INPUT_LEVELS + 0.5), a scale of 1
         self.fence = torch.zeros(2, weight.size(1))
         self.fence[0, 0], self.fence[1, 0] = INPUT_LEVELS + 0.5, -INPUT_LEVELS - 0.5
         self.reduce_range = INPUT_LEVELS < 127  # fbgemm's 7-bit inputs
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """x (..., in) float32 -> (..., out) float32, each row rounded on a scale of its own."""
+    def __call__(self, x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        """x (..., in) float32 -> (..., out) float32, each row rounded on a scale of its own; bias (out,) or None."""
         rows = x.reshape(-1, x.size(-1))  # (rows, in)
+        if self.kernel is not None:
+            out = self.kernel(rows, None if bias is None else bias.detach().float().contiguous())
+            return out.view(*x.shape[:-1], self.out_features)
         # (rows, 1); abs().amax: torch's infinity norm over rows is much slower at many rows
         input_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30).div_(INPUT_LEVELS)
         integers = torch.round(rows / input_scales)  # (rows, in) whole numbers in [-INPUT_LEVELS, INPUT_LEVELS]
@@ -132,13 +152,13 @@ class Int8Rows:
         else:
             out = torch.ops.quantized.linear_dynamic(torch.cat([integers, self.fence]), self.fbgemm,
                                                      self.reduce_range)[:-2]  # (rows, out)
-        return out.mul_(input_scales).view(*x.shape[:-1], self.out_features)
+        out = out.mul_(input_scales).view(*x.shape[:-1], self.out_features)
+        return out if bias is None else out + bias.detach()
 
 
 def int8_linear(x: Tensor, rows: Int8Rows, bias: Optional[Tensor]) -> Tensor:
     """``F.linear(x, weight, bias)`` with ``rows = Int8Rows(weight)``: x (..., in) -> (..., out)."""
-    out = rows(x)
-    return out if bias is None else out + bias.detach()
+    return rows(x, bias)
 
 
 def bf16_linear(x: Tensor, weight_bf16: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -169,6 +189,15 @@ class Int8Forward(LinearForward):
         return int8_linear(x, packed, bias)
 
 
+class LibraryInt8Forward(Int8Forward):
+    """``--quantize int8 --int8-library-kernels``: the same product through fbgemm's and oneDNN's kernels."""
+
+    option = "--int8-library-kernels"
+
+    def prepare(self, weight: Tensor) -> Int8Rows:
+        return Int8Rows(weight, kernel=False)
+
+
 class BFloat16Forward(LinearForward):
     """Stands in for ``linear.forward``: the product in bfloat16 (``--quantize bf16``)."""
 
@@ -184,4 +213,4 @@ class BFloat16Forward(LinearForward):
         return bf16_linear(x, packed, bias)
 
 
-FORWARDS = {"int8": Int8Forward, "bf16": BFloat16Forward}
+FORWARDS = {"int8": Int8Forward, "int8-library": LibraryInt8Forward, "bf16": BFloat16Forward}

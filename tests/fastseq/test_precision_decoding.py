@@ -9,7 +9,7 @@ from fairseq.dataclass.configs import GenerationConfig
 
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.engine import engine_setting
-from fairseq_fastgen.ops import precision_linear
+from fairseq_fastgen.ops import int8_kernel, precision_linear
 from fairseq_fastgen.ops.precision_linear import PRECISIONS, precision_refusal
 from fairseq_fastgen.option_checks import UsageError
 from tests.cluster.conftest import full_coverage_file
@@ -83,6 +83,25 @@ def test_blockwise_at_batch_1_computes_int8_greedys_bits(loaded_khead, translate
         assert torch.equal(blockwise[sentence][0]["positional_scores"], best["positional_scores"]), sentence
 
 
+@pytest.mark.skipif(precision_refusal("int8") is not None or int8_kernel.processor_refusal() is not None,
+                    reason="the plugin's int8 kernel needs AVX-512 VNNI")
+@pytest.mark.parametrize("decoder, beam, batch_size", [("greedy", 1, 1), ("greedy", 1, 16), ("beam", 5, 16)])
+def test_the_plugins_int8_kernel_decodes_the_library_kernels_bits(loaded_toy, translate, decoder, beam, batch_size):
+    """Every product of a decode (1 to 80 rows) through the plugin's kernel or through fbgemm's and oneDNN's: the
+    same tokens and the same scores, bitwise."""
+    keep = set(range(0, 200, 5))
+    options = dict(decoder=decoder, beam=beam, quantize="int8")
+    own = translate(loaded_toy, loaded_toy.task.build_generator(loaded_toy.models, GenerationConfig(**options)),
+                    batch_size, keep_ids=keep)
+    library = translate(loaded_toy, loaded_toy.task.build_generator(
+        loaded_toy.models, GenerationConfig(int8_library_kernels=True, **options)), batch_size, keep_ids=keep)
+    assert sorted(own) == sorted(library) and keep <= set(own)
+    for sentence, hypotheses in library.items():
+        for expected, got in zip(hypotheses, own[sentence]):
+            assert torch.equal(got["tokens"], expected["tokens"]), sentence
+            assert torch.equal(got["positional_scores"], expected["positional_scores"]), sentence
+
+
 @pytest.mark.parametrize("precision", PRECISION_PARAMS)
 @pytest.mark.parametrize("with_clusters", [False, True])
 def test_var_stream_is_var_batch_within_the_precision(loaded_toy, translate, tmp_path, precision, with_clusters):
@@ -113,6 +132,7 @@ def test_the_compiled_engine_falls_back_to_static(loaded_toy, translate):
 @pytest.mark.parametrize("options, message", [
     (dict(quantize="int8", onednn_linear=True), "choose one"),
     (dict(float32_vocabulary_projection=True), "applies to --quantize"),
+    (dict(int8_library_kernels=True, quantize="bf16"), "applies to --quantize int8"),
 ])
 def test_misuse_is_refused_in_one_line(loaded_toy, options, message):
     with pytest.raises(UsageError, match=message) as refusal:

@@ -1,0 +1,104 @@
+"""The plugin's own int8 product on the CPU (``kernels/int8_rows_cpu.cpp``), built once per machine.
+
+``--quantize int8`` rounds each input row to int8 on a scale of its own and multiplies it with int8 weight rows
+(``precision_linear.Int8Rows``).  At one to a few rows fbgemm's and oneDNN's products spend most of their time in
+fixed costs, and the rounding around them is five torch calls; the kernel does the rounding, the product (AVX-512
+VNNI) and the scaling in one call and gives the same bits (``tests/ops/test_int8_kernel.py``).
+
+The C++ source is compiled by torch's extension builder (ninja, the system's C++ compiler) on first use into
+``$FASTGEN_CACHE/int8-kernel-<key>`` (the key: the source, torch's version and the flags), then loaded from there;
+its op is ``torch.ops.fastgen.int8_rows_linear``.  Where the processor lacks AVX-512 VNNI, or the build fails
+(one warning line says why), ``available()`` is False and int8 products stay on fbgemm's and oneDNN's kernels
+(``--int8-library-kernels`` asks for those anyway, for comparison).
+"""
+
+import functools
+import logging
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from fairseq_fastgen.safe_files import cached_build
+
+logger = logging.getLogger("fairseq_fastgen.ops")
+
+SOURCE_NAME = "int8_rows_cpu.cpp"
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+SOURCE_DIRS = (_PACKAGE_DIR / "kernels", _PACKAGE_DIR.parent / "kernels")  # installed package, then checkout
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-ffp-contract=off",
+         "-fopenmp"]
+GROUP = 64  # output rows per group of the packed layout (the kernel's kGroup)
+
+
+def processor_refusal() -> Optional[str]:
+    """Why the kernel cannot run here, or None."""
+    if not (torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()):
+        return "the processor lacks AVX-512 VNNI"
+    return None
+
+
+def source_path() -> Path:
+    for folder in SOURCE_DIRS:
+        if (folder / SOURCE_NAME).is_file():
+            return folder / SOURCE_NAME
+    raise FileNotFoundError(f"{SOURCE_NAME} is in none of {', '.join(map(str, SOURCE_DIRS))}")
+
+
+def build(folder: Path) -> None:
+    """Compile the kernel into ``folder`` (cached_build's fresh directory)."""
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name="fastgen_int8_rows", sources=[str(source_path())], extra_cflags=FLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
+                       verbose=False)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether ``torch.ops.fastgen.int8_rows_linear`` runs here (built and loaded on the first call)."""
+    refusal = processor_refusal()
+    if refusal is not None:
+        logger.info("int8 products through fbgemm and oneDNN: %s", refusal)
+        return False
+    if hasattr(torch.ops.fastgen, "int8_rows_linear"):
+        return True
+    try:
+        source = source_path()
+        key = (source.read_bytes(), torch.__version__, " ".join(FLAGS))
+        folder = cached_build("int8-kernel", key, build)
+        if not hasattr(torch.ops.fastgen, "int8_rows_linear"):  # built by another process: cpp_extension loads
+            torch.ops.load_library(str(folder / "fastgen_int8_rows.so"))  # what it builds
+    except Exception as error:  # no compiler, no ninja, no headers: the library kernels serve
+        logger.warning("int8 products through fbgemm and oneDNN: the plugin's int8 kernel did not build (%s)",
+                       str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
+        return False
+    return True
+
+
+def pack_rows(integers: Tensor) -> Tuple[Tensor, Tensor]:
+    """integers (out, in) int8 -> the kernel's layout (out/64, in/4, 64, 4) int8 and the offsets (out,) int32
+    (128 x each row's sum: the kernel's inputs enter as unsigned bytes q + 128), both padded to whole groups."""
+    out_features, in_features = integers.shape
+    out_padded = -(-out_features // GROUP) * GROUP
+    in_padded = -(-in_features // 4) * 4
+    padded = torch.zeros(out_padded, in_padded, dtype=torch.int8)
+    padded[:out_features, :in_features] = integers
+    packed = padded.view(out_padded // GROUP, GROUP, in_padded // 4, 4).permute(0, 2, 1, 3).contiguous()
+    offsets = padded.sum(dim=1, dtype=torch.int32).mul_(128)  # (out_padded,)
+    return packed, offsets
+
+
+class KernelRows:
+    """A weight's int8 rows in the kernel's layout: ``self(x, bias)`` is the product of x (rows, in) float32."""
+
+    def __init__(self, integers: Tensor, scales: Tensor):
+        self.out_features = integers.size(0)
+        self.packed, self.offsets = pack_rows(integers)
+        self.scales = torch.zeros(self.offsets.numel())  # (out_padded,) float32
+        self.scales[:self.out_features] = scales
+
+    def __call__(self, rows: Tensor, bias: Optional[Tensor]) -> Tensor:
+        return torch.ops.fastgen.int8_rows_linear(rows, self.packed, self.scales, self.offsets, self.out_features,
+                                                  bias)

@@ -1,0 +1,158 @@
+// int8 rows on the CPU: one call rounds each input row to int8 on a scale of its own, multiplies it with a weight
+// of int8 rows (AVX-512 VNNI: vpdpbusd sums four u8 x s8 products into each int32 lane, exactly) and scales the
+// sums back to float32.  The torch reference is Int8Rows in fairseq_fastgen/ops/precision_linear.py (fbgemm's and
+// oneDNN's products on the same integers): this kernel gives the same bits (tests/ops/test_int8_kernel.py).
+//
+// Why a kernel of our own: at one to a few rows a decoder step's products read each weight once, and fbgemm's
+// dynamic linear costs ~48 us for a 512 x 512 weight whose 256 KiB take ~13 us to read, plus five torch calls
+// around it to round the input.  Here the rounding, the product and the scaling are one call.
+//
+// The weight's layout (packed once, in torch: int8_kernel.pack_rows): groups of 64 output rows; inside a group,
+// for every 4 consecutive inputs k..k+3, the 64 rows' 4 bytes each: (out/64, in/4, 64, 4).  A group's 64 x 4 bytes
+// at one k4 are 4 zmm registers, one per 16 outputs; the input's 4 bytes at that k4 are broadcast to all lanes.
+// vpdpbusd multiplies unsigned by signed bytes, so the input goes in as q + 128 and 128 * (sum of the weight row)
+// comes off the int32 sum after.
+//
+// Compiled with -ffp-contract=off: the scaling is float(sum) * weight scale, then * input scale, then + bias,
+// each rounded as torch rounds them, never fused into one FMA.
+
+#include <immintrin.h>
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 64;    // output rows a group holds: 4 zmm of 16 int32 sums
+constexpr int64_t kRowsAtOnce = 4;  // input rows sharing one pass over a group's weights (4 x 4 accumulators)
+constexpr float kLevels = 127.0f;   // input integers in [-127, 127]
+
+// One input row (in floats) -> its scale and in_padded bytes q + 128 (padding: 128, i.e. q = 0).
+float round_row(const float* x, int64_t in, int64_t in_padded, uint8_t* out) {
+  __m512 largest = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= in; k += 16) largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+  float amax = _mm512_reduce_max_ps(largest);
+  for (; k < in; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float scale = std::max(amax, 1e-30f) / kLevels;
+  const __m512 scales = _mm512_set1_ps(scale);
+  const __m512i offset = _mm512_set1_epi32(128);
+  k = 0;
+  for (; k + 16 <= in; k += 16) {
+    // x / scale rounded half to even (torch.round), as integers + 128, narrowed to bytes
+    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), scales),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(q), offset);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(shifted));
+  }
+  for (; k < in; ++k) out[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[k] / scale)) + 128);
+  for (; k < in_padded; ++k) out[k] = 128;
+  return scale;
+}
+
+// Sums of `rows` (1..4) rounded input rows with one group of 64 weight rows, scaled into out[r * ld + 0..63]
+// (only the first `width` outputs written: the last group may hang over the weight's end).
+template <int kRows>
+void group_product(const uint8_t* inputs, int64_t in_padded, const int8_t* group, const int32_t* offsets,
+                   const float* weight_scales, const float* input_scales, const float* bias, float* out,
+                   int64_t ld, int64_t width) {
+  __m512i sums[kRows][4];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < 4; ++j) sums[r][j] = _mm512_setzero_si512();
+  const int64_t steps = in_padded / 4;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int8_t* w = group + s * kGroup * 4;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kGroup * 4), _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
+    const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
+    for (int r = 0; r < kRows; ++r) {
+      int32_t four;
+      std::memcpy(&four, inputs + r * in_padded + s * 4, 4);
+      const __m512i x = _mm512_set1_epi32(four);
+      sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], x, w0);
+      sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], x, w1);
+      sums[r][2] = _mm512_dpbusd_epi32(sums[r][2], x, w2);
+      sums[r][3] = _mm512_dpbusd_epi32(sums[r][3], x, w3);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 row_scale = _mm512_set1_ps(input_scales[r]);
+    for (int j = 0; j < 4; ++j) {
+      const int64_t first = j * 16;
+      if (first >= width) break;
+      __m512i exact = _mm512_sub_epi32(sums[r][j], _mm512_loadu_si512(offsets + first));
+      __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_loadu_ps(weight_scales + first));
+      value = _mm512_mul_ps(value, row_scale);
+      const __mmask16 keep = width - first >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - first)) - 1);
+      if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(keep, bias + first));
+      _mm512_mask_storeu_ps(out + r * ld + first, keep, value);
+    }
+  }
+}
+
+using GroupProduct = void (*)(const uint8_t*, int64_t, const int8_t*, const int32_t*, const float*,
+                              const float*, const float*, float*, int64_t, int64_t);
+constexpr GroupProduct kGroupProducts[kRowsAtOnce] = {group_product<1>, group_product<2>, group_product<3>,
+                                                      group_product<4>};
+
+// x (rows, in) float32; packed (out_padded/64, in_padded/4, 64, 4) int8; weight_scales (out_padded,) float32;
+// offsets (out_padded,) int32 = 128 * the weight rows' sums; bias (out,) float32 or none -> (rows, out) float32.
+at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scales,
+                            const at::Tensor& offsets, int64_t out_features, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_rows_linear: x must be (rows, in) float32");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(2) == kGroup &&
+                  packed.size(3) == 4, "int8_rows_linear: packed must be (groups, in/4, 64, 4) int8");
+  const at::Tensor input = x.contiguous();
+  const int64_t rows = input.size(0), in = input.size(1), groups = packed.size(0), in_padded = packed.size(1) * 4;
+  TORCH_CHECK(in <= in_padded && in_padded - in < 4, "int8_rows_linear: x has ", in, " inputs, the weight ",
+              in_padded);
+  TORCH_CHECK(out_features <= groups * kGroup && weight_scales.numel() == groups * kGroup &&
+                  offsets.numel() == groups * kGroup, "int8_rows_linear: scales or offsets do not match");
+  at::Tensor out = at::empty({rows, out_features}, input.options());
+  if (rows == 0) return out;
+  const float* bias_data = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == out_features && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "int8_rows_linear: bias must be (out,) float32");
+    bias_data = bias->data_ptr<float>();
+  }
+  std::vector<uint8_t> rounded(rows * in_padded);
+  std::vector<float> input_scales(rows);
+  const float* x_data = input.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    input_scales[r] = round_row(x_data + r * in, in, in_padded, rounded.data() + r * in_padded);
+  const int8_t* weights = packed.data_ptr<int8_t>();
+  const float* scales = weight_scales.data_ptr<float>();
+  const int32_t* offset_data = offsets.data_ptr<int32_t>();
+  float* out_data = out.data_ptr<float>();
+  // a thread takes whole groups; below ~1 MiB of weight the product stays on one thread
+  const int64_t grain = std::max<int64_t>(1, (1 << 20) / (kGroup * in_padded));
+  at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) {
+      const int64_t width = std::min(kGroup, out_features - g * kGroup);
+      for (int64_t r = 0; r < rows; r += kRowsAtOnce) {
+        const int64_t chunk = std::min(kRowsAtOnce, rows - r);
+        kGroupProducts[chunk - 1](rounded.data() + r * in_padded, in_padded, weights + g * kGroup * in_padded,
+                                  offset_data + g * kGroup, scales + g * kGroup, input_scales.data() + r,
+                                  bias_data == nullptr ? nullptr : bias_data + g * kGroup,
+                                  out_data + r * out_features + g * kGroup, out_features, width);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(fastgen, m) {
+  m.def("int8_rows_linear(Tensor x, Tensor packed, Tensor weight_scales, Tensor offsets, int out_features, "
+        "Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastgen, CPU, m) { m.impl("int8_rows_linear", &int8_rows_linear); }
