@@ -1,17 +1,20 @@
 """The plugin and CTranslate2, each in a process of its own (not part of the product).
 
     python benchmarks/peer_alone.py DATA_BIN CHECKPOINT [--threads 1] [--batch-size 64] [--beam 1]
-        [--engine-options=--compiled-freezing] [--sentences 1000] [--rounds 3]
+        [--engine-options=--compiled-freezing] [--sentences 1000] [--rounds 3] [--compute-type float32]
+        [--max-len-b N]
 
 fastgen-bench measures CTranslate2 in its own process, its passes interleaved with the plugin's. With more than
 one thread that slows CTranslate2: once torch has run on several threads, its idle thread pool slows
 CTranslate2's, so for ``--threads`` above 1 its rows say little. Here every
 round starts one process for the plugin (``--decoder greedy`` at beam 1, stock beam search above, on
-``--step-engine compiled`` and ``--engine-options``) and one for CTranslate2 (float32, the same batches: fairseq's
-batches of the test split, sorted by source length), one after the other; each decodes the sentences once to warm
+``--step-engine compiled`` and ``--engine-options``) and one for CTranslate2 (``--compute-type``, default float32;
+the same batches: fairseq's batches of the test split, sorted by source length), one after the other; each decodes the sentences once to warm
 up and three times timed and reports its median. Prints each round's sentences/s, the medians over rounds, their
 ratio and how many sentences got the same tokens from both. Set ``FASTGEN_COMPILED_DIR`` to keep the compiled
-units between processes (the first round's warm-up compiles what is missing).
+units between processes (the first round's warm-up compiles what is missing). ``--max-len-b N`` caps every output
+at N tokens in both (an untrained model's outputs run to the cap: the same work for both). Int8 on two threads:
+``--threads 2 --compute-type int8 --engine-options="--step-engine static --quantize int8"``.
 """
 
 import argparse
@@ -36,6 +39,8 @@ def parse_args(argv=None):
                              "(--engine-options=--compiled-freezing)")
     parser.add_argument("--sentences", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compute-type", default="float32", help="CTranslate2's compute_type (int8, ...)")
+    parser.add_argument("--max-len-b", type=int, help="outputs of at most this many tokens, in both")
     parser.add_argument("--one", choices=["plugin", "ctranslate2"], help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -76,6 +81,8 @@ def plugin_decoder(args, model, task):
     user_dir = str(Path(fairseq_fastgen.__file__).parent)  # whatever the working directory
     argv = [args.data_bin, "--user-dir", user_dir, "--beam", str(args.beam), "--decoder", decoder,
             "--step-engine", "compiled"] + shlex.split(args.engine_options)
+    if args.max_len_b is not None:
+        argv += ["--max-len-a", "0", "--max-len-b", str(args.max_len_b)]
     cfg = convert_namespace_to_omegaconf(options.parse_args_and_arch(options.get_generation_parser(), argv))
     generator = task.build_generator([model], cfg.generation)
 
@@ -86,16 +93,17 @@ def plugin_decoder(args, model, task):
 
 
 def ctranslate2_decoder(args, task):
-    """sample -> {sentence id: best tokens} with CTranslate2 float32 (the converted model cached as fastgen-bench's)
-    and fastgen-bench's translation of a batch."""
+    """sample -> {sentence id: best tokens} with CTranslate2 in ``--compute-type`` (the converted model cached as
+    fastgen-bench's) and fastgen-bench's translation of a batch."""
     import ctranslate2
 
     from fairseq_fastgen.bench.ctranslate2_peer import convert, translate_sample
 
     translator = ctranslate2.Translator(str(convert(ctranslate2, args.checkpoint, args.data_bin)), device="cpu",
-                                        intra_threads=args.threads)
+                                        intra_threads=args.threads, compute_type=args.compute_type)
+    cap = {} if args.max_len_b is None else {"max_decoding_length": args.max_len_b}
     return lambda sample: translate_sample(translator, sample, task.source_dictionary, task.target_dictionary,
-                                           beam_size=args.beam)
+                                           beam_size=args.beam, **cap)
 
 
 def run_one(args):
@@ -132,7 +140,8 @@ def main():
             print(f"round {round_ + 1}, {which}: {rates[which][-1]:.1f} sentences/s", flush=True)
     medians = {which: statistics.median(values) for which, values in rates.items()}
     same = sum(tokens["plugin"][i] == tokens["ctranslate2"].get(i) for i in tokens["plugin"])
-    print(f"threads {args.threads}, batch {args.batch_size}, beam {args.beam}, {args.engine_options or 'compiled'}: "
+    print(f"threads {args.threads}, batch {args.batch_size}, beam {args.beam}, {args.engine_options or 'compiled'}, "
+          f"CTranslate2 {args.compute_type}: "
           f"plugin {medians['plugin']:.1f}, CTranslate2 {medians['ctranslate2']:.1f} sentences/s (median of "
           f"{args.rounds} processes each), {medians['plugin'] / medians['ctranslate2']:.2f}x; the same tokens for "
           f"{same} of {len(tokens['plugin'])} sentences")

@@ -56,31 +56,44 @@ float round_row(const float* x, int64_t in, int64_t in_padded, uint8_t* out) {
   return scale;
 }
 
+// One input row's 4 bytes at step s, broadcast, times a group's 4 weight registers, into its 4 sums.
+#define FASTGEN_ROW_SUMS(r)                                                                 \
+  if constexpr (kRows > r) {                                                                \
+    const __m512i x = _mm512_set1_epi32(four_bytes(inputs + r * in_padded + s * 4));        \
+    s##r##0 = _mm512_dpbusd_epi32(s##r##0, x, w0);                                          \
+    s##r##1 = _mm512_dpbusd_epi32(s##r##1, x, w1);                                          \
+    s##r##2 = _mm512_dpbusd_epi32(s##r##2, x, w2);                                          \
+    s##r##3 = _mm512_dpbusd_epi32(s##r##3, x, w3);                                          \
+  }
+
+inline int32_t four_bytes(const uint8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return four;
+}
+
 // Sums of `rows` (1..4) rounded input rows with one group of 64 weight rows, scaled into out[r * ld + 0..63]
-// (only the first `width` outputs written: the last group may hang over the weight's end).
+// (only the first `width` outputs written: the last group may hang over the weight's end).  The 16 sums are named
+// variables, not an array: GCC keeps an array of them in memory or copies it at every step.
 template <int kRows>
 void group_product(const uint8_t* inputs, int64_t in_padded, const int8_t* group, const int32_t* offsets,
                    const float* weight_scales, const float* input_scales, const float* bias, float* out,
                    int64_t ld, int64_t width) {
-  __m512i sums[kRows][4];
-  for (int r = 0; r < kRows; ++r)
-    for (int j = 0; j < 4; ++j) sums[r][j] = _mm512_setzero_si512();
+  __m512i s00 = _mm512_setzero_si512(), s01 = s00, s02 = s00, s03 = s00, s10 = s00, s11 = s00, s12 = s00, s13 = s00;
+  __m512i s20 = s00, s21 = s00, s22 = s00, s23 = s00, s30 = s00, s31 = s00, s32 = s00, s33 = s00;
   const int64_t steps = in_padded / 4;
   for (int64_t s = 0; s < steps; ++s) {
     const int8_t* w = group + s * kGroup * 4;
     _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kGroup * 4), _MM_HINT_T0);
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
     const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
-    for (int r = 0; r < kRows; ++r) {
-      int32_t four;
-      std::memcpy(&four, inputs + r * in_padded + s * 4, 4);
-      const __m512i x = _mm512_set1_epi32(four);
-      sums[r][0] = _mm512_dpbusd_epi32(sums[r][0], x, w0);
-      sums[r][1] = _mm512_dpbusd_epi32(sums[r][1], x, w1);
-      sums[r][2] = _mm512_dpbusd_epi32(sums[r][2], x, w2);
-      sums[r][3] = _mm512_dpbusd_epi32(sums[r][3], x, w3);
-    }
+    FASTGEN_ROW_SUMS(0)
+    FASTGEN_ROW_SUMS(1)
+    FASTGEN_ROW_SUMS(2)
+    FASTGEN_ROW_SUMS(3)
   }
+  const __m512i sums[4][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}, {s20, s21, s22, s23},
+                              {s30, s31, s32, s33}};
   for (int r = 0; r < kRows; ++r) {
     const __m512 row_scale = _mm512_set1_ps(input_scales[r]);
     for (int j = 0; j < 4; ++j) {
