@@ -11,13 +11,18 @@
 """
 
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from fairseq_fastgen.ops import int8_kernel, precision_linear
 from fairseq_fastgen.ops.precision_linear import Int8Rows, bf16_linear, int8_linear
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from onednn_products import median_ms  # noqa: E402  (the timing of one call, shared with that script)
 
 SHAPES = [(512, 512), (2048, 512), (512, 2048), (32003, 512)]  # (out, in): attention, FFN in / out, vocabulary
 STEP_SHAPES = ([(512, 512)] * 6 + [(2048, 512), (512, 2048)]) * 6 + [(32003, 512)]
@@ -28,21 +33,17 @@ TOO_SLOW_S = 1.0  # a call slower than this is shown as such, not timed
 
 
 def median_us(call) -> float:
+    """median_ms's microseconds, with fewer passes for a slow call and none for a call slower than TOO_SLOW_S."""
     start = time.perf_counter()
-    call()  # warm-up, and the estimate of one call
-    if time.perf_counter() - start > TOO_SLOW_S:
+    call()
+    seconds = time.perf_counter() - start
+    if seconds > TOO_SLOW_S:
         return float("inf")
-    passes = max(3, min(PASSES, int(BUDGET_S / (time.perf_counter() - start))))
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return 1e6 * statistics.median(times)
+    return 1e3 * median_ms(call, max(3, min(PASSES, int(BUDGET_S / seconds))))
 
 
-def int8_kernels(weight):
-    """name -> product of int8 rows, each kernel that runs here."""
+def int8_kernels(weight, with_onednn=True):
+    """name -> product of int8 rows, each kernel that runs here (oneDNN's only ``with_onednn``)."""
     library = Int8Rows(weight, kernel=False)
     kernels = {}
     if int8_kernel.available():
@@ -52,7 +53,7 @@ def int8_kernels(weight):
     vendor = precision_linear.processor_vendor
     precision_linear.processor_vendor = lambda: "GenuineIntel"  # the option takes oneDNN's on Intel only: time it
     try:                                                          # here whatever the processor
-        if precision_linear.onednn_int8_available():
+        if with_onednn and precision_linear.onednn_int8_available():
             in_onednn = Int8Rows(weight, kernel=False)
             kernels["int8 rows, oneDNN"] = lambda x: in_library(x, in_onednn, 1)
     finally:
@@ -88,9 +89,8 @@ def decoder_step_products():
     weights = [torch.randn(out_features, in_features) / in_features ** 0.5 for out_features, in_features in STEP_SHAPES]
     steps = {"float32": [lambda x, w=w: F.linear(x, w) for w in weights]}
     for weight in weights:
-        for name, call in int8_kernels(weight).items():
-            if "oneDNN" not in name:  # oneDNN's at one row is slower than fbgemm's wherever measured
-                steps.setdefault(name, []).append(call)
+        for name, call in int8_kernels(weight, with_onednn=False).items():  # oneDNN's: slower than fbgemm's at
+            steps.setdefault(name, []).append(call)                         # few rows wherever measured
     print("\n| rows | " + " | ".join(f"{name} ms" for name in steps) + " |")
     print("|---|" + "---|" * len(steps))
     for count in (1, 2, 4, 8, 16, 64):

@@ -247,9 +247,8 @@ def linear_forwards(models, common):
     if common.int8_library_kernels and common.quantize != "int8":
         raise ValueError("--int8-library-kernels applies to --quantize int8")
     if common.quantize:
-        precision = "int8-library" if common.int8_library_kernels else str(common.quantize)
-        return [QuantizedLinears(model, precision, common.float32_vocabulary_projection)
-                for model in models]
+        return [QuantizedLinears(model, str(common.quantize), common.float32_vocabulary_projection,
+                                 common.int8_library_kernels) for model in models]
     if common.onednn_linear:
         return [OneDNNLinears(model) for model in models]
     return None

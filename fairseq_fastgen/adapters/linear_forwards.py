@@ -21,7 +21,7 @@ from fairseq.modules import MultiheadAttention
 from fairseq_fastgen.adapters.generate import generate_within, give_attributes
 from fairseq_fastgen.ops.linear_forward import LinearForward
 from fairseq_fastgen.ops.onednn_linear import PackedForward, onednn_available
-from fairseq_fastgen.ops.precision_linear import FORWARDS, precision_refusal
+from fairseq_fastgen.ops.precision_linear import FORWARDS, LibraryInt8Forward, precision_refusal
 
 
 class LinearForwards:
@@ -89,17 +89,20 @@ def output_projections(model: nn.Module):
 
 class QuantizedLinears(LinearForwards):
     """``--quantize int8|bf16``: every linear layer in that precision, the vocabulary projection in float32 with
-    bf16 or ``float32_vocabulary``."""
+    bf16 or ``float32_vocabulary``; ``library_kernels``: int8 through fbgemm's and oneDNN's kernels
+    (``--int8-library-kernels``)."""
 
     attention_through_projections = True
 
-    def __init__(self, model: nn.Module, precision: str, float32_vocabulary: bool = False):
-        refusal = precision_refusal(precision.split("-")[0])
+    def __init__(self, model: nn.Module, precision: str, float32_vocabulary: bool = False,
+                 library_kernels: bool = False):
+        refusal = precision_refusal(precision)
         if refusal:
             raise ValueError(refusal)
         # bfloat16 products give bfloat16 outputs: logits rounded so, candidates a hair apart would tie exactly
         float32_vocabulary = float32_vocabulary or precision == "bf16"
-        super().__init__(model, FORWARDS[precision], output_projections(model) if float32_vocabulary else ())
+        forward_class = LibraryInt8Forward if library_kernels and precision == "int8" else FORWARDS[precision]
+        super().__init__(model, forward_class, output_projections(model) if float32_vocabulary else ())
 
 
 def use_linear_forwards(generator, linears):

@@ -32,7 +32,7 @@ class Int8Linear:
 
     def __init__(self, weight: Tensor, bias=None):
         self.rows = Int8Rows(weight)
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach()
 
     def __call__(self, x: Tensor) -> Tensor:
         """x: (..., in) float -> (..., out) float."""

@@ -94,6 +94,9 @@ class KernelRows:
     """A weight's int8 rows in the kernel's layout: ``self(x, bias)`` is the product of x (rows, in) float32."""
 
     def __init__(self, integers: Tensor, scales: Tensor):
+        if not available():  # builds and loads the op on first use in this process
+            raise RuntimeError("the plugin's int8 kernel does not run here: " + (processor_refusal() or "its build "
+                               "failed (see the warning above)"))
         self.out_features = integers.size(0)
         self.packed, self.offsets = pack_rows(integers)
         self.scales = torch.zeros(self.offsets.numel())  # (out_padded,) float32

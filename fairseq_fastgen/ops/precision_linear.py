@@ -117,7 +117,7 @@ class Int8Rows:
         self.scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
         integers = torch.round(weight / self.scales.unsqueeze(1)).to(torch.int8)  # (out, in)
         if kernel is None:
-            kernel = INPUT_LEVELS == 127 and int8_kernel.available()
+            kernel = int8_kernel.available()
         self.kernel = int8_kernel.KernelRows(integers, self.scales) if kernel else None
         self.fbgemm = self.onednn = self.integers = None
         if self.kernel is not None:
@@ -138,7 +138,7 @@ class Int8Rows:
         """x (..., in) float32 -> (..., out) float32, each row rounded on a scale of its own; bias (out,) or None."""
         rows = x.reshape(-1, x.size(-1))  # (rows, in)
         if self.kernel is not None:
-            out = self.kernel(rows, None if bias is None else bias.detach().float().contiguous())
+            out = self.kernel(rows, None if bias is None else bias.detach())
             return out.view(*x.shape[:-1], self.out_features)
         # (rows, 1); abs().amax: torch's infinity norm over rows is much slower at many rows
         input_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30).div_(INPUT_LEVELS)
@@ -213,4 +213,4 @@ class BFloat16Forward(LinearForward):
         return bf16_linear(x, packed, bias)
 
 
-FORWARDS = {"int8": Int8Forward, "int8-library": LibraryInt8Forward, "bf16": BFloat16Forward}
+FORWARDS = {"int8": Int8Forward, "bf16": BFloat16Forward}
