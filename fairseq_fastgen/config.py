@@ -111,12 +111,17 @@ class PluginOptions(FairseqDataclass):
     )
     reuse_large_allocations: bool = field(
         default=False,
-        metadata={"help": "keep buffers up to 1 GiB in the process's heap (glibc mallopt) instead of fresh pages "
-                          "from the kernel: glibc maps every buffer above 32 MiB anew, and each of its pages "
-                          "faults on first touch, which costs most where a step fills buffers that large (the "
-                          "(320, 32k) logits of beam 5, batch 64 over a 32k vocabulary); the same outputs; the "
-                          "setting holds for the rest of the process, whose freed memory then stays with it "
-                          "(every decoder)"},
+        metadata={"help": "the default (see --no-reuse-large-allocations); accepted so that command lines that name "
+                          "it keep running"},
+    )
+    no_reuse_large_allocations: bool = field(
+        default=False,
+        metadata={"help": "leave glibc's malloc settings as they are. By default, once a generator is built, the "
+                          "process keeps buffers up to 1 GiB in its heap (glibc mallopt) instead of taking fresh "
+                          "pages from the kernel for every buffer above 32 MiB, each of whose pages faults on first "
+                          "touch: the (320, 32k) logits and log-probabilities of beam 5 at batch 64 over a 32k "
+                          "vocabulary, a base model's cache reorders. The same outputs and peak memory; freed memory "
+                          "stays with the process for the rest of its life (every decoder)"},
     )
     no_inference_mode: bool = field(
         default=False,

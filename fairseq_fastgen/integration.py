@@ -27,8 +27,9 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    model, encoder and prompt caches shared by the beams unless
    ``--no-shared-encoder-cache``).  For every decoder, ``--onednn-linear`` routes the
    model's linear layers through oneDNN while that generator generates
-   (:mod:`fairseq_fastgen.adapters.linear_forwards`), and ``--reuse-large-allocations``
-   sets the process's malloc thresholds (:mod:`fairseq_fastgen.ops.heap`).
+   (:mod:`fairseq_fastgen.adapters.linear_forwards`), and, unless
+   ``--no-reuse-large-allocations``, the process's malloc thresholds are raised
+   (:mod:`fairseq_fastgen.ops.heap`).
    Every generator generates under ``torch.inference_mode`` unless
    ``--no-inference-mode`` (:mod:`fairseq_fastgen.adapters.inference_mode`).
 4. ``data_utils.batch_by_size``: fairseq drops the last batch when its size is
@@ -225,8 +226,10 @@ def _install_build_generator():
         linears = linear_forwards(models, common)
         if linears:
             use_linear_forwards(generator, linears)  # every decoder
-        if common.reuse_large_allocations:
-            heap.reuse_large_allocations()  # the process's malloc settings
+        if common.reuse_large_allocations and common.no_reuse_large_allocations:
+            raise ValueError("--reuse-large-allocations (the default) and --no-reuse-large-allocations: choose one")
+        if not common.no_reuse_large_allocations:
+            heap.reuse_large_allocations()  # the process's malloc settings, for the rest of the process
         if not common.no_inference_mode:
             generate_in_inference_mode(generator)  # every decoder
         give_attributes(generator, fastgen_decoder=entry.name)

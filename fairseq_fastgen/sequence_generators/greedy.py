@@ -52,6 +52,9 @@ class GreedyPolicy:
             state.select((~finished).nonzero().squeeze(1))
 
 
+OWN_FIRST_STEP_ROWS = 8  # JoinedGreedyPolicy: a group of fewer sources takes its first step with the running rows
+
+
 class JoinedGreedyPolicy:
     """greedy-stream with ``--stream-join-lengths``: a refill's rows join the running ones whatever their
     lengths, and every row takes its step in one model call, each at its own position (the runner's
@@ -72,8 +75,14 @@ class JoinedGreedyPolicy:
         """The sources encoded ahead (``EncodedAhead``) take their first step, at their bos, together in one
         model call (a refill's row would otherwise spend a running call's row on it): each row then takes a
         finished row's place with its first token.  A row whose first token is eos is answered now and waits
-        as a padding row, which no refill takes."""
+        as a padding row, which no refill takes.  A group of fewer than ``OWN_FIRST_STEP_ROWS`` sources (what
+        arrived at a live stream: a server's or fairseq-interactive's) only gets its encoder-decoder keys/values:
+        its rows join at their bos and take their first step in the running rows' next call, where a call of
+        their own would cost about what a whole step of the running rows costs."""
         state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)  # at most max_len tokens and eos
+        if state.rows < OWN_FIRST_STEP_ROWS:
+            state.runner.start_cache(state.cache, state.encoder_out)
+            return state
         self.advance(state, ctx)  # (the step starts the cache: the group's encoder keys/values at once)
         return state
 

@@ -62,7 +62,8 @@ def add_server_options(parser: argparse.ArgumentParser):
     group.add_argument("--peer", choices=("ctranslate2",), default=None,
                        help="for the serving benchmark: CTranslate2 decodes the fixed batches (--batching fixed, "
                             "--decoder greedy or beam; the checkpoint converted once, cached) behind the same server, "
-                            "queue, batching and text processing")
+                            "queue, batching and text processing, in the precision --quantize names (int8, "
+                            "bfloat16; else float32)")
     ray = parser.add_argument_group("fastgen-serve on Ray Serve", "N replicas of the server as one Ray Serve "
                                     "deployment (needs the extra: pip install 'fairseq_fastgen[ray]')")
     ray.add_argument("--ray-replicas", type=int, default=0,

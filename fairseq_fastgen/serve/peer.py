@@ -9,6 +9,8 @@ CTranslate2 has no way to let sentences join a batch that is decoding, so it run
 ``generate``): it hands the batch's source symbols to ``translate_batch`` with fairseq's search options (beam,
 length penalty, minimum and maximum length, n-gram banning, ``--nbest``) and returns fairseq's hypotheses; a
 hypothesis's ``score`` is CTranslate2's (its log-probability under CTranslate2's length normalization).
+CTranslate2 computes in the precision matching ``--quantize`` (``int8``, ``bfloat16``), else the converted model's
+float32.
 """
 
 from typing import Dict, List
@@ -18,6 +20,9 @@ import torch
 from fairseq_fastgen.ctranslate2_model import (CONVERSION_ERRORS, convert, decoding_length_cap, import_ctranslate2,
                                                source_symbols)
 from fairseq_fastgen.option_checks import UsageError
+
+
+COMPUTE_TYPES = {"int8": "int8", "bf16": "bfloat16"}  # --quantize -> CTranslate2's compute_type
 
 
 class CTranslate2Generator:
@@ -35,7 +40,8 @@ class CTranslate2Generator:
                                 getattr(task, "source_lang", None), getattr(task, "target_lang", None))
         except CONVERSION_ERRORS as error:
             raise UsageError(f"--peer ctranslate2 could not convert {cfg.common_eval.path}: {error}") from None
-        self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type="default",
+        self.compute_type = COMPUTE_TYPES.get(getattr(generation, "quantize", None), "default")
+        self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=self.compute_type,
                                                  intra_threads=torch.get_num_threads())
         self.src_dict, self.tgt_dict = translator.src_dict, translator.tgt_dict
         self.max_positions = min(model.max_decoder_positions() for model in translator.models)

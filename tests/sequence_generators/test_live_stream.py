@@ -79,6 +79,24 @@ def test_live_stream_answers_each_call_as_one_static_batch(toy, decoder, options
     assert generator.counters.counts["refills"] >= 10
 
 
+def test_live_arrivals_take_their_first_step_in_the_running_call(toy):
+    """greedy-stream on a step engine (rows joined at any length): the few sentences that arrive at a refill get
+    no model call of their own for their first step, they join the running rows' next call at their bos; the
+    tokens stay greedy's."""
+    ids = list(range(TEST_SENTENCES))[:60]
+    greedy = toy.translate(toy.generator(decoder="greedy", beam=1), ids)
+    generator = toy.generator(decoder="greedy-stream", beam=1, stream_capacity=64, step_engine="static")
+    answers, script = live_answers(toy, generator, ids)
+
+    for sentence in ids:
+        want, got = greedy[sentence][0], answers[sentence][0]
+        assert torch.equal(got["tokens"], want["tokens"]), sentence
+        assert torch.allclose(got["positional_scores"], want["positional_scores"], atol=1e-5, rtol=0), sentence
+    counts = generator.counters.counts
+    assert counts["refills"] >= 10 and script.most_ahead >= 2
+    assert counts["model_calls"] == counts["iterations"]  # every call a running step: none for a group's start
+
+
 def test_live_blockwise_stream_gives_blockwise_outputs(loaded):  # noqa: F811
     model, task = loaded(2)
     dataset = task.dataset("test")

@@ -14,7 +14,9 @@ from tests.serve.test_app import client_requests, random_batches
 ctranslate2 = pytest.importorskip("ctranslate2", reason="CTranslate2 is not installed")
 
 
-def test_ctranslate2_behind_the_server_answers_its_own_translations(toy_model, plugin_dir, tmp_path, sources):
+@pytest.mark.parametrize("precision, compute_type", [((), "default"), (("--quantize", "int8"), "int8")])
+def test_ctranslate2_behind_the_server_answers_its_own_translations(toy_model, plugin_dir, tmp_path, sources, precision,
+                                                                    compute_type):
     from fairseq.data import Dictionary
 
     from fairseq_fastgen.ctranslate2_model import convert
@@ -23,7 +25,8 @@ def test_ctranslate2_behind_the_server_answers_its_own_translations(toy_model, p
     known = [s for s in sources if all(source_words.index(w) != source_words.unk() for w in s.split())]
     assert len(known) >= 16
     translator = ctranslate2.Translator(str(convert(ctranslate2, str(toy_model.checkpoint), str(toy_model.data_bin),
-                                                    "en", "fr")), device="cpu", intra_threads=1)
+                                                    "en", "fr")), device="cpu", intra_threads=1,
+                                       compute_type=compute_type)
     from fairseq import checkpoint_utils
 
     positions = checkpoint_utils.load_checkpoint_to_cpu(str(toy_model.checkpoint))["cfg"].model.max_target_positions
@@ -31,7 +34,7 @@ def test_ctranslate2_behind_the_server_answers_its_own_translations(toy_model, p
         [s.split() for s in known], beam_size=1, max_decoding_length=positions - 1))}  # fairseq's cap, as the server
 
     server = Server(toy_model, plugin_dir, tmp_path, "--decoder", "greedy", "--beam", "1", "--batching", "fixed",
-                    "--fixed-batch-size", "8", "--peer", "ctranslate2")
+                    "--fixed-batch-size", "8", "--peer", "ctranslate2", *precision)
     try:
         async def run():
             clients = [client_requests(server.url, random_batches(known, 700 + seed)) for seed in range(8)]
