@@ -14,11 +14,10 @@ def sources(toy_model):
     return (toy_model.raw / "test.en").read_text().split("\n")[:SENTENCES]
 
 
-@pytest.fixture(scope="session")
-def offline(toy_model, plugin_dir, sources):
-    """fairseq-interactive's answers with greedy-stream: source text -> (D- text, H- text, score)."""
+def interactive_answers(toy_model, plugin_dir, sources, *options):
+    """fairseq-interactive's answers with greedy-stream (and ``options``): source text -> (D- text, H- text, score)."""
     command = fairseq_command("interactive") + model_options(toy_model, plugin_dir) + [
-        "--decoder", "greedy-stream", "--beam", "1", "--buffer-size", "16", "--batch-size", "8"]
+        "--decoder", "greedy-stream", "--beam", "1", "--buffer-size", "16", "--batch-size", "8", *options]
     completed = subprocess.run(command, input="\n".join(sources) + "\n", capture_output=True, text=True,
                                env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600)
     assert completed.returncode == 0, completed.stderr[-2000:]
@@ -28,6 +27,12 @@ def offline(toy_model, plugin_dir, sources):
         answers[sources[int(sentence)]] = (text, hypotheses[sentence], float(score))
     assert len(answers) == len(set(sources))
     return answers
+
+
+@pytest.fixture(scope="session")
+def offline(toy_model, plugin_dir, sources):
+    """fairseq-interactive's answers with greedy-stream: source text -> (D- text, H- text, score)."""
+    return interactive_answers(toy_model, plugin_dir, sources)
 
 
 @pytest.fixture(scope="module")

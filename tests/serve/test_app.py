@@ -14,6 +14,8 @@ from urllib.parse import urlparse
 import aiohttp
 import pytest
 
+from fairseq_fastgen.ops.precision_linear import precision_refusal
+from tests.serve.conftest import interactive_answers
 from tests.serve.servers import Server, error_line, metric_values
 
 CLIENTS = 16
@@ -89,6 +91,34 @@ def test_concurrent_clients_get_fairseq_interactive_answers(server, sources, off
     assert values["fastgen_serve_batch_sentences"] == 0 and values["fastgen_serve_queue_sentences"] == 0
     assert values['fastgen_serve_requests_total{code="200"}'] >= CLIENTS * 3
     assert values["fastgen_serve_request_seconds_count"] >= CLIENTS * 3
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_reduced_precision_server_gives_interactive_answers(toy_model, plugin_dir, tmp_path, sources, offline,
+                                                           precision):
+    """--quantize behind the server: every answer is fairseq-interactive's under the same --quantize.  bf16 rounds
+    every product of the toy model (its scores move off float32's: the option reached the server's model); int8
+    keeps the toy's weights, all below the size where int8 pays, in float32, so there the option only has to be
+    taken and give interactive's answers."""
+    refusal = precision_refusal(precision)
+    if refusal:
+        pytest.skip(refusal)
+    reduced = interactive_answers(toy_model, plugin_dir, sources, "--quantize", precision)
+    if precision == "bf16":
+        assert max(abs(reduced[s][2] - offline[s][2]) for s in sources) > 1e-3
+    server = Server(toy_model, plugin_dir, tmp_path, "--decoder", "greedy-stream", "--beam", "1", "--batch-size", "8",
+                    "--quantize", precision)
+    try:
+        async def run():
+            clients = [client_requests(server.url, random_batches(sources, 300 + seed)) for seed in range(8)]
+            return [answer for answers in await asyncio.gather(*clients) for answer in answers]
+
+        answers = asyncio.run(run())
+    finally:
+        status, _ = server.stop()
+    assert status == 0, server.log()[-3000:]
+    assert len(answers) == 8 * 3
+    assert_offline_answers(answers, reduced)
 
 
 def test_streamed_answers_end_with_the_translation(server, sources, offline):
