@@ -6,6 +6,8 @@
 2. The 49 products of one base-size decoder step (6 layers of 6 attention products of 512 x 512, FFN 2048 x 512 and
    512 x 2048, the 32003 x 512 vocabulary projection), each weight of its own, so that they come from memory as in
    decoding: median milliseconds for the step's products, float32 against int8 rows in each kernel.
+3. What ``--quantize int8`` adds to loading: the time to round and pack every linear weight of a base model (the
+   encoder's 36, the decoder's 60 with the vocabulary projection), as it happens on first use, through each kernel.
 
     .venv/bin/python benchmarks/precision_products.py
 """
@@ -105,11 +107,31 @@ def decoder_step_products():
         print(f"| {count} | " + " | ".join(f"{1e3 * statistics.median(t[1:]):,.2f}" for t in times.values()) + " |")
 
 
+MODEL_SHAPES = [(512, 512)] * 4 * 6 + [(2048, 512), (512, 2048)] * 6 + STEP_SHAPES + [(512, 512)] * 2 * 6
+
+
+def quantizing_time():
+    """Seconds to make the int8 rows of every linear weight of a base model (MODEL_SHAPES), per kernel."""
+    weights = [torch.randn(out_features, in_features) / in_features ** 0.5 for out_features, in_features in MODEL_SHAPES]
+    entries = sum(w.numel() for w in weights)
+    kernels = {"plugin's kernel": True, "fbgemm / oneDNN": False} if int8_kernel.available() else {"fbgemm / oneDNN": False}
+    for name, kernel in kernels.items():
+        seconds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for weight in weights:
+                Int8Rows(weight, kernel=kernel)
+            seconds.append(time.perf_counter() - start)
+        print(f"quantizing a base model's {len(weights)} linear weights ({entries / 1e6:.1f}M entries), "
+              f"{name}: {1e3 * statistics.median(seconds):,.0f} ms")
+
+
 def main():
     torch.set_num_threads(1)
     with torch.inference_mode():
         one_product()
         decoder_step_products()
+        quantizing_time()
 
 
 if __name__ == "__main__":
