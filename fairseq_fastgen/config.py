@@ -120,8 +120,8 @@ class PluginOptions(FairseqDataclass):
                           "process keeps buffers up to 1 GiB in its heap (glibc mallopt) instead of taking fresh "
                           "pages from the kernel for every buffer above 32 MiB, each of whose pages faults on first "
                           "touch: the (320, 32k) logits and log-probabilities of beam 5 at batch 64 over a 32k "
-                          "vocabulary, a base model's cache reorders. The same outputs and peak memory; freed memory "
-                          "stays with the process for the rest of its life (every decoder)"},
+                          "vocabulary, a base model's cache reorders. The same outputs, about the same peak memory; "
+                          "freed memory stays with the process for the rest of its life (every decoder)"},
     )
     no_inference_mode: bool = field(
         default=False,
