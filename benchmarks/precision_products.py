@@ -87,8 +87,13 @@ def one_product():
             print(f"| {out_features} x {in_features} | {count} | " + " | ".join(f"{t:,.0f}" if t < float("inf") else f"> {TOO_SLOW_S:g} s" for t in times) + " |")
 
 
+def random_weights(shapes):
+    """A weight of each (out, in) shape, entries of the scale a trained layer's have."""
+    return [torch.randn(out_features, in_features) / in_features ** 0.5 for out_features, in_features in shapes]
+
+
 def decoder_step_products():
-    weights = [torch.randn(out_features, in_features) / in_features ** 0.5 for out_features, in_features in STEP_SHAPES]
+    weights = random_weights(STEP_SHAPES)
     steps = {"float32": [lambda x, w=w: F.linear(x, w) for w in weights]}
     for weight in weights:
         for name, call in int8_kernels(weight, with_onednn=False).items():  # oneDNN's: slower than fbgemm's at
@@ -112,9 +117,10 @@ MODEL_SHAPES = [(512, 512)] * 4 * 6 + [(2048, 512), (512, 2048)] * 6 + STEP_SHAP
 
 def quantizing_time():
     """Seconds to make the int8 rows of every linear weight of a base model (MODEL_SHAPES), per kernel."""
-    weights = [torch.randn(out_features, in_features) / in_features ** 0.5 for out_features, in_features in MODEL_SHAPES]
+    weights = random_weights(MODEL_SHAPES)
     entries = sum(w.numel() for w in weights)
-    kernels = {"plugin's kernel": True, "fbgemm / oneDNN": False} if int8_kernel.available() else {"fbgemm / oneDNN": False}
+    kernels = {"plugin's kernel": True} if int8_kernel.available() else {}
+    kernels["fbgemm / oneDNN"] = False
     for name, kernel in kernels.items():
         seconds = []
         for _ in range(3):

@@ -36,6 +36,9 @@ def convert(ctranslate2, checkpoint: str, data_dir: str, source_lang=None, targe
     return cached_build("ctranslate2", key, build)
 
 
+QUANTIZE_COMPUTE_TYPES = {"int8": "int8", "bf16": "bfloat16"}  # --quantize -> CTranslate2's compute_type
+
+
 def source_symbols(src_tokens, src_dict) -> List[List[str]]:
     """A fairseq batch's sources (``src_tokens`` (sentences, source length), eos included) as the symbol lists
     CTranslate2 takes: pad and eos left out."""

@@ -18,8 +18,8 @@ from fairseq import utils
 
 from fairseq_fastgen.bench.measure import Candidate
 from fairseq_fastgen.option_checks import UsageError
-from fairseq_fastgen.ctranslate2_model import (CONVERSION_ERRORS, convert, decoding_length_cap, import_ctranslate2,
-                                               source_symbols)
+from fairseq_fastgen.ctranslate2_model import (CONVERSION_ERRORS, QUANTIZE_COMPUTE_TYPES, convert, decoding_length_cap,
+                                               import_ctranslate2, source_symbols)
 
 logger = logging.getLogger("fastgen_bench")
 
@@ -48,7 +48,7 @@ def matching_compute_type(cfg) -> str:
     """CTranslate2's compute_type in the precision the decoders compute in (--quantize, --fp16)."""
     quantize = getattr(cfg.generation, "quantize", None)
     if quantize:
-        return {"int8": "int8", "bf16": "bfloat16"}[str(quantize)]
+        return QUANTIZE_COMPUTE_TYPES[str(quantize)]
     return "float16" if cfg.common.fp16 else "default"
 
 

@@ -17,12 +17,9 @@ from typing import Dict, List
 
 import torch
 
-from fairseq_fastgen.ctranslate2_model import (CONVERSION_ERRORS, convert, decoding_length_cap, import_ctranslate2,
-                                               source_symbols)
+from fairseq_fastgen.ctranslate2_model import (CONVERSION_ERRORS, QUANTIZE_COMPUTE_TYPES, convert, decoding_length_cap,
+                                               import_ctranslate2, source_symbols)
 from fairseq_fastgen.option_checks import UsageError
-
-
-COMPUTE_TYPES = {"int8": "int8", "bf16": "bfloat16"}  # --quantize -> CTranslate2's compute_type
 
 
 class CTranslate2Generator:
@@ -40,8 +37,8 @@ class CTranslate2Generator:
                                 getattr(task, "source_lang", None), getattr(task, "target_lang", None))
         except CONVERSION_ERRORS as error:
             raise UsageError(f"--peer ctranslate2 could not convert {cfg.common_eval.path}: {error}") from None
-        self.compute_type = COMPUTE_TYPES.get(getattr(generation, "quantize", None), "default")
-        self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=self.compute_type,
+        compute_type = QUANTIZE_COMPUTE_TYPES.get(str(getattr(generation, "quantize", None)), "default")
+        self.translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type,
                                                  intra_threads=torch.get_num_threads())
         self.src_dict, self.tgt_dict = translator.src_dict, translator.tgt_dict
         self.max_positions = min(model.max_decoder_positions() for model in translator.models)

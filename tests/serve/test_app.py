@@ -49,6 +49,21 @@ def random_batches(sources, seed, requests=3, most=5):
     return [rng.sample(sources, rng.randint(1, most)) for _ in range(requests)]
 
 
+def answers_then_stop(server, sources, first_seed, clients=8):
+    """``clients`` concurrent clients' requests (``random_batches`` of ``sources``, seeds from ``first_seed``), then
+    the server stopped (SIGTERM): the answers and the server's exit status."""
+    try:
+        async def run():
+            requests = [client_requests(server.url, random_batches(sources, first_seed + seed))
+                        for seed in range(clients)]
+            return [answer for answers in await asyncio.gather(*requests) for answer in answers]
+
+        answers = asyncio.run(run())
+    finally:
+        status, _ = server.stop()
+    return answers, status
+
+
 def assert_offline_answers(answers, offline):
     """Each 200 answer holds one translation per sentence, in order, fairseq-interactive's D- and H- text (the
     tokens: greedy's) and its score within float rounding (the sentences beside it differ)."""
@@ -108,14 +123,7 @@ def test_reduced_precision_server_gives_interactive_answers(toy_model, plugin_di
         assert max(abs(reduced[s][2] - offline[s][2]) for s in sources) > 1e-3
     server = Server(toy_model, plugin_dir, tmp_path, "--decoder", "greedy-stream", "--beam", "1", "--batch-size", "8",
                     "--quantize", precision)
-    try:
-        async def run():
-            clients = [client_requests(server.url, random_batches(sources, 300 + seed)) for seed in range(8)]
-            return [answer for answers in await asyncio.gather(*clients) for answer in answers]
-
-        answers = asyncio.run(run())
-    finally:
-        status, _ = server.stop()
+    answers, status = answers_then_stop(server, sources, 300)
     assert status == 0, server.log()[-3000:]
     assert len(answers) == 8 * 3
     assert_offline_answers(answers, reduced)

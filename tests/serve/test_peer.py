@@ -2,14 +2,13 @@
 CTranslate2, and each answer is CTranslate2's own translation of that sentence (its greedy search on the same
 converted checkpoint, called here directly)."""
 
-import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
 from tests.serve.servers import Server
-from tests.serve.test_app import client_requests, random_batches
+from tests.serve.test_app import answers_then_stop
 
 ctranslate2 = pytest.importorskip("ctranslate2", reason="CTranslate2 is not installed")
 
@@ -35,14 +34,7 @@ def test_ctranslate2_behind_the_server_answers_its_own_translations(toy_model, p
 
     server = Server(toy_model, plugin_dir, tmp_path, "--decoder", "greedy", "--beam", "1", "--batching", "fixed",
                     "--fixed-batch-size", "8", "--peer", "ctranslate2", *precision)
-    try:
-        async def run():
-            clients = [client_requests(server.url, random_batches(known, 700 + seed)) for seed in range(8)]
-            return [answer for answers in await asyncio.gather(*clients) for answer in answers]
-
-        answers = asyncio.run(run())
-    finally:
-        status, _ = server.stop()
+    answers, status = answers_then_stop(server, known, 700)
     assert status == 0, server.log()[-3000:]
     assert len(answers) == 8 * 3
     for sentences, status, body in answers:
