@@ -96,8 +96,9 @@ class PluginOptions(FairseqDataclass):
                           "'bf16' (bfloat16 products summed in float32, their outputs bfloat16, the vocabulary "
                           "projection float32; processors with AVX-512 BF16 or AMX); "
                           "attention, norms and softmaxes stay float32; scores and a few tokens differ from "
-                          "float32's (docs/benchmarks.md, Precision); runs on --step-engine static (compiled "
-                          "falls back to it) and fairseq (every decoder)"},
+                          "float32's (docs/benchmarks.md, Precision); every decoder on --step-engine static "
+                          "and fairseq; on compiled, int8 runs in its units (their int8 rows compiled in and kept "
+                          "on disk with them), bf16 falls back to static"},
     )
     float32_vocabulary_projection: bool = field(
         default=False,

@@ -45,7 +45,7 @@ from fairseq_fastgen.engine.encoder_pass import EncoderPass
 from fairseq_fastgen.engine.loaded_package import load_package
 
 COMPILED_DIR_ENV = "FASTGEN_COMPILED_DIR"
-ENGINE_SOURCES = ("decoder_step.py", "compiled_step.py", "fused_weights.py", "aot_step.py")
+ENGINE_SOURCES = ("decoder_step.py", "compiled_step.py", "fused_weights.py", "int8_weights.py", "aot_step.py")
 
 
 def compiled_dir() -> Path:

@@ -9,12 +9,25 @@ from fairseq_fastgen.engine.compiled import CompiledRunner
 from fairseq_fastgen.engine.decoder_step import unsupported_reason
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from fairseq_fastgen.engine.runners import StaticRunner
+from fairseq_fastgen.ops import int8_kernel
 
 ENGINES = ("fairseq", "static", "compiled")
 logger = logging.getLogger("fairseq_fastgen.engine")
 
 
 _quantized_fallback_named = []  # the line saying compiled falls back under --quantize: once per process
+
+
+def compiled_int8_refusal(options: PluginOptions) -> Optional[str]:
+    """Why ``--step-engine compiled`` cannot compute ``--quantize``'s products in its units (it then falls back to
+    ``static``), or None: its units compute int8 through the plugin's kernel (``int8_weights.py``)."""
+    if options.quantize != "int8":
+        return f"its units compute in float32 or int8: --quantize {options.quantize}"
+    if options.int8_library_kernels:
+        return "its units compute int8 through the plugin's kernel: --int8-library-kernels"
+    if not int8_kernel.available():
+        return "its units compute int8 through the plugin's kernel, which does not run here"
+    return None
 
 
 def cache_capacity(max_len) -> int:
@@ -33,10 +46,12 @@ def engine_setting(options: PluginOptions) -> str:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} applies to --step-engine compiled; got --step-engine {engine}")
     if engine == "compiled" and options.quantize:
+        refusal = compiled_int8_refusal(options)
+        if refusal is None:
+            return engine
         if not _quantized_fallback_named:
             _quantized_fallback_named.append(True)
-            logger.warning(f"--step-engine compiled computes its units in float32: --quantize {options.quantize} "
-                           f"runs on --step-engine static")
+            logger.warning(f"--step-engine compiled: {refusal}; runs on --step-engine static")
         return "static"
     return engine
 
@@ -62,18 +77,27 @@ def build_runner(model, options: PluginOptions, temperature: float, projection):
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         engine = "fairseq"
     return make_runner(engine, model, temperature, projection, options.compiled_freezing,
-                       background=options.compile_in_background, blocks_by_position=options.quantize == "int8")
+                       background=options.compile_in_background, blocks_by_position=options.quantize == "int8",
+                       int8=compiled_int8(options))
+
+
+def compiled_int8(options: PluginOptions) -> Optional[str]:
+    """What the compiled engine's units compute in int8 under ``options``: "all" the linear layers, "layers" (the
+    vocabulary projection in float32: --float32-vocabulary-projection), or None (float32)."""
+    if options.quantize != "int8" or compiled_int8_refusal(options) is not None:
+        return None
+    return "layers" if options.float32_vocabulary_projection else "all"
 
 
 def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1,
-                background: bool = False, blocks_by_position: bool = False):
+                background: bool = False, blocks_by_position: bool = False, int8: Optional[str] = None):
     """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job);
     ``beams``: the rows of a sentence in fairseq's beam search (sharing their encoder-decoder keys);
     ``freezing``, ``background``: --compiled-freezing, --compile-in-background;
     ``blocks_by_position``: the static engine's blocks attend position by position (--quantize int8:
-    ``DecoderStep``'s exact form)."""
+    ``DecoderStep``'s exact form); ``int8``: what the compiled engine computes in int8 (``compiled_int8``)."""
     if engine == "static":
         return StaticRunner(model, temperature, projection, blocks_by_position, beams)
     if engine == "compiled":
-        return CompiledRunner(model, temperature, projection, freezing, beams, background)
+        return CompiledRunner(model, temperature, projection, freezing, beams, background, int8)
     return ModelRunner(model, temperature, projection, beams)

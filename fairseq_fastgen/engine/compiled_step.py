@@ -55,8 +55,12 @@ class PaddedStep(nn.Module):
 
     def log_softmax(self, features: Tensor, fused: FusedWeights) -> Tensor:
         """Log-probabilities (rows, n, vocab) of features (rows, n, dim): the model's projection (its weight
-        transposed), the temperature, log-softmax."""
-        if fused.output_t is not None:
+        transposed, or its int8 rows under --quantize int8), the temperature, log-softmax."""
+        step = self.decoder_step
+        int8_rows = None if step.int8 is None else step.int8.layer("output_projection")
+        if fused.output_t is not None and int8_rows is not None:
+            logits = int8_rows(features)  # (rows, n, vocab)
+        elif fused.output_t is not None:
             logits = features.matmul(fused.output_t)  # (rows, n, vocab)
         else:
             logits = self.decoder_step.decoder.output_layer(features)

@@ -38,10 +38,13 @@ class CompiledUnits:
     compilation for every bucket (CUDA); ``eager_products``: the context of eager work's products."""
 
     def __init__(self, step: PaddedStep, encoder_pass, max_rows: int, freezing: bool, packages: bool,
-                 symbolic: bool, background: bool, eager_products):
+                 symbolic: bool, background: bool, eager_products, int8_weights=None):
         self.step, self.encoder_pass, self.max_rows = step, encoder_pass, max_rows
         self.freezing, self.packages, self.symbolic = freezing, packages, symbolic
         self.compile_in_background, self.eager_products = background, eager_products
+        # --quantize int8: fused weights -> the decoder's int8 rows (int8_weights.Int8Weights), which every unit
+        # holds as constants; a bucket whose unit cannot be built runs eager (not through torch.compile)
+        self.int8_weights = int8_weights
         self.packaged: Dict[object, object] = {}  # key -> unit compiled ahead of time, or None (eager)
         self.compiled_now: set = set()  # keys of the units compiled in this process (the others were loaded)
         self.background = None  # (key, what, aot_step.BackgroundCompilation) of the unit being compiled, or None
@@ -63,7 +66,8 @@ class CompiledUnits:
             unit = self.package_unit(bucket, 1, 1, capacity)
             if unit is not None:
                 return unit
-            if bucket not in self.packaged:  # compiled in the background
+            # compiled in the background; under int8 also where it could not be built (no torch.compile of int8)
+            if bucket not in self.packaged or self.int8_weights is not None:
                 return lambda *inputs: self.eager_padded(inputs, fused)
         return lambda *inputs: self.bucket_call(inputs, fused)
 
@@ -107,6 +111,8 @@ class CompiledUnits:
         self.decoder_signature, self.background = signature, None
         self.packaged = {key: unit for key, unit in self.packaged.items() if is_encoder(key)}
         self.step.decoder_step.fused_buffers = FusedBuffers(fused)  # a submodule: its buffers freeze
+        if self.int8_weights is not None:
+            self.step.decoder_step.int8 = self.int8_weights(fused)  # a submodule too
         if self.freezing:
             self._bucket_step, self.compiled_shapes = None, {}
 
@@ -228,7 +234,7 @@ class CompiledUnits:
     def not_built(self, key, what: str, error: Exception):
         self.packaged[key] = None
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        fallback = ("torch.compile compiles it" if isinstance(key, int) else "fairseq's encoder runs" if is_encoder(key)
+        fallback = ("torch.compile compiles it" if isinstance(key, int) and self.int8_weights is None else "fairseq's encoder runs" if is_encoder(key)
                     else "those steps run eager")
         logger.warning(f"--step-engine compiled: {what} could not be compiled ahead of time ({reason}); {fallback}")
         return None

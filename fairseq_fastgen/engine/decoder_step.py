@@ -86,6 +86,19 @@ def attention_unsupported(attention) -> Optional[str]:
     return None
 
 
+def feed_forward(layer, x: Tensor, fc1=None, fc2=None) -> Tensor:
+    """The feed-forward block of a fairseq encoder or decoder layer; ``fc1``/``fc2``: callables in place of the
+    layer's own (the compiled engine's int8 rows)."""
+    residual = x
+    if layer.normalize_before:
+        x = layer.final_layer_norm(x)
+    x = (fc2 or layer.fc2)(layer.activation_fn((fc1 or layer.fc1)(x)))
+    x = layer.residual_connection(x, residual)
+    if not layer.normalize_before:
+        x = layer.final_layer_norm(x)
+    return x
+
+
 def position_table(embed_positions, length: int) -> Optional[Tensor]:
     """Embedding of every position up to ``length`` of a fairseq positional embedding (None: none), (positions,
     dim), indexed as fairseq does (from padding_idx + 1); a sinusoidal table grows as fairseq's own forward
@@ -114,6 +127,9 @@ class DecoderStep(nn.Module):
         attention = decoder.layers[0].self_attn
         self.heads, self.head_dim = attention.num_heads, attention.head_dim
         self.first_head = getattr(decoder, "heads", None)  # transformer_khead: head 1 of its k heads
+        # the compiled engine under --quantize int8: the linear layers' int8 rows (int8_weights.Int8Weights),
+        # which the fast and padded forms compute through; None: each layer's own forward
+        self.int8 = None
 
     @property
     def num_layers(self) -> int:
@@ -129,7 +145,7 @@ class DecoderStep(nn.Module):
         decoder = self.decoder
         x = decoder.embed_scale * decoder.embed_tokens(tokens)  # (rows, n, dim)
         if decoder.project_in_dim is not None:
-            x = decoder.project_in_dim(x)
+            x = self.linear(decoder.project_in_dim, x, "project_in_dim")
         if position_rows is not None:
             x += position_rows
         if decoder.layernorm_embedding is not None:
@@ -144,10 +160,27 @@ class DecoderStep(nn.Module):
             x = decoder.layer_norm(x)
         x = x.transpose(0, 1)
         if decoder.project_out_dim is not None:
-            x = decoder.project_out_dim(x)
+            x = self.linear(decoder.project_out_dim, x, "project_out_dim")
         if first_head and self.first_head is not None:
-            x = self.first_head.first(x)
+            heads = self.first_head
+            if self.int8 is None or heads.identity_first:
+                x = heads.first(x)
+            else:  # head 1 is learned: its layers in int8 too
+                x = heads.learned(x, lambda h: self.linear(heads.fc1, h, "heads.fc1"),
+                                  lambda h: self.linear(heads.fc2, h, "heads.fc2"))[..., 0, :]
         return x
+
+    def linear(self, module: nn.Module, x: Tensor, name: str) -> Tensor:
+        """``module(x)`` for the linear layer ``name`` of the decoder (its name among the decoder's modules):
+        through its int8 rows where ``self.int8`` holds them."""
+        rows = None if self.int8 is None else self.int8.layer(name)
+        return module(x) if rows is None else rows(x)
+
+    def fused_qkv(self, index: int, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """Layer ``index``'s query, key and value projections as one product: x (..., dim) -> (..., 3 * dim),
+        ``weight``/``bias`` the fused float32 ones (``fused_weights.py``), int8 rows where ``self.int8`` holds them."""
+        rows = None if self.int8 is None else self.int8.qkv_layer(index)
+        return F.linear(x, weight, bias) if rows is None else rows(x)
 
     def split_heads(self, x: Tensor) -> Tensor:
         """(length, rows, dim) -> (rows * heads, length, head_dim), fairseq's layout."""
@@ -177,14 +210,14 @@ class DecoderStep(nn.Module):
         attn = None
         for index, layer in enumerate(self.layers):
             x, residual = self.sublayer_input(layer, layer.self_attn_layer_norm, x)
-            x = layer.residual_connection(layer.self_attn.out_proj(self_attention(index, layer.self_attn, x)),
-                                          residual)
+            x = layer.residual_connection(self.linear(layer.self_attn.out_proj, self_attention(index, layer.self_attn, x),
+                                                      f"layers.{index}.self_attn.out_proj"), residual)
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
             last = index == self.num_layers - 1  # its attention weights go into the hypotheses
             x, weights = encoder_attention(index, layer, x, last)
             attn = weights if last else attn
-            x = self.feed_forward(layer, x)
+            x = self.feed_forward(layer, x, index)
         return x, attn
 
     # ---- the exact form -----------------------------------------------------------------------
@@ -302,16 +335,12 @@ class DecoderStep(nn.Module):
         """(rows * heads, n, head_dim) -> (n, rows, dim), fairseq's layout."""
         return x.transpose(0, 1).contiguous().view(x.size(1), rows, self.heads * self.head_dim)
 
-    @staticmethod
-    def feed_forward(layer, x: Tensor) -> Tensor:
-        residual = x
-        if layer.normalize_before:
-            x = layer.final_layer_norm(x)
-        x = layer.fc2(layer.activation_fn(layer.fc1(x)))
-        x = layer.residual_connection(x, residual)
-        if not layer.normalize_before:
-            x = layer.final_layer_norm(x)
-        return x
+    def feed_forward(self, layer, x: Tensor, index: int) -> Tensor:
+        """The feed-forward block of layer ``index``."""
+        if self.int8 is None:
+            return feed_forward(layer, x)
+        return feed_forward(layer, x, lambda h: self.linear(layer.fc1, h, f"layers.{index}.fc1"),
+                            lambda h: self.linear(layer.fc2, h, f"layers.{index}.fc2"))
 
     # ---- the fast form (one position per row, every row at the same length) -------------------------
     def fast(self, last_tokens: Tensor, position_rows, cache, qkv_product) -> Tuple[Tensor, Tensor]:
@@ -338,7 +367,7 @@ class DecoderStep(nn.Module):
             ).view(1, rows, dim)
 
         def encoder_attention(index: int, layer, x: Tensor, need_weights: bool):
-            return self.encoder_attention(layer, x, cache.cross_keys[index], cache.cross_values[index], mask,
+            return self.encoder_attention(index, layer, x, cache.cross_keys[index], cache.cross_values[index], mask,
                                           need_weights)
 
         x, attn = self.layer_loop(x, self_attention, encoder_attention)
@@ -377,7 +406,7 @@ class DecoderStep(nn.Module):
         new_keys, new_values = [], []  # per layer
 
         def self_attention(index: int, attention, x: Tensor) -> Tensor:
-            q, k, v = F.linear(x, qkv_weights[index], qkv_biases[index]).chunk(3, dim=-1)  # (n, rows, dim) each
+            q, k, v = self.fused_qkv(index, x, qkv_weights[index], qkv_biases[index]).chunk(3, dim=-1)  # (n, rows, dim) each
             if n == 1:
                 q = (q * attention.scaling).view(rows, self.heads, 1, self.head_dim)
                 k, v = k.view(rows, self.heads, 1, self.head_dim), v.view(rows, self.heads, 1, self.head_dim)
@@ -390,7 +419,7 @@ class DecoderStep(nn.Module):
             return self.attention_with_new_block(q, self_keys[index], self_values[index], attended, k, v)
 
         def encoder_attention(index: int, layer, x: Tensor, need_weights: bool):
-            return self.encoder_attention(layer, x, cross_keys[index], cross_values[index], cross_mask,
+            return self.encoder_attention(index, layer, x, cross_keys[index], cross_values[index], cross_mask,
                                           need_weights=need_weights, beams=beams)
 
         x, weights = self.layer_loop(x, self_attention, encoder_attention)
@@ -401,7 +430,7 @@ class DecoderStep(nn.Module):
         """(n, rows, dim) -> (rows, heads, n, head_dim)."""
         return x.view(x.size(0), x.size(1), self.heads, self.head_dim).permute(1, 2, 0, 3)
 
-    def encoder_attention(self, layer, x, keys, values, mask, need_weights: bool, beams: int = 1):
+    def encoder_attention(self, index: int, layer, x, keys, values, mask, need_weights: bool, beams: int = 1):
         """The encoder-decoder attention block of the fast and padded forms: x (1, rows, dim) over keys/values
         (rows, heads, src_len, hd), ``mask`` (rows, src_len) True at padding -> x (1, rows, dim) and, with
         ``need_weights``, the attention weights averaged over the heads (rows, 1, src_len), else None.  With
@@ -412,7 +441,7 @@ class DecoderStep(nn.Module):
         if layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
         attention = layer.encoder_attn
-        q = attention.q_proj(x) * attention.scaling
+        q = self.linear(attention.q_proj, x, f"layers.{index}.encoder_attn.q_proj") * attention.scaling
         if n > 1:  # a block of positions per row (no beams): the row's queries
             x, weights = self.masked_attention(self.heads_first(q), keys, values, mask)  # (rows, heads, n, ...)
             x = x.view(rows, n, self.heads * self.head_dim).transpose(0, 1)
@@ -425,7 +454,8 @@ class DecoderStep(nn.Module):
             q, weights = q.view(-1, beams, self.heads, self.head_dim).transpose(1, 2), None
             x = F.scaled_dot_product_attention(q, keys, values, attn_mask=~mask[:, None, None, :], scale=1.0)
             x = x.view(1, rows, self.heads * self.head_dim)
-        x = layer.residual_connection(attention.out_proj(x), residual)
+        x = layer.residual_connection(self.linear(attention.out_proj, x, f"layers.{index}.encoder_attn.out_proj"),
+                                      residual)
         if not layer.normalize_before:
             x = layer.encoder_attn_layer_norm(x)
         return x, weights

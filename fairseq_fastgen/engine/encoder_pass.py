@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from fairseq.models.transformer import TransformerEncoderBase
 from fairseq_fastgen.engine.decoder_step import (
-    DecoderStep, attention_unsupported, embeddings_unsupported, position_table,
+    DecoderStep, attention_unsupported, embeddings_unsupported, feed_forward, position_table,
 )
 
 
@@ -73,7 +73,7 @@ class EncoderPass(nn.Module):
             x = layer.residual_connection(self.self_attention(layer.self_attn, x, attended), residual)
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
-            x = DecoderStep.feed_forward(layer, x)  # the same block as a decoder layer's
+            x = feed_forward(layer, x)  # the same block as a decoder layer's
         if encoder.layer_norm is not None:
             x = encoder.layer_norm(x)
         return x, padding

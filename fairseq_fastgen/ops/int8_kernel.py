@@ -7,7 +7,8 @@ VNNI) and the scaling in one call and gives the same bits (``tests/ops/test_int8
 
 The C++ source is compiled by torch's extension builder (ninja, the system's C++ compiler) on first use into
 ``$FASTGEN_CACHE/int8-kernel-<key>`` (the key: the source, torch's version and the flags), then loaded from there;
-its op is ``torch.ops.fastgen.int8_rows_linear``.  Where the processor lacks AVX-512 VNNI, or the build fails
+its op is ``torch.ops.fastgen.int8_rows_linear``, with its output's shape registered for tracing, so that the
+compiled engine's units call it (``engine/int8_weights.py``).  Where the processor lacks AVX-512 VNNI, or the build fails
 (one warning line says why), ``available()`` is False and int8 products stay on fbgemm's and oneDNN's kernels
 (``--int8-library-kernels`` asks for those anyway, for comparison).
 """
@@ -74,7 +75,18 @@ def available() -> bool:
         logger.warning("int8 products through fbgemm and oneDNN: the plugin's int8 kernel did not build (%s)",
                        str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__)
         return False
+    register_output_shape()
     return True
+
+
+def register_output_shape():
+    """The op's output for tracing (torch.export, inductor): x (rows, in) -> (rows, out_features) float32."""
+    if torch._C._dispatch_has_kernel_for_dispatch_key("fastgen::int8_rows_linear", "Meta"):
+        return
+
+    @torch.library.register_fake("fastgen::int8_rows_linear")
+    def int8_rows_linear_output(x, packed, weight_scales, offsets, out_features, bias):
+        return x.new_empty(x.size(0), out_features)
 
 
 def pack_rows(integers: Tensor) -> Tuple[Tensor, Tensor]:

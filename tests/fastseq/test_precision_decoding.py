@@ -1,14 +1,13 @@
 """``--quantize int8`` and ``bf16`` in decoding on the toy models: BLEU within 1.0 of float32, and every exactness
 promise held within one precision (greedy is stock beam 1, blockwise's exact mode is greedy, var-stream is var-batch,
-with a cluster file too); the compiled engine falls back to static; the layers detached after generate."""
+with a cluster file too); the layers detached after generate.  The compiled engine in int8:
+test_compiled_int8.py."""
 
 import pytest
 import sacrebleu
 import torch
 from fairseq.dataclass.configs import GenerationConfig
 
-from fairseq_fastgen.config import PluginOptions
-from fairseq_fastgen.engine import engine_setting
 from fairseq_fastgen.ops import int8_kernel, precision_linear
 from fairseq_fastgen.ops.precision_linear import PRECISIONS, precision_refusal
 from fairseq_fastgen.option_checks import UsageError
@@ -117,16 +116,6 @@ def test_var_stream_is_var_batch_within_the_precision(loaded_toy, translate, tmp
         for expected, got in zip(hypotheses, stream[sentence]):
             assert got["tokens"].tolist() == expected["tokens"].tolist(), sentence
             assert torch.equal(got["positional_scores"], expected["positional_scores"]), sentence
-
-
-def test_the_compiled_engine_falls_back_to_static(loaded_toy, translate):
-    precision = next((p for p in PRECISIONS if precision_refusal(p) is None), None)
-    if precision is None:
-        pytest.skip("no reduced-precision products on this CPU")
-    assert engine_setting(PluginOptions(step_engine="compiled", quantize=precision)) == "static"
-    compiled = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, quantize=precision, step_engine="compiled")
-    static = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, quantize=precision)
-    assert best_tokens(compiled) == best_tokens(static)
 
 
 @pytest.mark.parametrize("options, message", [

@@ -1,0 +1,121 @@
+"""``--quantize int8 --step-engine compiled``: the compiled units compute the decoder's linear layers on int8 rows
+they hold as constants (engine/int8_weights.py).  Within int8 the compiled engine keeps its promises (greedy's
+tokens as static int8 gives them, blockwise's exact mode is greedy, var-stream is var-batch); bf16 and
+--int8-library-kernels fall back to static with one line."""
+
+import logging
+
+import pytest
+import torch
+from fairseq.dataclass.configs import GenerationConfig
+
+from fairseq_fastgen.config import PluginOptions
+from fairseq_fastgen.engine import compiled, engine_setting
+from fairseq_fastgen.engine.compiled import CompiledRunner
+from fairseq_fastgen.engine.int8_weights import Int8Layer, Int8Weights
+from fairseq_fastgen.engine.fused_weights import FusedWeightsCache
+from fairseq_fastgen.ops import int8_kernel, precision_linear
+from fairseq_fastgen.ops.onednn_linear import onednn_available
+from fairseq_fastgen.ops.precision_linear import Int8Rows
+from tests.fastseq.test_precision_decoding import best_tokens, decode
+
+pytestmark = [
+    pytest.mark.skipif(not int8_kernel.available(), reason="the plugin's int8 kernel does not run here"),
+    pytest.mark.skipif(not onednn_available(), reason="units are compiled ahead of time with oneDNN only"),
+]
+
+
+@pytest.fixture(autouse=True)
+def every_layer_in_int8(monkeypatch, tmp_path_factory):
+    """The toy's weights are all below the size from which int8 pays: here every layer takes the int8 product;
+    the units of this file are compiled into a folder of their own, one row bucket (1 row) and the step for more
+    rows (each bucket is one more unit to compile, minutes on CI)."""
+    monkeypatch.setattr(precision_linear, "MIN_INT8_WEIGHT", 0)
+    monkeypatch.setattr(compiled, "FROZEN_MAX_ROWS", 1)
+    monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path_factory.getbasetemp() / "compiled-int8"))
+
+
+def runner_of(generator) -> CompiledRunner:
+    runner = getattr(generator, "runner", None) or generator.model.runner  # a stock search holds it in its ensemble
+    assert type(runner) is CompiledRunner
+    return runner
+
+
+def test_the_fused_query_key_value_rows_give_the_three_products_bits(loaded_toy):
+    """Each output row's scale is its own and each input row's depends on the input only: the fused product
+    of a layer's query, key and value rows is bitwise the three int8 products side by side."""
+    decoder = loaded_toy.models[0].decoder
+    fused = FusedWeightsCache(decoder).current()
+    weights = Int8Weights(decoder, fused.qkv_weights, fused.qkv_biases, float32_vocabulary=False)
+    attention = decoder.layers[1].self_attn
+    x = torch.randn(7, 3, attention.q_proj.in_features)  # (n, rows, dim)
+    apart = [Int8Rows(p.weight.detach())(x, p.bias) for p in (attention.q_proj, attention.k_proj, attention.v_proj)]
+    assert torch.equal(weights.qkv_layer(1)(x), torch.cat(apart, dim=-1))
+    assert torch.equal(weights.layer("layers.1.fc1")(x), Int8Rows(decoder.layers[1].fc1.weight.detach())(
+        x, decoder.layers[1].fc1.bias))
+    assert weights.layer("output_projection") is not None
+    kept = Int8Weights(decoder, fused.qkv_weights, fused.qkv_biases, float32_vocabulary=True)
+    assert kept.layer("output_projection") is None and isinstance(kept.layer("layers.0.fc2"), Int8Layer)
+
+
+def test_compiled_units_compute_int8_and_give_static_int8s_tokens(loaded_toy, translate):
+    """Every step runs a unit compiled ahead of time (the row buckets and the step for more rows), never the
+    eager step, and gives the tokens static int8 gives; the int8 products did change float32's."""
+    assert engine_setting(PluginOptions(step_engine="compiled", quantize="int8")) == "compiled"
+    static = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, quantize="int8")
+    float32 = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, step_engine="compiled")
+    generator = loaded_toy.task.build_generator(loaded_toy.models, GenerationConfig(
+        decoder="greedy", beam=1, quantize="int8", step_engine="compiled"))
+    runner = runner_of(generator)
+    eager = []
+    runner.eager_step = lambda *args: eager.append(args) or pytest.fail("the eager step ran")
+    int8 = translate(loaded_toy, generator, 16)
+    assert best_tokens(int8) == best_tokens(static)
+    assert best_tokens(int8) != best_tokens(float32)
+    assert runner.freezing and runner.units.packaged and all(u is not None for u in runner.units.packaged.values())
+    assert isinstance(runner.decoder_step.int8, Int8Weights)
+    assert all("forward" not in m.__dict__ for m in loaded_toy.models[0].modules())  # detached after generate
+
+
+def test_beam_search_on_compiled_int8_units(loaded_toy, translate):
+    """fairseq's beam search over the compiled engine in int8: its sentences' beams share their keys in the
+    unit for many rows; the hypotheses are static int8's tokens."""
+    static = decode(loaded_toy, translate, 16, decoder="beam", beam=4, quantize="int8")
+    generator = loaded_toy.task.build_generator(loaded_toy.models, GenerationConfig(
+        decoder="beam", beam=4, quantize="int8", step_engine="compiled"))
+    int8 = translate(loaded_toy, generator, 16)
+    assert best_tokens(int8) == best_tokens(static)
+    assert runner_of(generator).units.packaged.get(("beams", 4)) is not None
+
+
+def test_blockwise_exact_mode_is_greedy_on_compiled_int8(loaded_khead, translate):
+    greedy = decode(loaded_khead, translate, 16, decoder="greedy", beam=1, quantize="int8", step_engine="compiled")
+    blockwise = decode(loaded_khead, translate, 16, decoder="blockwise", beam=1, quantize="int8",
+                       step_engine="compiled")
+    assert best_tokens(blockwise) == best_tokens(greedy)
+
+
+def test_var_stream_is_var_batch_on_compiled_int8(loaded_toy, translate):
+    batch = decode(loaded_toy, translate, 32, decoder="var-batch", beam=4, quantize="int8", step_engine="compiled")
+    stream = decode(loaded_toy, translate, 32, decoder="var-stream", beam=4, quantize="int8", step_engine="compiled")
+    assert sorted(stream) == sorted(batch)
+    for sentence, hypotheses in batch.items():
+        assert [h["tokens"].tolist() for h in stream[sentence]] == [h["tokens"].tolist() for h in hypotheses]
+
+
+@pytest.mark.parametrize("options, reason", [
+    (dict(quantize="bf16"), "--quantize bf16"),
+    (dict(quantize="int8", int8_library_kernels=True), "--int8-library-kernels"),
+])
+def test_other_precisions_fall_back_to_static_with_one_line(loaded_toy, translate, caplog, monkeypatch, options,
+                                                            reason):
+    if options["quantize"] == "bf16" and precision_linear.precision_refusal("bf16"):
+        pytest.skip("no bfloat16 products on this CPU")
+    monkeypatch.setattr("fairseq_fastgen.engine.choice._quantized_fallback_named", [])
+    with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
+        assert engine_setting(PluginOptions(step_engine="compiled", **options)) == "static"
+    lines = [r.getMessage() for r in caplog.records if "runs on --step-engine static" in r.getMessage()]
+    assert len(lines) == 1 and reason in lines[0]
+    fallback = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, step_engine="compiled", **options)
+    static = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, **options)
+    assert best_tokens(fallback) == best_tokens(static)
