@@ -26,6 +26,7 @@ if [ "$BASE" = untrained ]; then
 fi
 KHEAD=$M/khead4/checkpoint_last.pt
 PRECISIONS=("${EXTRA[@]}" --ctranslate2-compute-type int8 --variant "int8=--quantize int8"
+            --variant "int8-compiled=--quantize int8 --step-engine compiled"
             --variant "int8-library=--quantize int8 --int8-library-kernels"
             --variant "int8-f32vocab=--quantize int8 --float32-vocabulary-projection" --variant "bf16=--quantize bf16")
 

@@ -1,6 +1,9 @@
 """What ``fastgen-serve`` builds before it listens, alone or in each Ray Serve replica: the options checked
 (:func:`prepare`), then the model, its batching thread and the HTTP side (:func:`build_server`)."""
 
+import logging
+import time
+
 from fairseq_fastgen.integration import check_checkpoint_files
 from fairseq_fastgen.option_checks import (UsageError, check_fairseq_generation_options, check_generation_options,
                                            usage_errors)
@@ -13,6 +16,8 @@ from fairseq_fastgen.serve.metrics import Metrics
 from fairseq_fastgen.serve.peer import CTranslate2Generator
 from fairseq_fastgen.serve.translator import Translator
 
+logger = logging.getLogger("fairseq_fastgen.serve")
+
 
 def build_server(args, cfg) -> Server:
     """The model loaded, the decoding thread started, the HTTP side ready to answer (not yet listening)."""
@@ -23,6 +28,8 @@ def build_server(args, cfg) -> Server:
         translator = Translator(cfg, limits)
         if args.peer == "ctranslate2":  # the benchmark's peer decodes the fixed batches (serve/peer.py)
             translator.generator = CTranslate2Generator(cfg, translator)
+    if args.peer is None and str(cfg.generation.step_engine) == "compiled":
+        warm_up(translator, args.fixed_batch_size if args.batching == "fixed" else cfg.dataset.batch_size or 8)
     metrics = Metrics()
     if args.batching == "continuous":
         batching = ContinuousBatching(translator, metrics, args.max_queue)
@@ -31,6 +38,15 @@ def build_server(args, cfg) -> Server:
                                  args.fixed_batch_wait_ms / 1000)
     batching.start()
     return Server(args, translator, batching, metrics)
+
+
+def warm_up(translator: Translator, most_rows: int):
+    """--step-engine compiled: its units for 1 to ``most_rows`` rows loaded (or compiled) before the server listens,
+    one line saying how long it took."""
+    start = time.perf_counter()
+    sizes = translator.warm_up(most_rows)
+    logger.info("fastgen-serve: warmed up --step-engine compiled in %.1f s (batches of %s rows)",
+                time.perf_counter() - start, ", ".join(map(str, sizes)))
 
 
 def prepare(args, cfg):

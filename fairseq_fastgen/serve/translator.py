@@ -114,6 +114,22 @@ class Translator:
                                   src_str))
         return sources
 
+    def warm_up(self, most_rows: int) -> List[int]:
+        """Decode one short sentence in batches of 1, 2, 4, 8 and ``most_rows`` rows (up to ``most_rows``) before
+        the server listens, so that the engine's units for those row counts are loaded (or compiled) now and not
+        while the first requests wait; returns the batch sizes decoded."""
+        from fairseq.data import data_utils
+
+        source = self.sources(["warm up"])[0].net_input
+        sizes = sorted({n for n in (1, 2, 4, 8, most_rows) if 1 <= n <= most_rows})
+        for size in sizes:
+            src_tokens = data_utils.collate_tokens([source["src_tokens"][0]] * size, self.src_dict.pad(),
+                                                   self.src_dict.eos(), left_pad=self.left_pad)  # (size, length)
+            sample = {"net_input": {"src_tokens": src_tokens.to(self.device),
+                                    "src_lengths": source["src_lengths"].repeat(size).to(self.device)}}
+            self.task.inference_step(self.generator, self.models, sample)
+        return sizes
+
     # ---- hypotheses out -----------------------------------------------------------------------------
     def translation(self, source: Source, hypotheses: List[Dict[str, torch.Tensor]], nbest: int) -> dict:
         """One sentence's answer: its best hypothesis's ``D-`` text (``text``), ``H-`` text (``tokens``) and score

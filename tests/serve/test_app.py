@@ -129,6 +129,20 @@ def test_reduced_precision_server_gives_interactive_answers(toy_model, plugin_di
     assert_offline_answers(answers, reduced)
 
 
+def test_a_compiled_engine_server_warms_up_before_it_listens(toy_model, plugin_dir, tmp_path, sources, offline):
+    """--step-engine compiled: the server decodes batches of 1, 2, 4 and 8 rows before its 'listening on' line, so
+    that its units are loaded (or compiled) then, not while the first clients wait; the answers are greedy's
+    tokens with scores within float rounding."""
+    server = Server(toy_model, plugin_dir, tmp_path, "--decoder", "greedy-stream", "--beam", "1", "--batch-size", "8",
+                    "--step-engine", "compiled")
+    log = server.log()
+    assert "warmed up --step-engine compiled" in log and "(batches of 1, 2, 4, 8 rows)" in log
+    answers, status = answers_then_stop(server, sources, 400, clients=4)
+    assert status == 0, server.log()[-3000:]
+    assert len(answers) == 4 * 3
+    assert_offline_answers(answers, offline)
+
+
 def test_streamed_answers_end_with_the_translation(server, sources, offline):
     async def run():
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
