@@ -93,9 +93,9 @@ class CompiledRunner(StaticRunner):
         super().__init__(model, temperature, projection, beams=beams)
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.on_cuda = next(model.parameters()).device.type == "cuda"
-        # --quantize int8 ("all", or "layers": the vocabulary projection float32): the units compute the linear
-        # layers on int8 rows they hold as constants (int8_weights.py), so every unit is frozen; the
-        # encoder-decoder keys are computed eager, through --quantize's stand-ins
+        # --quantize int8 ("all", or "layers": the vocabulary projection float32): the units compute the decoder's
+        # linear layers on int8 rows they hold as constants (int8_weights.py), so every unit is frozen; the
+        # encoder and the encoder-decoder keys run fairseq's layers, through --quantize's stand-ins
         self.int8 = int8 if on_cpu else None
         # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
         # products for a few rows); it is compiled again when any decoder parameter changes
@@ -118,7 +118,7 @@ class CompiledRunner(StaticRunner):
         step = PaddedStep(self.decoder_step, temperature, projection is None, self.scores_blocks)
         # on the CPU the encoder runs a unit compiled ahead of time where it can (encoder_pass.py)
         encoder_pass = None
-        if packages and unsupported_encoder_reason(model.encoder) is None:
+        if packages and unsupported_encoder_reason(model.encoder) is None and self.int8 is None:
             encoder_pass = EncoderPass(model.encoder)
         # --compile-in-background: a unit that is not on disk yet is compiled by a child process while its steps
         # run eager; on CUDA one compilation with symbolic shapes serves every bucket (a CUDA graph per bucket)
@@ -128,9 +128,8 @@ class CompiledRunner(StaticRunner):
 
     def int8_weights(self, fused: FusedWeights) -> Int8Weights:
         """The int8 rows of the decoder's linear layers (``fused``: its fused query/key/value weights)."""
-        decoder = self.decoder_step.decoder
-        kept = getattr(decoder, "output_projection", None) if self.int8 == "layers" else None
-        return Int8Weights(decoder, fused.qkv_weights, fused.qkv_biases, kept)
+        return Int8Weights(self.decoder_step.decoder, fused.qkv_weights, fused.qkv_biases,
+                           float32_vocabulary=self.int8 == "layers")
 
     @property
     def max_rows(self) -> int:

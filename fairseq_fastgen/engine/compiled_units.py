@@ -26,7 +26,6 @@ import torch
 from fairseq_fastgen.engine import aot_step
 from fairseq_fastgen.engine.compiled_step import PaddedStep
 from fairseq_fastgen.engine.fused_weights import FusedBuffers, FusedWeights, tensors_signature
-from fairseq_fastgen.engine.int8_weights import Int8Weights
 
 MAX_BUCKETS = 64  # compiled shapes kept per process
 logger = logging.getLogger("fairseq_fastgen.engine")
@@ -185,8 +184,6 @@ class CompiledUnits:
             self.encoder_signature = signature
             for unit in [("encoder", 1), ("encoder", None)]:
                 self.packaged.pop(unit, None)
-            if self.int8_weights is not None:  # a submodule: its buffers freeze into the encoder's units
-                self.encoder_pass.int8 = Int8Weights(self.encoder_pass.encoder)
         if key in self.packaged:
             return self.packaged[key]
         if self.compile_in_background:

@@ -173,7 +173,8 @@ class DecoderStep(nn.Module):
     def linear(self, module: nn.Module, x: Tensor, name: str) -> Tensor:
         """``module(x)`` for the linear layer ``name`` of the decoder (its name among the decoder's modules):
         through its int8 rows where ``self.int8`` holds them."""
-        return module(x) if self.int8 is None else self.int8.product(module, x, name)
+        rows = None if self.int8 is None else self.int8.layer(name)
+        return module(x) if rows is None else rows(x)
 
     def fused_qkv(self, index: int, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         """Layer ``index``'s query, key and value projections as one product: x (..., dim) -> (..., 3 * dim),

@@ -48,13 +48,6 @@ class EncoderPass(nn.Module):
         self.encoder = encoder
         attention = encoder.layers[0].self_attn
         self.heads, self.head_dim = attention.num_heads, attention.head_dim
-        # --quantize int8 on the compiled engine: the linear layers' int8 rows (int8_weights.Int8Weights), else None
-        self.int8 = None
-
-    def linear(self, module: nn.Module, x: Tensor, name: str) -> Tensor:
-        """``module(x)`` for the encoder's linear layer ``name``, through its int8 rows where ``self.int8`` holds
-        them."""
-        return module(x) if self.int8 is None else self.int8.product(module, x, name)
 
     def position_table(self, src_len: int) -> Optional[Tensor]:
         """Embedding of every source position up to ``src_len``, (positions, dim)."""
@@ -75,25 +68,22 @@ class EncoderPass(nn.Module):
             x = encoder.layernorm_embedding(x)
         x = (x * real.unsqueeze(-1).type_as(x)).transpose(0, 1)  # (src_len, rows, dim), padding zeroed
         attended = real[:, None, None, :]  # (rows, 1, 1, src_len)
-        for index, layer in enumerate(encoder.layers):
+        for layer in encoder.layers:
             x, residual = DecoderStep.sublayer_input(layer, layer.self_attn_layer_norm, x)
-            x = layer.residual_connection(self.self_attention(index, layer.self_attn, x, attended), residual)
+            x = layer.residual_connection(self.self_attention(layer.self_attn, x, attended), residual)
             if not layer.normalize_before:
                 x = layer.self_attn_layer_norm(x)
-            prefix = f"layers.{index}."
-            x = feed_forward(layer, x, lambda h: self.linear(layer.fc1, h, prefix + "fc1"),
-                             lambda h: self.linear(layer.fc2, h, prefix + "fc2"))  # the same block as a decoder's
+            x = feed_forward(layer, x)  # the same block as a decoder layer's
         if encoder.layer_norm is not None:
             x = encoder.layer_norm(x)
         return x, padding
 
-    def self_attention(self, index: int, attention, x: Tensor, attended: Tensor) -> Tensor:
+    def self_attention(self, attention, x: Tensor, attended: Tensor) -> Tensor:
         """x (src_len, rows, dim) attending its ``attended`` (rows, 1, 1, src_len) positions -> (src_len, rows,
-        dim), through layer ``index``'s output projection."""
+        dim), through the layer's output projection."""
         src_len, rows, dim = x.shape
         split = lambda t: t.view(src_len, rows, self.heads, self.head_dim).permute(1, 2, 0, 3)  # noqa: E731
-        name = f"layers.{index}.self_attn."
-        q, k, v = (self.linear(getattr(attention, p), x, name + p) for p in ("q_proj", "k_proj", "v_proj"))
-        q, k, v = split(q * attention.scaling), split(k), split(v)  # (rows, heads, src_len, head_dim)
+        q = split(attention.q_proj(x) * attention.scaling)  # (rows, heads, src_len, head_dim)
+        k, v = split(attention.k_proj(x)), split(attention.v_proj(x))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=attended, scale=1.0)  # (rows, heads, src_len, hd)
-        return self.linear(attention.out_proj, y.permute(2, 0, 1, 3).reshape(src_len, rows, dim), name + "out_proj")
+        return attention.out_proj(y.permute(2, 0, 1, 3).reshape(src_len, rows, dim))

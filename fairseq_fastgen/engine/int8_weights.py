@@ -1,12 +1,10 @@
-"""The int8 rows of the encoder and decoder as buffers of the compiled units (``--quantize int8 --step-engine
-compiled``).
+"""The decoder's int8 rows as buffers of the compiled units (``--quantize int8 --step-engine compiled``).
 
 Under ``--quantize int8`` the static engine computes each linear layer through a stand-in of the layer's
 ``forward`` (``adapters/linear_forwards.py``).  A compiled unit is traced once and keeps what it traced, so
 its products cannot go through stand-ins: here every linear layer the decoder step calls holds its int8 rows
 (``precision_linear.Int8Rows``, the plugin's kernel's layout) as buffers of one module, and the step calls
-the kernel's op, ``torch.ops.fastgen.int8_rows_linear``, on them; the encoder's unit (``encoder_pass.py``)
-likewise.  Inductor's freezing makes the buffers
+the kernel's op, ``torch.ops.fastgen.int8_rows_linear``, on them.  Inductor's freezing makes the buffers
 constants of the unit, so a package on disk holds the quantized decoder: a later process loads it without
 rounding the weights again.
 
@@ -50,37 +48,33 @@ def takes_int8(linear: nn.Linear) -> bool:
 
 
 class Int8Weights(nn.Module):
-    """The int8 layers of ``coder`` (a fairseq encoder or decoder): every ``nn.Linear`` under it that int8 serves
-    but ``kept`` (a decoder's vocabulary projection under --float32-vocabulary-projection) and, for a decoder, each
-    layer's fused query/key/value rows (``qkv_weights``/``qkv_biases``: ``fused_weights.FusedWeights``'s)."""
+    """The int8 layers of ``decoder`` (a fairseq decoder): every ``nn.Linear`` under it that int8 serves, the
+    vocabulary projection unless ``float32_vocabulary``, and each layer's fused query/key/value rows
+    (``qkv_weights``/``qkv_biases``: ``fused_weights.FusedWeights``'s)."""
 
-    def __init__(self, coder: nn.Module, qkv_weights: List[Tensor] = (), qkv_biases: List[Optional[Tensor]] = (),
-                 kept: Optional[nn.Module] = None):
+    def __init__(self, decoder: nn.Module, qkv_weights: List[Tensor], qkv_biases: List[Optional[Tensor]],
+                 float32_vocabulary: bool):
         super().__init__()
         if not int8_kernel.available():
             raise RuntimeError("the compiled engine's int8 units need the plugin's int8 kernel")
-        self.layers = nn.ModuleDict()  # the layer's name among the coder's modules, dots as "_" -> its rows
+        kept = getattr(decoder, "output_projection", None) if float32_vocabulary else None
+        self.layers = nn.ModuleDict()  # the layer's name among the decoder's modules, dots as "_" -> its rows
         with torch.no_grad():
-            for name, module in coder.named_modules():
+            for name, module in decoder.named_modules():
                 if isinstance(module, nn.Linear) and module is not kept and takes_int8(module):
                     self.layers[name.replace(".", "_")] = Int8Layer(module.weight, module.bias)
             # per layer: the fused query/key/value rows where the layer's projections take int8, else None
             self.qkv = nn.ModuleList([
                 Int8Layer(weight, bias) if takes_int8(layer.self_attn.q_proj) else nn.Identity()
-                for layer, weight, bias in zip(coder.layers, qkv_weights, qkv_biases)
+                for layer, weight, bias in zip(decoder.layers, qkv_weights, qkv_biases)
             ])
-        self.fused_qkv = [takes_int8(layer.self_attn.q_proj) for layer in coder.layers][:len(qkv_weights)]
+        self.fused_qkv = [takes_int8(layer.self_attn.q_proj) for layer in decoder.layers]
 
     def layer(self, name: str) -> Optional[Int8Layer]:
         """The int8 rows of the decoder's linear layer ``name`` ("layers.0.fc1"), or None where it keeps its
         float32 product.  (By name: torch.export traces a copy of the modules.)"""
         key = name.replace(".", "_")
         return self.layers[key] if key in self.layers else None
-
-    def product(self, module: nn.Module, x: Tensor, name: str) -> Tensor:
-        """``module(x)`` for the linear layer ``name`` of the coder, through its int8 rows where they are here."""
-        rows = self.layer(name)
-        return module(x) if rows is None else rows(x)
 
     def qkv_layer(self, index: int) -> Optional[Int8Layer]:
         """Layer ``index``'s fused query/key/value rows, or None (float32)."""
