@@ -84,7 +84,7 @@ def build_runner(model, options: PluginOptions, temperature: float, projection):
 def compiled_int8(options: PluginOptions) -> Optional[str]:
     """What the compiled engine's units compute in int8 under ``options``: "all" the linear layers, "layers" (the
     vocabulary projection in float32: --float32-vocabulary-projection), or None (float32)."""
-    if options.quantize != "int8" or compiled_int8_refusal(options) is not None:
+    if compiled_int8_refusal(options) is not None:
         return None
     return "layers" if options.float32_vocabulary_projection else "all"
 

@@ -317,7 +317,7 @@ class CompiledRunner(StaticRunner):
         """The decoder step's fast form, its fused query/key/value products through oneDNN where it serves."""
         if self.qkv_packed_from is not self.fused:  # the decode's fused weights: packed once per change
             self.qkv_packed_from = self.fused
-            with_onednn = self.eager_linears is not None
+            with_onednn = self.eager_linears is not None and not self.int8  # int8: fused_qkv's rows serve
             self.qkv_packed = [pack_weight(w) if with_onednn else None for w in self.fused.qkv_weights]
         fused, packed = self.fused, self.qkv_packed
 

@@ -66,10 +66,15 @@ class CompiledUnits:
             unit = self.package_unit(bucket, 1, 1, capacity)
             if unit is not None:
                 return unit
-            # compiled in the background; under int8 also where it could not be built (no torch.compile of int8)
-            if bucket not in self.packaged or self.int8_weights is not None:
+            if bucket not in self.packaged or not self.buckets_through_torch_compile:  # compiled in the background
                 return lambda *inputs: self.eager_padded(inputs, fused)
         return lambda *inputs: self.bucket_call(inputs, fused)
+
+    @property
+    def buckets_through_torch_compile(self) -> bool:
+        """Whether a row bucket without a unit compiled ahead of time runs through torch.compile (else eager):
+        not under int8, whose units hold their rows as constants (int8_weights.py)."""
+        return self.int8_weights is None
 
     def block_unit(self, rows: int, bucket: int, block: int, beams: int, capacity: int):
         """The unit of ``block`` positions per row for ``rows`` rows, or None (eager)."""
@@ -234,8 +239,8 @@ class CompiledUnits:
     def not_built(self, key, what: str, error: Exception):
         self.packaged[key] = None
         reason = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        fallback = ("torch.compile compiles it" if isinstance(key, int) and self.int8_weights is None else "fairseq's encoder runs" if is_encoder(key)
-                    else "those steps run eager")
+        fallback = ("torch.compile compiles it" if isinstance(key, int) and self.buckets_through_torch_compile
+                    else "fairseq's encoder runs" if is_encoder(key) else "those steps run eager")
         logger.warning(f"--step-engine compiled: {what} could not be compiled ahead of time ({reason}); {fallback}")
         return None
 

@@ -42,6 +42,12 @@ class Int8Layer(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+# layers the units never call through these rows: each self-attention's query/key/value (one fused product, self.qkv)
+# and the encoder-decoder keys/values (computed once per decode, eager, through --quantize's stand-ins)
+NOT_IN_UNITS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "encoder_attn.k_proj",
+                "encoder_attn.v_proj")
+
+
 def takes_int8(linear: nn.Linear) -> bool:
     """Whether ``--quantize int8`` computes ``linear`` in int8 (its weight large enough)."""
     return linear.weight.numel() >= precision_linear.MIN_INT8_WEIGHT
@@ -61,14 +67,14 @@ class Int8Weights(nn.Module):
         self.layers = nn.ModuleDict()  # the layer's name among the decoder's modules, dots as "_" -> its rows
         with torch.no_grad():
             for name, module in decoder.named_modules():
-                if isinstance(module, nn.Linear) and module is not kept and takes_int8(module):
+                if (isinstance(module, nn.Linear) and module is not kept and takes_int8(module)
+                        and not name.endswith(NOT_IN_UNITS)):
                     self.layers[name.replace(".", "_")] = Int8Layer(module.weight, module.bias)
-            # per layer: the fused query/key/value rows where the layer's projections take int8, else None
+            # per layer: the fused query/key/value rows where the layer's projections take int8, else an Identity
             self.qkv = nn.ModuleList([
                 Int8Layer(weight, bias) if takes_int8(layer.self_attn.q_proj) else nn.Identity()
                 for layer, weight, bias in zip(decoder.layers, qkv_weights, qkv_biases)
             ])
-        self.fused_qkv = [takes_int8(layer.self_attn.q_proj) for layer in decoder.layers]
 
     def layer(self, name: str) -> Optional[Int8Layer]:
         """The int8 rows of the decoder's linear layer ``name`` ("layers.0.fc1"), or None where it keeps its
@@ -78,4 +84,5 @@ class Int8Weights(nn.Module):
 
     def qkv_layer(self, index: int) -> Optional[Int8Layer]:
         """Layer ``index``'s fused query/key/value rows, or None (float32)."""
-        return self.qkv[index] if self.fused_qkv[index] else None
+        rows = self.qkv[index]
+        return rows if isinstance(rows, Int8Layer) else None

@@ -281,10 +281,7 @@ class FixedBatching(Batching):
             return batch
 
     def run(self):
-        from fairseq.data import data_utils
-
         translator, metrics = self.translator, self.metrics
-        pad, eos = translator.src_dict.pad(), translator.src_dict.eos()
         while True:
             batch = self.next_batch()
             if batch is None:
@@ -293,11 +290,7 @@ class FixedBatching(Batching):
                 continue
             metrics.set("fastgen_serve_batch_sentences", len(batch))
             metrics.set("fastgen_serve_batch_rows", len(batch))
-            src_tokens = data_utils.collate_tokens([job.source.net_input["src_tokens"][0] for job in batch], pad, eos,
-                                                   left_pad=translator.left_pad)  # (batch, longest)
-            src_lengths = torch.cat([job.source.net_input["src_lengths"] for job in batch])  # (batch,)
-            sample = {"net_input": {"src_tokens": src_tokens.to(translator.device),
-                                    "src_lengths": src_lengths.to(translator.device)}}
+            sample = translator.sample([job.source for job in batch])
             try:
                 answers = translator.task.inference_step(translator.generator, translator.models, sample)
                 metrics.inc("fastgen_serve_iterations_total")

@@ -114,20 +114,23 @@ class Translator:
                                   src_str))
         return sources
 
+    def sample(self, sources: List[Source]) -> dict:
+        """A fairseq sample of ``sources`` (one row each, padded to the longest as fairseq's collater pads)."""
+        from fairseq.data import data_utils
+
+        src_tokens = data_utils.collate_tokens([s.net_input["src_tokens"][0] for s in sources], self.src_dict.pad(),
+                                               self.src_dict.eos(), left_pad=self.left_pad)  # (rows, longest)
+        src_lengths = torch.cat([s.net_input["src_lengths"] for s in sources])  # (rows,)
+        return {"net_input": {"src_tokens": src_tokens.to(self.device), "src_lengths": src_lengths.to(self.device)}}
+
     def warm_up(self, most_rows: int) -> List[int]:
         """Decode one short sentence in batches of 1, 2, 4, 8 and ``most_rows`` rows (up to ``most_rows``) before
         the server listens, so that the engine's units for those row counts are loaded (or compiled) now and not
         while the first requests wait; returns the batch sizes decoded."""
-        from fairseq.data import data_utils
-
-        source = self.sources(["warm up"])[0].net_input
+        source = self.sources(["warm up"])[0]
         sizes = sorted({n for n in (1, 2, 4, 8, most_rows) if 1 <= n <= most_rows})
         for size in sizes:
-            src_tokens = data_utils.collate_tokens([source["src_tokens"][0]] * size, self.src_dict.pad(),
-                                                   self.src_dict.eos(), left_pad=self.left_pad)  # (size, length)
-            sample = {"net_input": {"src_tokens": src_tokens.to(self.device),
-                                    "src_lengths": source["src_lengths"].repeat(size).to(self.device)}}
-            self.task.inference_step(self.generator, self.models, sample)
+            self.task.inference_step(self.generator, self.models, self.sample([source] * size))
         return sizes
 
     # ---- hypotheses out -----------------------------------------------------------------------------
