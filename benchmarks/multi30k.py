@@ -123,8 +123,19 @@ def base_spec(args):
         layers=args.layers, dim=args.dim, ffn=args.ffn, heads=args.heads, max_positions=256,
         max_update=args.max_update, max_tokens=args.max_tokens, lr=args.lr, warmup=args.warmup,
         validate_interval=args.validate_interval,
-        extra_args=["--share-all-embeddings", "--dropout", str(args.dropout), "--weight-decay", "0.0001"],
+        extra_args=["--share-all-embeddings", "--dropout", str(args.dropout), "--weight-decay", "0.0001"]
+        + cpu_training(args),
     )
+
+
+def cpu_training(args):
+    """Base and big train for hours on a CPU: in bfloat16 mixed precision (``--amp``, which the plugin runs on the
+    CPU: 8.5 s an update at base size on 2 Zen 5 cores, 21 s in float32), and with a checkpoint every 40 updates, so
+    that a stopped run resumes (fairseq-train reads checkpoint_last.pt) within minutes of where it was. The toy model
+    keeps its float32 recipe (the demo and the tests train it)."""
+    if args.size == "toy" or args.device != "cpu":
+        return []
+    return ["--amp", "--save-interval-updates", "40", "--keep-interval-updates", "1"]
 
 
 STUDENT_CRITERION = ["--criterion", "random_subloss", "--label-smoothing", "0.1"]

@@ -69,6 +69,12 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    ``error:`` line, exit status 2).  And fairseq's ``--beam 0`` (a
    ``RuntimeError`` deep in its search) or ``--nbest 0`` is refused in one line
    with the plugin's options, before the model loads.
+9. ``FairseqTask.train_step``: fairseq's ``--amp`` autocasts on CUDA only; under
+   ``fairseq-train --cpu --amp`` the step's forward runs in bfloat16 autocast
+   where the processor multiplies bfloat16 natively, float32 weights and
+   optimizer as on a GPU (:mod:`fairseq_fastgen.adapters.cpu_amp`).  Tasks
+   that replace ``train_step`` without calling fairseq's (multilingual,
+   Levenshtein) train in float32 as before.
 """
 
 import contextlib
@@ -86,6 +92,7 @@ from fairseq.dataclass import configs as fairseq_configs
 from fairseq.tasks.fairseq_task import FairseqTask
 
 from fairseq_fastgen import checkpoint_safety
+from fairseq_fastgen.adapters.cpu_amp import training_precision
 from fairseq_fastgen.adapters.ensemble import restore_ensemble
 from fairseq_fastgen.adapters.generate import give_attributes, take_back_attributes, unwrap_generate
 from fairseq_fastgen.adapters.inference_mode import generate_in_inference_mode
@@ -136,6 +143,7 @@ def install():
     _install_numpy_compat()
     _cap_onednn_primitive_cache()
     _install_dictionary_loading()
+    _install_cpu_amp()
 
 
 # ---- 1. checkpoint loading -------------------------------------------------------------
@@ -515,3 +523,15 @@ def _install_dictionary_loading():
                              f"fairseq-preprocess wrote for this model") from error
 
     Dictionary.add_from_file = add_from_file
+
+
+# ---- 9. fairseq-train --cpu --amp ---------------------------------------------------------------
+def _install_cpu_amp():
+    original = FairseqTask.train_step
+
+    @functools.wraps(original)
+    def train_step(self, sample, model, criterion, optimizer, update_num, ignore_grad=False):
+        with training_precision(model, optimizer):
+            return original(self, sample, model, criterion, optimizer, update_num, ignore_grad)
+
+    FairseqTask.train_step = train_step

@@ -41,6 +41,7 @@ PACKAGE = Path(fairseq_fastgen.__file__).parent
 INTEGRATION_LAYER = {
     "integration.py",
     "adapters/__init__.py",
+    "adapters/cpu_amp.py",
     "adapters/ensemble.py",
     "adapters/generate.py",
     "adapters/inference_mode.py",
