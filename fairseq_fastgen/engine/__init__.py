@@ -10,7 +10,7 @@
 
 A model the engine cannot serve falls back to ``fairseq`` with one warning
 saying why.  Under ``--quantize int8`` the compiled units compute the decoder's linear layers on int8
-rows they hold as constants (``int8_weights.py``); under ``--quantize bf16`` or ``--int8-library-kernels``
+rows they read in place (``int8_weights.py``); under ``--quantize bf16`` or ``--int8-library-kernels``
 ``compiled`` falls back to ``static``, also in one line.  Blockwise decoding verifies its blocks through the runner's
 ``step_block`` (several positions per row) on every engine.  Stock beam search (``--decoder beam``) runs fairseq's own
 search loop over the engine's step (``stock_search.py``), the beams of a sentence sharing its encoder-decoder

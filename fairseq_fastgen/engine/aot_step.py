@@ -143,7 +143,21 @@ class StepPackage:
         settings = {"freezing": True}
         if self.rows is not None:
             settings.update(max_autotune=True, max_autotune_gemm_backends="CPP" if self.block == 1 else "CPP,ATEN")
+        if self.shares_constants:
+            settings["aot_inductor.package_constants_in_so"] = False
         return settings
+
+    @property
+    def shares_constants(self) -> bool:
+        """Whether the unit reads its weights from the decode's own tensors (``bind_constants``) instead of a copy
+        of its own: under --quantize int8, whose units read only named tensors (the int8 rows' buffers, the
+        embeddings, the layer norms; no weight prepacked at compile time), every unit of a decoder reads the same
+        ones (about 100 MB a unit at base size)."""
+        return self.step.decoder_step.int8 is not None
+
+    def bind(self, loaded):
+        """``loaded`` (the package's callable), reading the step's own tensors where it shares them."""
+        return bind_constants(loaded, self.step) if self.shares_constants else loaded
 
 
 class EncoderPackage:
@@ -179,6 +193,9 @@ class EncoderPackage:
     def settings(self) -> dict:
         return {"freezing": True}
 
+    def bind(self, loaded):
+        return loaded  # its constants in the package
+
 
 def package_file(name: str) -> Path:
     directory = compiled_dir()
@@ -192,7 +209,20 @@ def load_or_compile(package):
     start = time.perf_counter()
     path = package.path
     compiled_now = compile_once(package, path)
-    return load_package(path), time.perf_counter() - start, compiled_now
+    return package.bind(load_package(path)), time.perf_counter() - start, compiled_now
+
+
+def bind_constants(loaded, module: nn.Module):
+    """``loaded``, a package compiled without its constants, made to read ``module``'s parameters and buffers of
+    the same names in place (no copy).  ``loaded`` keeps them: the unit reads their memory as long as it lives."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    wanted = loaded.constant_names()
+    missing = [name for name in wanted if name not in named]
+    if missing:
+        raise RuntimeError(f"the package reads {len(missing)} tensors the step does not hold, {missing[0]} first")
+    loaded.keep_constants({name: named[name].detach().contiguous() for name in wanted})
+    return loaded
 
 
 def compile_once(package, path: Path) -> bool:
@@ -215,7 +245,7 @@ class BackgroundCompilation:
     POLL_SECONDS = 0.5  # the child's state is looked at no more often than this
 
     def __init__(self, package, path: Path):
-        self.path = path
+        self.package, self.path = package, path
         self.started = self.polled = time.perf_counter()
         self.pid = os.fork()
         if self.pid == 0:
@@ -234,7 +264,7 @@ class BackgroundCompilation:
         code = os.waitstatus_to_exitcode(status)
         if code != 0 or not self.path.exists():
             raise RuntimeError(f"the compiling process {self.pid} ended with status {code}")
-        return load_package(self.path), time.perf_counter() - self.started
+        return self.package.bind(load_package(self.path)), time.perf_counter() - self.started
 
 
 def compile_in_child(package, path: Path):

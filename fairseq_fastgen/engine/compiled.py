@@ -94,7 +94,7 @@ class CompiledRunner(StaticRunner):
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.on_cuda = next(model.parameters()).device.type == "cuda"
         # --quantize int8 ("all", or "layers": the vocabulary projection float32): the units compute the decoder's
-        # linear layers on int8 rows they hold as constants (int8_weights.py), so every unit is frozen; the
+        # linear layers on int8 rows, constants they read in place (int8_weights.py), so every unit is frozen; the
         # encoder and the encoder-decoder keys run fairseq's layers, through --quantize's stand-ins
         self.int8 = int8 if on_cpu else None
         # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++

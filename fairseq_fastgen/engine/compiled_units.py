@@ -73,7 +73,7 @@ class CompiledUnits:
     @property
     def buckets_through_torch_compile(self) -> bool:
         """Whether a row bucket without a unit compiled ahead of time runs through torch.compile (else eager):
-        not under int8, whose units hold their rows as constants (int8_weights.py)."""
+        not under int8, whose units read their rows as frozen constants (int8_weights.py)."""
         return self.int8_weights is None
 
     def block_unit(self, rows: int, bucket: int, block: int, beams: int, capacity: int):

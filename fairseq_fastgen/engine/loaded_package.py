@@ -21,6 +21,16 @@ class LoadedPackage:
         self.loader = loader
         self.out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
         self.out_layout = flat_layout(self.out_spec)
+        self.constants = None  # the tensors a package compiled without its constants reads (keep_constants)
+
+    def constant_names(self):
+        """The names (the exported module's) of the tensors the compiled code reads as constants."""
+        return self.loader.get_constant_fqns()
+
+    def keep_constants(self, constants: dict):
+        """Read ``constants`` (name -> tensor, every one of ``constant_names``) in place, and keep them."""
+        self.loader.load_constants(constants, False, True, True)  # the active buffer, every name, user-managed
+        self.constants = constants
 
     def __call__(self, *args):
         flat = []
@@ -62,5 +72,22 @@ def load_package(path: Path):
     except (AttributeError, RuntimeError):
         import torch._inductor as inductor
 
-        return inductor.aoti_load_package(str(path))
+        return InductorLoaded(inductor.aoti_load_package(str(path)))
     return LoadedPackage(loader)
+
+
+class InductorLoaded:
+    """A package loaded by inductor's loader, with :class:`LoadedPackage`'s methods."""
+
+    def __init__(self, compiled):
+        self.compiled, self.constants = compiled, None
+
+    def __call__(self, *args):
+        return self.compiled(*args)
+
+    def constant_names(self):
+        return self.compiled.get_constant_fqns()
+
+    def keep_constants(self, constants: dict):
+        self.compiled.load_constants(constants, check_full_update=True, user_managed=True)
+        self.constants = constants

@@ -77,6 +77,31 @@ def test_compiled_units_compute_int8_and_give_static_int8s_tokens(loaded_toy, tr
     assert all("forward" not in m.__dict__ for m in loaded_toy.models[0].modules())  # detached after generate
 
 
+def test_every_unit_reads_the_decodes_own_int8_rows_in_place(loaded_toy, translate):
+    """The units are compiled without their constants and read the decode's tensors: every unit holds the same
+    int8 rows (one copy however many units), and rows changed in place change what every unit computes."""
+    generator = loaded_toy.task.build_generator(loaded_toy.models, GenerationConfig(
+        decoder="greedy", beam=1, quantize="int8", step_engine="compiled"))
+    runner = runner_of(generator)
+    before = best_tokens(translate(loaded_toy, generator, 16))  # the unit for many rows, then 1 row at the end
+    units = [unit for unit in runner.units.packaged.values() if unit is not None]
+    assert len(units) >= 2
+    vocabulary = runner.decoder_step.int8.layer("output_projection")
+    for unit in units:
+        held = unit.constants["decoder_step.int8.layers.output_projection.packed"]
+        assert held.data_ptr() == vocabulary.packed.data_ptr()
+    scales = vocabulary.scales.clone()
+    with torch.inference_mode():  # the rows were made in the decode's inference mode
+        vocabulary.scales.zero_()  # every logit 0: the same token wins every step, up to the length limit
+    try:
+        flat = best_tokens(translate(loaded_toy, generator, 16))
+    finally:
+        with torch.inference_mode():
+            vocabulary.scales.copy_(scales)
+    assert all(len(set(tokens[:-1])) == 1 and tokens != before[i] for i, tokens in flat.items())
+    assert best_tokens(translate(loaded_toy, generator, 16)) == before
+
+
 def test_beam_search_on_compiled_int8_units(loaded_toy, translate):
     """fairseq's beam search over the compiled engine in int8: its sentences' beams share their keys in the
     unit for many rows; the hypotheses are static int8's tokens."""
