@@ -85,6 +85,9 @@ OWN_OBJECTS = {
     ("serve/batching.py", "ContinuousBatching.run"):
         "the plugin's own generator (sequence_generators/generator.py) is handed the server's stream, as "
         "fairseq-interactive's lines hand it theirs (integration.py), and takes it back after",
+    ("serve/batching.py", "ContinuousBatching.__init__"):
+        "the plugin's own stream scheduler (sequence_generators/streaming.py) of the served stream: its refill "
+        "point where --stream-eps was not given",
     ("engine/decoder_step.py", "position_table"):
         "grows a sinusoidal position table as fairseq's own forward grows it (the same values, a cache); the "
         "encoder's and decoder's forms of the engine read their tables through it",
