@@ -73,6 +73,21 @@ def prepare_text(data, raw, vocab_size, model_type="unigram"):
         (raw / f"{split}.{lang}").write_text("\n".join(pieces) + "\n", encoding="utf-8")
 
 
+def train_step(title, save_dir, checkpoint, train):
+    """``step`` for a fairseq-train run into ``save_dir``: done once it returned (``train.done``), not when its first
+    checkpoint appears (fairseq writes checkpoints all along, and a stopped run resumes from checkpoint_last.pt).
+    A ``checkpoint`` made elsewhere (no train.log beside it: unpacked from a GPU machine's transport) counts as done."""
+    save_dir, done = Path(save_dir), Path(save_dir) / "train.done"
+    if Path(checkpoint).exists() and not (save_dir / "train.log").exists():
+        done.touch()
+
+    def train_and_mark():
+        train()
+        done.touch()
+
+    step(title, done, train_and_mark)
+
+
 def spm_dictionary(raw):
     """A fairseq dictionary file listing every sentencepiece piece but <unk> (fairseq adds its own)."""
     processor = sentencepiece.SentencePieceProcessor(model_file=str(raw / "spm.model"))
@@ -206,13 +221,14 @@ def main(argv=None):
         step("fairseq-preprocess", bin_dir / "test1.en-fr.fr.bin", lambda: binarize(raw, bin_dir, args.dict_from_spm))
     base = out / "base" / "checkpoint_best.pt"
     if "base" in wanted:
-        step("train base transformer", base, lambda: toy.train(bin_dir, out / "base", base_spec(args), show_progress=True,
-                                                               device=args.device))
+        train_step("train base transformer", out / "base", base, lambda: toy.train(
+            bin_dir, out / "base", base_spec(args), show_progress=True, device=args.device))
     if "khead" in wanted:
         for k in (int(k) for k in args.khead_k.split(",")):
-            step(f"train k-head student k={k} (frozen base)", out / f"khead{k}" / "checkpoint_last.pt",
-                 lambda k=k: toy.train(bin_dir, out / f"khead{k}", khead_spec(args, base, k), show_progress=True,
-                                       criterion_args=STUDENT_CRITERION, device=args.device))
+            train_step(f"train k-head student k={k} (frozen base)", out / f"khead{k}",
+                       out / f"khead{k}" / "checkpoint_last.pt",
+                       lambda k=k: toy.train(bin_dir, out / f"khead{k}", khead_spec(args, base, k), show_progress=True,
+                                             criterion_args=STUDENT_CRITERION, device=args.device))
     clusters = out / f"clusters{args.num_clusters}.pt"
     if "clusters" in wanted:
         step("cluster file", clusters, lambda: subprocess.run(
