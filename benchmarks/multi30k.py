@@ -76,12 +76,16 @@ def prepare_text(data, raw, vocab_size, model_type="unigram"):
 def train_step(title, save_dir, checkpoint, train):
     """``step`` for a fairseq-train run into ``save_dir``: done once it returned (``train.done``), not when its first
     checkpoint appears (fairseq writes checkpoints all along, and a stopped run resumes from checkpoint_last.pt).
-    A ``checkpoint`` made elsewhere (no train.log beside it: unpacked from a GPU machine's transport) counts as done."""
-    save_dir, done = Path(save_dir), Path(save_dir) / "train.done"
-    if Path(checkpoint).exists() and not (save_dir / "train.log").exists():
+    A ``checkpoint`` made elsewhere (no ``train.started`` beside it: unpacked from a GPU machine's transport) counts
+    as done; fairseq-train's log is written only when it returns, so the marker, not the log, tells a run stopped
+    here."""
+    save_dir, done, started = Path(save_dir), Path(save_dir) / "train.done", Path(save_dir) / "train.started"
+    if Path(checkpoint).exists() and not started.exists() and not (save_dir / "train.log").exists():
         done.touch()
 
     def train_and_mark():
+        save_dir.mkdir(parents=True, exist_ok=True)
+        started.touch()
         train()
         done.touch()
 

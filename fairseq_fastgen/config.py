@@ -23,9 +23,14 @@ class PluginOptions(FairseqDataclass):
         default="beam",
         metadata={"help": "decoding algorithm of fairseq_fastgen; 'beam' is stock fairseq beam search"},
     )
-    step_engine: ChoiceEnum(["fairseq", "static", "compiled"]) = field(
-        default="static",
-        metadata={"help": "what runs each decoder step: 'static' (default: keys/values in preallocated "
+    step_engine: ChoiceEnum(["auto", "fairseq", "static", "compiled"]) = field(
+        default="auto",
+        metadata={"help": "what runs each decoder step: 'auto' (default: on the CPU in float32 or int8 'compiled' "
+                          "with --compiled-freezing --compile-in-background: a first run on a new model decodes "
+                          "at once, eager, while a child process compiles the steps and stores them on disk; later "
+                          "runs load them; on CUDA, in half precision and with --quantize bf16 'static'; "
+                          "$FASTGEN_STEP_ENGINE names another engine for 'auto'), "
+                          "'static' (keys/values in preallocated "
                           "buffers, eager; bitwise fairseq's hypotheses), 'fairseq' (fairseq's own incremental "
                           "decoder) or 'compiled' (the same tokens, scores within 1e-4: at 1-2 rows the step "
                           "through torch.compile, shapes padded to a few buckets compiled on first use; on the CPU "
@@ -38,7 +43,8 @@ class PluginOptions(FairseqDataclass):
     )
     compiled_freezing: bool = field(
         default=False,
-        metadata={"help": "--step-engine compiled on the CPU: freeze the weights into the steps of 1, 2 and 4 rows "
+        metadata={"help": "--step-engine compiled on the CPU (implied where auto runs compiled): freeze the "
+                          "weights into the steps of 1, 2 and 4 rows "
                           "too (inductor's freezing, its C++ products), compiled ahead of time once per model and "
                           "kept on disk beside the step for more rows: faster steps at 1-4 rows, at the price of "
                           "a long compilation per row bucket the first time a model (or a change of its weights) "
@@ -46,7 +52,8 @@ class PluginOptions(FairseqDataclass):
     )
     compile_in_background: bool = field(
         default=False,
-        metadata={"help": "--step-engine compiled on the CPU: when a step compiled ahead of time (the step for "
+        metadata={"help": "--step-engine compiled on the CPU (implied where auto runs compiled): when a step "
+                          "compiled ahead of time (the step for "
                           "many rows; with --compiled-freezing the row buckets' too) is not on disk yet, compile "
                           "it in a child process while the decode runs those steps eager (oneDNN's products), and "
                           "switch to it once it is ready; the child finishes and stores it even if the decode "

@@ -12,6 +12,10 @@ import sys
 # process a test starts; a test that wants more says so) keeps thread pools from oversubscribing the cores, where a
 # run of small products goes several times slower. Set before torch is imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# --step-engine auto (the default) compiles a new model's steps in child processes on the CPU: the tests that do not
+# name an engine run static, bitwise fairseq's (as stock fairseq-generate, which many compare against); the tests
+# of auto itself clear this (tests/engine/test_auto_engine.py).
+os.environ.setdefault("FASTGEN_STEP_ENGINE", "static")
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -18,9 +18,10 @@ MISUSES = {
     "decoder vs options": (["--decoder", "greedy", "--nbest", "2"],
                            "--decoder greedy produces one hypothesis per sentence; got --nbest 2"),
     "decoder vs model": (["--decoder", "blockwise", "--beam", "1"], "--decoder blockwise needs a k-head model"),
-    "engine": (["--decoder", "greedy", "--beam", "1", "--compiled-freezing"],
+    "engine": (["--decoder", "greedy", "--beam", "1", "--step-engine", "fairseq", "--compiled-freezing"],
                "--compiled-freezing applies to --step-engine compiled"),
-    "engine background": (["--decoder", "greedy", "--beam", "1", "--compile-in-background"],
+    "engine background": (["--decoder", "greedy", "--beam", "1", "--step-engine", "static",
+                           "--compile-in-background"],
                           "--compile-in-background applies to --step-engine compiled; got --step-engine static"),
     "streaming option": (["--decoder", "var-stream", "--beam", "4", "--stream-eps", "2"], "--stream-eps"),
     # 0 was read as "every head"; refused before the model loads, whatever the model
@@ -91,7 +92,7 @@ def test_build_generator_raises_the_plugins_usage_error(toy_model):
 BENCH_MISUSES = {
     "decoder vs options": (["--decoders", "greedy", "--nbest", "2"], MISUSES["decoder vs options"][1]),
     "decoder vs model": (["--decoders", "greedy,blockwise"], MISUSES["decoder vs model"][1]),
-    "engine": (["--decoders", "greedy", "--compiled-freezing"], MISUSES["engine"][1]),
+    "engine": (["--decoders", "greedy", "--step-engine", "fairseq", "--compiled-freezing"], MISUSES["engine"][1]),
     "streaming option": (["--decoders", "var-stream", "--beam", "4", "--stream-eps", "2"], "--stream-eps"),
     "cluster file": (["--decoders", "greedy", "--cluster-projection", "/nonexistent/clusters.pt"],
                      "/nonexistent/clusters.pt"),

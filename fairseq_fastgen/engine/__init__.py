@@ -1,5 +1,7 @@
 """The decoder-step engine: which runner runs a decoder's steps (``--step-engine``).
 
+* ``auto`` (the default): ``compiled`` with frozen row buckets and units compiled in the background on the CPU in
+  float32 or int8, ``static`` elsewhere (``choice.py``; ``$FASTGEN_STEP_ENGINE`` names another engine for it);
 * ``fairseq``: fairseq's own incremental decoder (a dict cache grown with ``torch.cat``);
 * ``static``: :class:`~fairseq_fastgen.engine.runners.StaticRunner`, preallocated
   buffers, eager, bitwise fairseq's hypotheses;

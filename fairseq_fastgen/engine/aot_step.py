@@ -33,6 +33,7 @@ import functools
 import hashlib
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -293,5 +294,9 @@ def compile_package(package, path: Path):
     temporary = path.with_name(f".{path.stem}.{os.getpid()}{safe_files.TEMPORARY_SUFFIX}.pt2")
     import torch._inductor as inductor  # only where a package is compiled (loading needs none of it)
 
-    inductor.aoti_compile_and_package(exported, package_path=str(temporary), inductor_configs=package.settings())
+    # the autotuner's table of timed choices and inductor's own deprecation warnings stay out of the decode's output
+    settings = dict(package.settings(), autotune_num_choices_displayed=0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        inductor.aoti_compile_and_package(exported, package_path=str(temporary), inductor_configs=settings)
     os.replace(temporary, path)

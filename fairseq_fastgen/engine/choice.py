@@ -1,8 +1,21 @@
-"""Which runner runs a decoder's steps: ``--step-engine`` checked with the options that depend on it, the model
-the engine must serve (else fairseq's, in one line), and the runner built."""
+"""Which runner runs a decoder's steps: ``--step-engine`` checked with the options that depend on it, ``auto``
+(the default) resolved for the model it serves, the model the engine must serve (else fairseq's, in one line),
+and the runner built.
+
+``auto`` runs the fastest path measured where it keeps every decoder's exactness promise: on the CPU, in float32
+or int8, ``compiled`` with its row buckets frozen (``--compiled-freezing``) and every unit not on disk yet compiled
+by a child process while the decode runs those steps eager (``--compile-in-background``): a first run on a new
+model does not wait for the compiler, later runs load the units.  Elsewhere (CUDA, where the compiled engine's
+buckets compile in the decoding process, half precision, ``--quantize bf16``) ``static``.  ``$FASTGEN_STEP_ENGINE``
+names the engine ``auto`` runs instead (``static`` for bitwise fairseq's hypotheses in a whole pipeline without
+editing its commands)."""
 
 import logging
+import os
+from dataclasses import dataclass
 from typing import Optional
+
+import torch
 
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.engine.compiled import CompiledRunner
@@ -11,7 +24,8 @@ from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from fairseq_fastgen.engine.runners import StaticRunner
 from fairseq_fastgen.ops import int8_kernel
 
-ENGINES = ("fairseq", "static", "compiled")
+ENGINES = ("auto", "fairseq", "static", "compiled")
+AUTO_ENGINE_ENV = "FASTGEN_STEP_ENGINE"  # the engine --step-engine auto runs, where set
 logger = logging.getLogger("fairseq_fastgen.engine")
 
 
@@ -36,48 +50,89 @@ def cache_capacity(max_len) -> int:
     return int(max_len.max()) + 2 if max_len.numel() else 1
 
 
-def engine_setting(options: PluginOptions) -> str:
-    """``--step-engine``, checked with the options that depend on it."""
+@dataclass(frozen=True)
+class EngineChoice:
+    """The runner --step-engine resolves to: ``engine`` one of fairseq, static, compiled; ``freezing`` and
+    ``background``: --compiled-freezing and --compile-in-background, implied where ``auto`` chose compiled."""
+
+    engine: str
+    freezing: bool = False
+    background: bool = False
+
+
+def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
+    """``--step-engine``, checked with the options that depend on it; ``auto`` resolved for ``model`` (None: a
+    float32 model on the CPU)."""
     engine = options.step_engine
     if engine not in ENGINES:
         raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
     for name in ("compiled_freezing", "compile_in_background"):
-        if getattr(options, name) and engine != "compiled":
+        if getattr(options, name) and engine not in ("compiled", "auto"):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} applies to --step-engine compiled; got --step-engine {engine}")
+    if engine == "auto":
+        engine = auto_engine(options, model)
+        if engine == "compiled" and AUTO_ENGINE_ENV not in os.environ:
+            return EngineChoice("compiled", freezing=True, background=True)
     if engine == "compiled" and options.quantize:
         refusal = compiled_int8_refusal(options)
         if refusal is None:
-            return engine
+            return EngineChoice(engine, options.compiled_freezing, options.compile_in_background)
         if not _quantized_fallback_named:
             _quantized_fallback_named.append(True)
             logger.warning(f"--step-engine compiled: {refusal}; runs on --step-engine static")
+        return EngineChoice("static")
+    if engine == "compiled":
+        return EngineChoice(engine, options.compiled_freezing, options.compile_in_background)
+    return EngineChoice(engine)
+
+
+def auto_engine(options: PluginOptions, model=None) -> str:
+    """What ``--step-engine auto`` runs for ``model`` (None: a float32 model on the CPU): $FASTGEN_STEP_ENGINE
+    where set; else ``compiled`` on the CPU in float32 or int8 (its units compute both), ``static`` elsewhere: on
+    CUDA its buckets compile through torch.compile in the decoding process (about a minute for the toy model on an
+    H200), which a first run would wait for, and it has no half-precision units."""
+    configured = os.environ.get(AUTO_ENGINE_ENV)
+    if configured:
+        if configured not in ENGINES[1:]:
+            raise ValueError(f"${AUTO_ENGINE_ENV} must be one of {', '.join(ENGINES[1:])}; got {configured!r}")
+        return configured
+    parameter = next(model.parameters(), None) if model is not None else None
+    if parameter is not None and (parameter.device.type != "cpu" or parameter.dtype != torch.float32):
         return "static"
-    return engine
+    if options.quantize and compiled_int8_refusal(options) is not None:
+        return "static"
+    return "compiled"
+
+
+def engine_setting(options: PluginOptions, model=None) -> str:
+    """The engine ``--step-engine`` resolves to for ``model``: fairseq, static or compiled."""
+    return engine_choice(options, model).engine
 
 
 def engine_refusal(model, options: PluginOptions) -> Optional[str]:
     """Why the step engine ``--step-engine`` asks for cannot run ``model``'s steps (``build_runner`` then falls
     back to fairseq's incremental decoder), or None where it can or fairseq's was asked for."""
-    return unsupported_reason(model.decoder) if engine_setting(options) != "fairseq" else None
+    return unsupported_reason(model.decoder) if engine_setting(options, model) != "fairseq" else None
 
 
 def engine_serves(model, options: PluginOptions) -> bool:
     """Whether a step engine (``static`` or ``compiled``), not fairseq's incremental decoder, runs ``model``'s
     steps under ``options``: the runner ``build_runner`` gives."""
-    return engine_setting(options) != "fairseq" and engine_refusal(model, options) is None
+    return engine_setting(options, model) != "fairseq" and engine_refusal(model, options) is None
 
 
 def build_runner(model, options: PluginOptions, temperature: float, projection):
     """The runner ``--step-engine`` asks for, or fairseq's with one line saying why not
     (``temperature``: fairseq's ``--temperature``)."""
-    engine = engine_setting(options)
+    choice = engine_choice(options, model)
+    engine = choice.engine
     refusal = engine_refusal(model, options)
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         engine = "fairseq"
-    return make_runner(engine, model, temperature, projection, options.compiled_freezing,
-                       background=options.compile_in_background, blocks_by_position=options.quantize == "int8",
+    return make_runner(engine, model, temperature, projection, choice.freezing,
+                       background=choice.background, blocks_by_position=options.quantize == "int8",
                        int8=compiled_int8(options))
 
 

@@ -25,7 +25,7 @@ from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
 from fairseq_fastgen.adapters.ensemble import use_ensemble
 from fairseq_fastgen.config import PluginOptions
-from fairseq_fastgen.engine.choice import compiled_int8, engine_setting, make_runner
+from fairseq_fastgen.engine.choice import compiled_int8, engine_choice, make_runner
 from fairseq_fastgen.engine.decoder_step import unsupported_reason
 
 logger = logging.getLogger("fairseq_fastgen.engine")
@@ -107,7 +107,6 @@ def serve_stock_search(generator, models, options: PluginOptions) -> bool:
     returns whether a runner serves it (not for an ensemble, a model without an encoder or one the engines
     cannot serve: fairseq's own ensemble then runs, with FastSeq's shared caches where they apply).
     ``--no-shared-encoder-cache``: every beam keeps its own copy of the encoder-decoder keys/values."""
-    engine = engine_setting(options)
-    return run_stock_search_on_engine(generator, models, engine, options.compiled_freezing,
-                                      options.compile_in_background, not options.no_shared_encoder_cache,
-                                      compiled_int8(options))
+    choice = engine_choice(options, models[0])
+    return run_stock_search_on_engine(generator, models, choice.engine, choice.freezing, choice.background,
+                                      not options.no_shared_encoder_cache, compiled_int8(options))

@@ -4,6 +4,7 @@
 import logging
 import time
 
+from fairseq_fastgen.engine import engine_setting
 from fairseq_fastgen.integration import check_checkpoint_files
 from fairseq_fastgen.option_checks import (UsageError, check_fairseq_generation_options, check_generation_options,
                                            usage_errors)
@@ -28,7 +29,7 @@ def build_server(args, cfg) -> Server:
         translator = Translator(cfg, limits)
         if args.peer == "ctranslate2":  # the benchmark's peer decodes the fixed batches (serve/peer.py)
             translator.generator = CTranslate2Generator(cfg, translator)
-    if args.peer is None and str(cfg.generation.step_engine) == "compiled":
+    if args.peer is None and engine_setting(cfg.generation, translator.models[0]) == "compiled":
         warm_up(translator, args.fixed_batch_size if args.batching == "fixed" else cfg.dataset.batch_size or 8)
     metrics = Metrics()
     if args.batching == "continuous":
@@ -41,8 +42,8 @@ def build_server(args, cfg) -> Server:
 
 
 def warm_up(translator: Translator, most_rows: int):
-    """--step-engine compiled: its units for 1 to ``most_rows`` rows loaded (or compiled) before the server listens,
-    one line saying how long it took."""
+    """--step-engine compiled (or auto where it runs compiled): its units for 1 to ``most_rows`` rows loaded (or
+    compiled; under auto in the background) before the server listens, one line saying how long it took."""
     start = time.perf_counter()
     sizes = translator.warm_up(most_rows)
     logger.info("fastgen-serve: warmed up --step-engine compiled in %.1f s (batches of %s rows)",

@@ -93,10 +93,11 @@ def test_pareto_frontier_keeps_points_no_other_point_beats_on_speed_and_bleu():
     assert sorted(pareto_frontier(points)) == [0, 1, 4]
 
 
-def shared_config():
+def shared_config(step_engine="static"):
     return SimpleNamespace(
+        common=SimpleNamespace(cpu=True),
         dataset=SimpleNamespace(batch_size=None, max_tokens=None),
-        generation=SimpleNamespace(beam=5, decoder="beam", cluster_projection=None),
+        generation=SimpleNamespace(beam=5, decoder="beam", cluster_projection=None, step_engine=step_engine),
     )
 
 
@@ -111,12 +112,32 @@ def test_run_config_sets_the_configuration_without_touching_the_shared_one():
 
 def test_a_variant_brings_its_own_generation_options():
     cfg = shared_config()
-    variant_generation = SimpleNamespace(beam=5, decoder="beam", cluster_projection="c16.pt", max_len_b=3)
+    variant_generation = SimpleNamespace(beam=5, decoder="beam", cluster_projection="c16.pt", max_len_b=3,
+                                         step_engine="static")
     run_cfg = options.run_config(cfg, BenchConfig("greedy", 1, 16, None, variant="c16"), None,
                                  {"c16": variant_generation})
     assert (run_cfg.generation.beam, run_cfg.generation.max_len_b, run_cfg.generation.cluster_projection) == (
         1, 3, "c16.pt")
     assert variant_generation.beam == 5 and cfg.generation.cluster_projection is None
+
+
+def test_the_default_engine_is_measured_with_its_units_compiled_in_the_warm_up(monkeypatch):
+    """--step-engine auto on the CPU compiles its units in the background: the bench names the engine it runs once
+    they are on disk (compiled, frozen row buckets) and compiles them in the foreground, so that no timed pass
+    switches from eager steps to compiled ones halfway."""
+    monkeypatch.delenv("FASTGEN_STEP_ENGINE", raising=False)
+    cfg = shared_config("auto")
+    cfg.generation.quantize, cfg.generation.compiled_freezing, cfg.generation.compile_in_background = None, False, False
+    run_cfg = options.run_config(cfg, BenchConfig("greedy", 1, 16, None), None)
+    generation = run_cfg.generation
+    assert (generation.step_engine, generation.compiled_freezing, generation.compile_in_background) == (
+        "compiled", True, False)
+    assert cfg.generation.step_engine == "auto"
+    monkeypatch.setenv("FASTGEN_STEP_ENGINE", "static")  # auto as the environment names it: left to resolve
+    assert options.run_config(cfg, BenchConfig("greedy", 1, 16, None), None).generation.step_engine == "auto"
+    cfg.generation.step_engine = "static"
+    monkeypatch.delenv("FASTGEN_STEP_ENGINE")
+    assert options.run_config(cfg, BenchConfig("greedy", 1, 16, None), None).generation.step_engine == "static"
 
 
 def test_run_config_lets_the_decoder_prepare_the_run_as_fairseq_generate_does():
