@@ -7,7 +7,8 @@
 # timing) and once as a later run (every unit on disk, compiled once before the rounds, untimed); and
 # --step-engine compiled (COMPILED_OPTIONS) with an empty cache and with the cache it left. Wall seconds per
 # process, the processes interleaved round by round; prints each round and the medians, and how many hypotheses
-# (H- lines: sentence id and text) and printed scores each process shares with stock fairseq-generate.
+# (H- lines: sentence id and text) and printed scores each process shares with stock fairseq-generate, and each
+# process's largest peak RSS (GNU time's maximum resident set size of the decoding process).
 #
 #   bash benchmarks/engine_whole_process.sh [MODEL_DIR] [ROUNDS] [THREADS]
 #
@@ -35,7 +36,7 @@ run() {  # NAME COMMAND...: one process; appends its wall seconds to $WORK/NAME.
   shift
   local start end
   start=$(date +%s.%N)
-  "$@" "${OPTIONS[@]}" > "$WORK/$name.out" 2> "$WORK/$name.err"
+  /usr/bin/time -f %M -a -o "$WORK/$name.rss" "$@" "${OPTIONS[@]}" > "$WORK/$name.out" 2> "$WORK/$name.err"
   end=$(date +%s.%N)
   echo "$end - $start" | bc >> "$WORK/$name.times"
   grep '^H-' "$WORK/$name.out" | sort > "$WORK/$name.hyp"  # H-id, score (base 2), text
@@ -73,6 +74,7 @@ for name in $NAMES; do
   median=$(sort -n "$WORK/$name.times" | awk '{a[NR]=$1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}')
   texts=$(paste <(cut -f1,3 "$WORK/$name.hyp") <(cut -f1,3 "$WORK/stock.hyp") | awk -F'\t' '$1 == $3 && $2 == $4' | wc -l)
   scores=$(paste <(cut -f2 "$WORK/$name.hyp") <(cut -f2 "$WORK/stock.hyp") | awk -F'\t' '$1 == $2' | wc -l)
-  printf '%-19s median %6.1f s over %s processes; as stock: %s of %s hypotheses, %s printed scores\n' \
-      "$name" "$median" "$ROUNDS" "$texts" "$(wc -l < "$WORK/stock.hyp")" "$scores"
+  rss=$(sort -n "$WORK/$name.rss" | tail -1)  # KiB, the decoding process's (a compiling child is not its)
+  printf '%-19s median %6.1f s over %s processes, peak RSS %s MB; as stock: %s of %s hypotheses, %s printed scores\n' \
+      "$name" "$median" "$ROUNDS" "$((rss / 1024))" "$texts" "$(wc -l < "$WORK/stock.hyp")" "$scores"
 done

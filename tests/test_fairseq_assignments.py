@@ -64,6 +64,8 @@ OPTION_PREPARATION = {
     ("sequence_generators/streaming.py", "prepare_streaming_cli"):
         "the streaming decoders' prepare_cli hook (registry): their pool and capacity, before fairseq batches",
     ("bench/options.py", "run_config"): "fastgen-bench: one configuration's options, on its own deep copy",
+    ("bench/options.py", "steady_engine"):
+        "fastgen-bench: --step-engine auto named as it runs once its units are on disk, on run_config's deep copy",
     ("bench/cluster_projection.py", "grid"): "the plugin's own k-means settings (ClusterTrainingConfig) per count",
     ("cli/async_generate.py", "async_generate_main"):
         "fairseq-generate's own default --max-tokens, as its _main sets it",
