@@ -42,6 +42,10 @@ run() {  # NAME COMMAND...: one process; appends its wall seconds to $WORK/NAME.
   grep '^H-' "$WORK/$name.out" | sort > "$WORK/$name.hyp"  # H-id, score (base 2), text
 }
 
+use_cache() {  # NAME: torch.compile's code and the units compiled ahead of time go to (and come from) $WORK/NAME
+  export TORCHINDUCTOR_CACHE_DIR="$WORK/$1" FASTGEN_COMPILED_DIR="$WORK/$1/fairseq_fastgen"
+}
+
 wait_for_children() {  # the background compilations NAME's process started: they end untimed
   for child in $(grep -o 'in the background (process [0-9]*' "$WORK/$1.err" | grep -o '[0-9]*$'); do
     while kill -0 "$child" 2> /dev/null; do sleep 1; done
@@ -49,21 +53,21 @@ wait_for_children() {  # the background compilations NAME's process started: the
 }
 
 # the later runs' cache: every unit the default's decode needs, compiled in the foreground once, untimed
-TORCHINDUCTOR_CACHE_DIR="$WORK/cache-later" FASTGEN_COMPILED_DIR="$WORK/cache-later/fairseq_fastgen" \
-  "${PLUGIN[@]}" --step-engine compiled --compiled-freezing "${OPTIONS[@]}" > /dev/null 2> "$WORK/later-compile.err"
+(use_cache cache-later
+ "${PLUGIN[@]}" --step-engine compiled --compiled-freezing "${OPTIONS[@]}" > /dev/null 2> "$WORK/later-compile.err")
 NAMES="stock static default-first default-later"
 [ "${COMPILED_ROWS:-yes}" = no ] || NAMES="$NAMES compiled-cold compiled-warm"
 for round in $(seq "$ROUNDS"); do
   run stock "${STOCK[@]}"
   run static "${PLUGIN[@]}" --step-engine static
-  export TORCHINDUCTOR_CACHE_DIR="$WORK/cache-first-$round" FASTGEN_COMPILED_DIR="$WORK/cache-first-$round/fairseq_fastgen"
+  use_cache "cache-first-$round"
   run default-first "${PLUGIN[@]}"
   wait_for_children default-first
-  export TORCHINDUCTOR_CACHE_DIR="$WORK/cache-later" FASTGEN_COMPILED_DIR="$WORK/cache-later/fairseq_fastgen"
+  use_cache cache-later
   run default-later "${PLUGIN[@]}"
   wait_for_children default-later  # none, unless the decode met a unit the foreground run did not
   if [[ "$NAMES" == *compiled-cold* ]]; then
-    export TORCHINDUCTOR_CACHE_DIR="$WORK/cache-$round" FASTGEN_COMPILED_DIR="$WORK/cache-$round/fairseq_fastgen"
+    use_cache "cache-$round"
     run compiled-cold "${PLUGIN[@]}" "${COMPILED[@]}"
     run compiled-warm "${PLUGIN[@]}" "${COMPILED[@]}"
   fi

@@ -16,12 +16,11 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from fairseq_fastgen.engine.choice import EngineChoice, engine_choice
+from fairseq_fastgen.engine.choice import AUTO_ON_CPU, engine_choice
 from fairseq_fastgen.option_checks import UsageError, check_generation_options, flag
 from fairseq_fastgen.options import parse_options
 from fairseq_fastgen.registry import DECODERS
 
-AUTO_COMPILED = EngineChoice("compiled", freezing=True, background=True)  # --step-engine auto on the CPU
 CTRANSLATE2 = "ctranslate2"  # the peer, measured beside the registered decoders
 STOCK_PROCESS = "fairseq"  # --whole-process: stock fairseq-generate without the plugin
 FAIRSEQ_DEFAULT_MAX_TOKENS = 12000  # fairseq-generate's batching when neither limit is given
@@ -283,8 +282,9 @@ def steady_engine(run_cfg):
     """``--step-engine auto`` where it runs the compiled engine with its units compiled in the background: the
     bench names that engine (``compiled --compiled-freezing``) and compiles its units in the warm-up pass instead,
     so that the timed passes measure what the default runs once its units are on disk (a first run's eager steps
-    are ``benchmarks/first_run.py``'s)."""
+    are ``benchmarks/engine_whole_process.sh``'s)."""
     generation = run_cfg.generation
-    on_cpu = run_cfg.common.cpu or not torch.cuda.is_available()
-    if on_cpu and str(generation.step_engine) == "auto" and engine_choice(generation) == AUTO_COMPILED:
+    if str(generation.step_engine) != "auto" or not (run_cfg.common.cpu or not torch.cuda.is_available()):
+        return
+    if engine_choice(generation) == AUTO_ON_CPU:
         generation.step_engine, generation.compiled_freezing = "compiled", True

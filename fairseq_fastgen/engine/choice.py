@@ -60,6 +60,9 @@ class EngineChoice:
     background: bool = False
 
 
+AUTO_ON_CPU = EngineChoice("compiled", freezing=True, background=True)  # what auto runs on the CPU
+
+
 def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
     """``--step-engine``, checked with the options that depend on it; ``auto`` resolved for ``model`` (None: a
     float32 model on the CPU)."""
@@ -71,38 +74,35 @@ def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} applies to --step-engine compiled; got --step-engine {engine}")
     if engine == "auto":
-        engine = auto_engine(options, model)
-        if engine == "compiled" and AUTO_ENGINE_ENV not in os.environ:
-            return EngineChoice("compiled", freezing=True, background=True)
-    if engine == "compiled" and options.quantize:
-        refusal = compiled_int8_refusal(options)
-        if refusal is None:
-            return EngineChoice(engine, options.compiled_freezing, options.compile_in_background)
-        if not _quantized_fallback_named:
-            _quantized_fallback_named.append(True)
-            logger.warning(f"--step-engine compiled: {refusal}; runs on --step-engine static")
-        return EngineChoice("static")
-    if engine == "compiled":
-        return EngineChoice(engine, options.compiled_freezing, options.compile_in_background)
-    return EngineChoice(engine)
-
-
-def auto_engine(options: PluginOptions, model=None) -> str:
-    """What ``--step-engine auto`` runs for ``model`` (None: a float32 model on the CPU): $FASTGEN_STEP_ENGINE
-    where set; else ``compiled`` on the CPU in float32 or int8 (its units compute both), ``static`` elsewhere: on
-    CUDA its buckets compile through torch.compile in the decoding process (about a minute for the toy model on an
-    H200), which a first run would wait for, and it has no half-precision units."""
-    configured = os.environ.get(AUTO_ENGINE_ENV)
-    if configured:
+        configured = os.environ.get(AUTO_ENGINE_ENV)
+        if not configured:
+            return auto_choice(options, model)
         if configured not in ENGINES[1:]:
             raise ValueError(f"${AUTO_ENGINE_ENV} must be one of {', '.join(ENGINES[1:])}; got {configured!r}")
-        return configured
+        engine = configured  # the engine as named, its flags as given
+    if engine != "compiled":
+        return EngineChoice(engine)
+    refusal = compiled_int8_refusal(options) if options.quantize else None
+    if refusal is None:
+        return EngineChoice(engine, options.compiled_freezing, options.compile_in_background)
+    if not _quantized_fallback_named:
+        _quantized_fallback_named.append(True)
+        logger.warning(f"--step-engine compiled: {refusal}; runs on --step-engine static")
+    return EngineChoice("static")
+
+
+def auto_choice(options: PluginOptions, model=None) -> EngineChoice:
+    """What ``--step-engine auto`` runs for ``model`` (None: a float32 model on the CPU) where
+    $FASTGEN_STEP_ENGINE names no engine: ``AUTO_ON_CPU`` on the CPU in float32 or int8 (the compiled units compute
+    both), ``static`` elsewhere: on CUDA the compiled engine's buckets compile through torch.compile in the
+    decoding process (about a minute for the toy model on an H200), which a first run would wait for, and it has no
+    half-precision units."""
     parameter = next(model.parameters(), None) if model is not None else None
     if parameter is not None and (parameter.device.type != "cpu" or parameter.dtype != torch.float32):
-        return "static"
+        return EngineChoice("static")
     if options.quantize and compiled_int8_refusal(options) is not None:
-        return "static"
-    return "compiled"
+        return EngineChoice("static")
+    return AUTO_ON_CPU
 
 
 def engine_setting(options: PluginOptions, model=None) -> str:
@@ -127,7 +127,7 @@ def build_runner(model, options: PluginOptions, temperature: float, projection):
     (``temperature``: fairseq's ``--temperature``)."""
     choice = engine_choice(options, model)
     engine = choice.engine
-    refusal = engine_refusal(model, options)
+    refusal = unsupported_reason(model.decoder) if engine != "fairseq" else None  # engine_refusal's, resolved once
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         engine = "fairseq"
