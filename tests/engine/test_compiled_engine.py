@@ -67,7 +67,10 @@ def test_rows_above_the_row_buckets_share_one_compiled_step(toy, monkeypatch):
 def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tmp_path, monkeypatch, caplog):
     """The step above the row buckets is written to $FASTGEN_COMPILED_DIR by the first runner that needs it;
     a later runner of the same model (another process, a later run) loads it instead of compiling, and both
-    give fairseq's tokens.  A stale temporary file of a killed compilation changes nothing."""
+    give fairseq's tokens.  A stale temporary file of a killed compilation changes nothing.  The unit's frozen
+    weights, constants inside its library copied out at load, then leave the library's pages: once loaded, those
+    pages are no longer in the process's memory (without the release they all are), and the unit still gives
+    fairseq's tokens."""
     if not onednn_linear_module.onednn_available():
         pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
     monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path))
@@ -86,6 +89,41 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
     assert len(list(tmp_path.glob("step-any-rows-*.pt2"))) == 1
     lines = [r.getMessage() for r in caplog.records if "the step above" in r.getMessage()]
     assert len(lines) == 2 and "compiled and stored in" in lines[0] and " loaded in " in lines[1]
+
+    from fairseq_fastgen.engine import loaded_package
+
+    (package,) = tmp_path.glob("step-any-rows-*.pt2")
+    for release in (False, True):
+        with monkeypatch.context() as patches:
+            if not release:
+                patches.setattr(loaded_package, "release_constant_pages", lambda library: 0)
+            before = loaded_package.mapped_libraries()
+            unit = loaded_package.load_package(package)
+            (library,) = [path for path in loaded_package.mapped_libraries() - before if "wrapper" in path]
+        size, resident = resident_constants(library)
+        assert size > 64 * 4096  # the toy's weights: enough pages to tell
+        assert (resident < size / 8) if release else (resident >= size)
+    generator.runner.units.packaged[None] = unit  # the released unit serves the decode
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
+
+
+def resident_constants(library: str) -> tuple:
+    """(bytes of ``library``'s constants, bytes of the mappings that hold them now in this process's memory)."""
+    import ctypes
+    import os
+    import re
+
+    handle = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    start, end = (ctypes.addressof(ctypes.c_char.in_dll(handle, f"_binary_constants_bin_{edge}"))
+                  for edge in ("start", "end"))
+    resident, overlaps = 0, False
+    for line in open("/proc/self/smaps"):
+        span = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if span:
+            overlaps = int(span.group(1), 16) < end and int(span.group(2), 16) > start
+        elif overlaps and line.startswith("Rss:"):
+            resident += int(line.split()[1]) * 1024
+    return end - start, resident
 
 
 BACKGROUND_CASES = {
