@@ -78,7 +78,7 @@ def example_inputs(step: PaddedStep, position_table, rows: Optional[int]):
     attended = torch.zeros(rows, capacity, dtype=torch.bool, device=weight.device)
     return (tokens, positions, attended, position_table,
             buffers(rows, capacity), buffers(rows, capacity), buffers(sources, width), buffers(sources, width),
-            torch.zeros(sources, width, dtype=torch.bool, device=weight.device))
+            torch.zeros(sources, width, dtype=torch.bool, device=weight.device), decoder_step.token_table())
 
 
 def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor], rows: Optional[int], beams: int = 1):
@@ -95,7 +95,8 @@ def symbolic_dimensions(layers: int, position_table: Optional[torch.Tensor], row
     table = {0: Dim("table_positions", min=2)} if position_table is not None else None
     keys = [{**row, 2: capacity}] * layers
     sources = [{**source, 2: width}] * layers
-    return (row or None, row or None, {**row, 1: capacity}, table, keys, keys, sources, sources, {**source, 1: width})
+    return (row or None, row or None, {**row, 1: capacity}, table, keys, keys, sources, sources, {**source, 1: width},
+            None)
 
 
 def digest_of(parts: str, sources, module: nn.Module) -> str:
@@ -188,8 +189,9 @@ class EncoderPackage:
                             device=weight.device)
         row = {0: Dim("rows", min=2)} if self.rows is None else {}
         table = {0: Dim("table_positions", min=2)} if self.position_table is not None else None
-        return torch.export.export(self.encoder_pass.eval(), (tokens, self.position_table),
-                                   dynamic_shapes=({**row, 1: Dim("source", min=2)}, table), strict=False)
+        return torch.export.export(self.encoder_pass.eval(), (tokens, self.position_table,
+                                                              self.encoder_pass.token_table()),
+                                   dynamic_shapes=({**row, 1: Dim("source", min=2)}, table, None), strict=False)
 
     def settings(self) -> dict:
         return {"freezing": True}

@@ -154,7 +154,9 @@ class CompiledRunner(StaticRunner):
             with self.eager_products():
                 return super().encode(net_input)
         # contiguous: the unit reads its inputs at the strides it was compiled for (a subset's are a slice's)
-        states, padding = unit(src_tokens.contiguous(), self.units.encoder_pass.position_table(src_tokens.size(1)))
+        encoder_pass = self.units.encoder_pass
+        states, padding = unit(src_tokens.contiguous(), encoder_pass.position_table(src_tokens.size(1)),
+                               encoder_pass.token_table())
         lengths = (~padding).sum(dim=1, dtype=torch.int32).reshape(-1, 1)  # (rows, 1), as fairseq's encoder's
         return encoder_output(states, padding, fc_results=[], src_lengths=[lengths])
 
@@ -289,7 +291,8 @@ class CompiledRunner(StaticRunner):
         rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)
         inputs = (tokens.index_select(0, rows_index), positions.index_select(0, rows_index),
                   cache.attended(), self.decoder_step.position_table(cache.capacity), cache.self_keys,
-                  cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask)
+                  cache.self_values, cache.cross_keys, cache.cross_values, cache.cross_mask,
+                  self.decoder_step.token_table())
         outputs, attn, new_keys, new_values = unit(*inputs)  # outputs: a tensor, or a list of them
         for buffer, new in zip(cache.self_keys + cache.self_values, new_keys + new_values):
             if n == 1:

@@ -4,7 +4,7 @@ One module serves every unit of the decoder step: a row bucket through ``torch.c
 the unit for every row count and the frozen buckets compiled ahead of time (``aot_step.py``), and
 a block of positions per row for blockwise verification.  Its inputs are the padded step's
 (``DecoderStep.padded``: the rows' last tokens and positions, the attended mask, the position table,
-the cache's buffers); its outputs are the step's scores, the last layer's encoder attention and the
+the cache's buffers, the token embeddings); its outputs are the step's scores, the last layer's encoder attention and the
 new keys/values, which the runner writes into the cache after the call (a unit that does not update
 its inputs compiles into tighter loops).
 
@@ -40,12 +40,14 @@ class PaddedStep(nn.Module):
         self.beams, self.block = beams, block
 
     def forward(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
-                cross_values, cross_mask, fused: Optional[FusedWeights] = None):
-        # fused None: the frozen weights of the decoder step's buffers
+                cross_values, cross_mask, tokens_table, fused: Optional[FusedWeights] = None):
+        # tokens_table: the token embeddings (DecoderStep.token_table), or None; fused None: the frozen weights of
+        # the decoder step's buffers
         fused = self.decoder_step.fused_buffers.weights() if fused is None else fused
         features, attn, new_keys, new_values = self.decoder_step.padded(
             last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys, cross_values,
             cross_mask, fused.qkv_weights, fused.qkv_biases, self.beams, first_head=self.block == 1,
+            tokens_table=tokens_table,
         )
         if self.block > 1:
             outputs = [features, self.log_softmax(features, fused)] if self.scores_blocks else features

@@ -115,6 +115,20 @@ def position_table(embed_positions, length: int) -> Optional[Tensor]:
     return embed_positions.weight
 
 
+def token_table(embed_tokens) -> Optional[Tensor]:
+    """The token embeddings (vocab, dim) of ``embed_tokens`` where it is a plain ``nn.Embedding`` (else None).
+    A compiled unit takes them as an input instead of holding them: frozen, they would be a copy of the
+    model's table in every unit (65 MB at base size; with shared embeddings the same table as the vocabulary
+    projection, which a unit holds prepacked anyway)."""
+    return embed_tokens.weight if type(embed_tokens) is nn.Embedding else None
+
+
+def embedded(embed_tokens, tokens: Tensor, tokens_table: Optional[Tensor]) -> Tensor:
+    """The embeddings (rows, n, dim) of tokens (rows, n): rows of ``tokens_table`` (``token_table``'s), else
+    ``embed_tokens``' own forward."""
+    return embed_tokens(tokens) if tokens_table is None else F.embedding(tokens, tokens_table)
+
+
 class DecoderStep(nn.Module):
     """The incremental step of ``decoder`` (shares its parameters)."""
 
@@ -140,10 +154,15 @@ class DecoderStep(nn.Module):
         """Embedding of every target position up to ``length`` (bos included), (positions, dim)."""
         return position_table(self.decoder.embed_positions, length)
 
-    def embed(self, tokens: Tensor, position_rows: Optional[Tensor]) -> Tensor:
-        """tokens (rows, n); position_rows (rows or 1, n, dim) or None -> x (n, rows, dim)."""
+    def token_table(self) -> Optional[Tensor]:
+        """The token embeddings (vocab, dim), for a compiled unit to read as an input (see ``token_table``)."""
+        return token_table(self.decoder.embed_tokens)
+
+    def embed(self, tokens: Tensor, position_rows: Optional[Tensor], tokens_table: Optional[Tensor] = None) -> Tensor:
+        """tokens (rows, n); position_rows (rows or 1, n, dim) or None; tokens_table: the token embeddings
+        (vocab, dim) as an input, or None (the decoder's own) -> x (n, rows, dim)."""
         decoder = self.decoder
-        x = decoder.embed_scale * decoder.embed_tokens(tokens)  # (rows, n, dim)
+        x = decoder.embed_scale * embedded(decoder.embed_tokens, tokens, tokens_table)  # (rows, n, dim)
         if decoder.project_in_dim is not None:
             x = self.linear(decoder.project_in_dim, x, "project_in_dim")
         if position_rows is not None:
@@ -377,7 +396,7 @@ class DecoderStep(nn.Module):
     # ---- the padded form (fixed shapes, a position per row, or a block of them) -----------------------
     def padded(self, last_tokens: Tensor, positions: Tensor, attended: Tensor, position_table: Optional[Tensor],
                self_keys, self_values, cross_keys, cross_values, cross_mask: Tensor, qkv_weights, qkv_biases,
-               beams: int = 1, first_head: bool = True):
+               beams: int = 1, first_head: bool = True, tokens_table: Optional[Tensor] = None):
         """Features (rows, 1, dim), last-layer encoder attention (rows, src_width) and the new self-attention
         keys and values of every layer (rows, heads, head_dim) of one step.
 
@@ -390,7 +409,8 @@ class DecoderStep(nn.Module):
         (rows, src_width) True at padding; qkv_weights/biases per layer, each self-attention's query, key
         and value projections as one (``fused_weights.py``).  With ``beams`` > 1 the rows are sentences x
         beams (each sentence's beams together) and the encoder-decoder keys/values and mask hold one entry
-        per sentence (sentences, ...), shared by its beams.
+        per sentence (sentences, ...), shared by its beams.  tokens_table: the token embeddings as an input
+        (``token_table``), or None.
 
         A block (blockwise verification): last_tokens and positions (rows, n), n > 1, each new position
         attending the ``attended`` ones and the block's positions up to itself; then features (rows, n, dim),
@@ -402,7 +422,7 @@ class DecoderStep(nn.Module):
         if position_table is not None:
             index = positions if n > 1 else positions.unsqueeze(1)  # (rows, n)
             position_rows = position_table[index + (self.decoder.padding_idx + 1)]  # (rows, n, dim)
-        x = self.embed(last_tokens, position_rows)  # (n, rows, dim)
+        x = self.embed(last_tokens, position_rows, tokens_table)  # (n, rows, dim)
         new_keys, new_values = [], []  # per layer
 
         def self_attention(index: int, attention, x: Tensor) -> Tensor:

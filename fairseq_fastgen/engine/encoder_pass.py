@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from fairseq.models.transformer import TransformerEncoderBase
 from fairseq_fastgen.engine.decoder_step import (
-    DecoderStep, attention_unsupported, embeddings_unsupported, feed_forward, position_table,
+    DecoderStep, attention_unsupported, embedded, embeddings_unsupported, feed_forward, position_table, token_table,
 )
 
 
@@ -53,13 +53,19 @@ class EncoderPass(nn.Module):
         """Embedding of every source position up to ``src_len``, (positions, dim)."""
         return position_table(self.encoder.embed_positions, src_len)
 
-    def forward(self, src_tokens: Tensor, position_table: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-        """src_tokens (rows, src_len), left- or right-padded -> states (src_len, rows, dim) and the padding
-        mask (rows, src_len), True at padding (fairseq's ``encoder_out`` and ``encoder_padding_mask``)."""
+    def token_table(self) -> Optional[Tensor]:
+        """The token embeddings (vocab, dim), for a compiled unit to read as an input (``token_table``)."""
+        return token_table(self.encoder.embed_tokens)
+
+    def forward(self, src_tokens: Tensor, position_table: Optional[Tensor],
+                tokens_table: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """src_tokens (rows, src_len), left- or right-padded; tokens_table: the token embeddings as an input, or
+        None (the encoder's own) -> states (src_len, rows, dim) and the padding mask (rows, src_len), True at
+        padding (fairseq's ``encoder_out`` and ``encoder_padding_mask``)."""
         encoder = self.encoder
         padding = src_tokens.eq(encoder.padding_idx)  # (rows, src_len)
         real = ~padding
-        x = encoder.embed_scale * encoder.embed_tokens(src_tokens)  # (rows, src_len, dim)
+        x = encoder.embed_scale * embedded(encoder.embed_tokens, src_tokens, tokens_table)  # (rows, src_len, dim)
         if position_table is not None:
             # fairseq's make_positions: the real tokens numbered from padding_idx + 1, padding at padding_idx
             positions = torch.cumsum(real.long(), dim=1) * real + encoder.padding_idx

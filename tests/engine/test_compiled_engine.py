@@ -70,7 +70,7 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
     give fairseq's tokens.  A stale temporary file of a killed compilation changes nothing.  The unit's frozen
     weights, constants inside its library copied out at load, then leave the library's pages: once loaded, those
     pages are no longer in the process's memory (without the release they all are), and the unit still gives
-    fairseq's tokens."""
+    fairseq's tokens.  The token embeddings are none of its constants (an input: the model's own table)."""
     if not onednn_linear_module.onednn_available():
         pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
     monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path))
@@ -103,6 +103,8 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
         size, resident = resident_constants(library)
         assert size > 64 * 4096  # the toy's weights: enough pages to tell
         assert (resident < size / 8) if release else (resident >= size)
+    # the token embeddings are an input, not a constant of the unit: the model's own table, not a copy
+    assert not [name for name in unit.constant_names() if "embed_tokens" in name or "output_projection" in name]
     generator.runner.units.packaged[None] = unit  # the released unit serves the decode
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
 
@@ -183,6 +185,7 @@ def test_compiled_steps_compile_in_the_background_while_the_decode_runs_eager(to
         units.poll_background(encoder)
         time.sleep(0.2)
     assert units.packaged[encoder] is not None and len(list(tmp_path.glob("encoder-*.pt2"))) == 1
+    assert not [name for name in units.packaged[encoder].constant_names() if "embed_tokens" in name]  # an input
 
     later = toy.generator(**options)
     assert_same_tokens_close_scores(expected, translate_batches(toy, later, ids, batch))
