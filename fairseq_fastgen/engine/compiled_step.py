@@ -4,9 +4,9 @@ One module serves every unit of the decoder step: a row bucket through ``torch.c
 the unit for every row count and the frozen buckets compiled ahead of time (``aot_step.py``), and
 a block of positions per row for blockwise verification.  Its inputs are the padded step's
 (``DecoderStep.padded``: the rows' last tokens and positions, the attended mask, the position table,
-the cache's buffers, the token embeddings); its outputs are the step's scores, the last layer's encoder attention and the
-new keys/values, which the runner writes into the cache after the call (a unit that does not update
-its inputs compiles into tighter loops).
+the cache's buffers, the token embeddings); its outputs are the step's scores, the last layer's encoder
+attention and the new keys/values, which the runner writes into the cache after the call (a unit that
+does not update its inputs compiles into tighter loops).
 
 The weights it reads are the decoder's parameters and the fused copies of ``fused_weights.py``: passed
 as the last input (``torch.compile``'s buckets, whose code stays valid when the weights change) or read

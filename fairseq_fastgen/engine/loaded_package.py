@@ -8,7 +8,7 @@ package directory) and never compiles.  The C++ loader runs the same compiled co
 A package whose weights are inside its shared library (every float32 unit: the frozen, prepacked weights are
 constants of the compiled code) is loaded by copying them out of the library's read-only data into memory the
 unit owns; the library's pages stay mapped, so each unit's weights would count twice in the process's memory (at
-base size 209 MB more for a decoder step's unit, 134 MB for the encoder's). Once loaded, those pages are handed
+base size 150 MB more for a decoder step's unit, 75 MB for the encoder's). Once loaded, those pages are handed
 back to the kernel (``madvise``): they are clean pages of a file, read again from it should anything touch them.
 """
 
