@@ -113,13 +113,19 @@ def engine_setting(options: PluginOptions, model=None) -> str:
 def engine_refusal(model, options: PluginOptions) -> Optional[str]:
     """Why the step engine ``--step-engine`` asks for cannot run ``model``'s steps (``build_runner`` then falls
     back to fairseq's incremental decoder), or None where it can or fairseq's was asked for."""
-    return unsupported_reason(model.decoder) if engine_setting(options, model) != "fairseq" else None
+    return refusal_of(model, engine_setting(options, model))
+
+
+def refusal_of(model, engine: str) -> Optional[str]:
+    """Why ``engine`` (resolved: no ``auto``) cannot run ``model``'s steps, or None (always for ``fairseq``)."""
+    return unsupported_reason(model.decoder) if engine != "fairseq" else None
 
 
 def engine_serves(model, options: PluginOptions) -> bool:
     """Whether a step engine (``static`` or ``compiled``), not fairseq's incremental decoder, runs ``model``'s
     steps under ``options``: the runner ``build_runner`` gives."""
-    return engine_setting(options, model) != "fairseq" and engine_refusal(model, options) is None
+    engine = engine_setting(options, model)
+    return engine != "fairseq" and refusal_of(model, engine) is None
 
 
 def build_runner(model, options: PluginOptions, temperature: float, projection):
@@ -127,7 +133,7 @@ def build_runner(model, options: PluginOptions, temperature: float, projection):
     (``temperature``: fairseq's ``--temperature``)."""
     choice = engine_choice(options, model)
     engine = choice.engine
-    refusal = unsupported_reason(model.decoder) if engine != "fairseq" else None  # engine_refusal's, resolved once
+    refusal = refusal_of(model, engine)
     if refusal:
         logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         engine = "fairseq"

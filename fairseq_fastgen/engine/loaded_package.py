@@ -13,9 +13,11 @@ back to the kernel (``madvise``): they are clean pages of a file, read again fro
 """
 
 import ctypes
+import functools
 import mmap
 import os
 from pathlib import Path
+from typing import Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -99,23 +101,38 @@ def mapped_libraries() -> set:
         return set()
 
 
-def release_constant_pages(library: str) -> int:
-    """Hand back to the kernel the pages of ``library``'s constants (an AOTInductor library's weights, between
-    its symbols ``_binary_constants_bin_start`` and ``_end``; read-only file pages the unit copied at load) that
-    are in memory; returns the bytes of address range released (0 where the library has no such constants)."""
+def constants_range(library: str) -> Optional[Tuple[int, int]]:
+    """The addresses (start, end) of a loaded AOTInductor ``library``'s constants (its weights, between its symbols
+    ``_binary_constants_bin_start`` and ``_end``), or None where it has no such symbols."""
     try:
         handle = ctypes.CDLL(library, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # loaded already: no second load
-        start = ctypes.addressof(ctypes.c_char.in_dll(handle, "_binary_constants_bin_start"))
-        end = ctypes.addressof(ctypes.c_char.in_dll(handle, "_binary_constants_bin_end"))
+        start, end = (ctypes.addressof(ctypes.c_char.in_dll(handle, f"_binary_constants_bin_{edge}"))
+                      for edge in ("start", "end"))
     except (OSError, ValueError):
+        return None
+    return start, end
+
+
+def release_constant_pages(library: str) -> int:
+    """Hand back to the kernel the pages of ``library``'s constants (``constants_range``: read-only file pages
+    the unit copied at load) that are in memory; returns the bytes of address range released (0 where the library
+    has no such constants)."""
+    span = constants_range(library)
+    if span is None:
         return 0
-    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the constants only
-    length = end // mmap.PAGESIZE * mmap.PAGESIZE - first
+    first = -(-span[0] // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the constants only
+    length = span[1] // mmap.PAGESIZE * mmap.PAGESIZE - first
     if length <= 0:
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return length if libc.madvise(first, length, mmap.MADV_DONTNEED) == 0 else 0
+    return length if libc_madvise()(first, length, mmap.MADV_DONTNEED) == 0 else 0
+
+
+@functools.lru_cache(maxsize=None)
+def libc_madvise():
+    """libc's ``madvise(address, length, advice)``."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
 
 
 class InductorLoaded:
