@@ -25,10 +25,10 @@ class PluginOptions(FairseqDataclass):
     )
     step_engine: ChoiceEnum(["auto", "fairseq", "static", "compiled"]) = field(
         default="auto",
-        metadata={"help": "what runs each decoder step: 'auto' (default: on the CPU in float32 or int8 'compiled' "
+        metadata={"help": "what runs each decoder step: 'auto' (default: on the CPU in float32, int8 or bf16 'compiled' "
                           "with --compiled-freezing --compile-in-background: a first run on a new model decodes "
                           "at once, eager, while a child process compiles the steps and stores them on disk; later "
-                          "runs load them; on CUDA, in half precision and with --quantize bf16 'static'; "
+                          "runs load them; on CUDA and in half precision 'static'; "
                           "$FASTGEN_STEP_ENGINE names another engine for 'auto'), "
                           "'static' (keys/values in preallocated "
                           "buffers, eager; bitwise fairseq's hypotheses), 'fairseq' (fairseq's own incremental "
@@ -104,8 +104,8 @@ class PluginOptions(FairseqDataclass):
                           "projection float32; processors with AVX-512 BF16 or AMX); "
                           "attention, norms and softmaxes stay float32; scores and a few tokens differ from "
                           "float32's (docs/benchmarks.md, Precision); every decoder on --step-engine static "
-                          "and fairseq; on compiled, int8 runs in its units (their int8 rows compiled in and kept "
-                          "on disk with them), bf16 falls back to static"},
+                          "and fairseq; on compiled (and the default, auto) both run in its units: int8 rows they "
+                          "read in place, bfloat16 weights packed into each unit"},
     )
     float32_vocabulary_projection: bool = field(
         default=False,

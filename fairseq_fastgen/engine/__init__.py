@@ -1,7 +1,7 @@
 """The decoder-step engine: which runner runs a decoder's steps (``--step-engine``).
 
 * ``auto`` (the default): ``compiled`` with frozen row buckets and units compiled in the background on the CPU in
-  float32 or int8, ``static`` elsewhere (``choice.py``; ``$FASTGEN_STEP_ENGINE`` names another engine for it);
+  float32, int8 or bfloat16, ``static`` elsewhere (``choice.py``; ``$FASTGEN_STEP_ENGINE`` names another engine for it);
 * ``fairseq``: fairseq's own incremental decoder (a dict cache grown with ``torch.cat``);
 * ``static``: :class:`~fairseq_fastgen.engine.runners.StaticRunner`, preallocated
   buffers, eager, bitwise fairseq's hypotheses;
@@ -12,8 +12,9 @@
 
 A model the engine cannot serve falls back to ``fairseq`` with one warning
 saying why.  Under ``--quantize int8`` the compiled units compute the decoder's linear layers on int8
-rows they read in place (``int8_weights.py``); under ``--quantize bf16`` or ``--int8-library-kernels``
-``compiled`` falls back to ``static``, also in one line.  Blockwise decoding verifies its blocks through the runner's
+rows they read in place (``int8_weights.py``), under ``--quantize bf16`` on bfloat16 weights each unit holds
+packed (``bf16_weights.py``); under ``--int8-library-kernels`` ``compiled`` falls back to ``static``, also in one
+line.  Blockwise decoding verifies its blocks through the runner's
 ``step_block`` (several positions per row) on every engine.  Stock beam search (``--decoder beam``) runs fairseq's own
 search loop over the engine's step (``stock_search.py``), the beams of a sentence sharing its encoder-decoder
 keys/values in the engine's cache; with ``fairseq`` it runs over fairseq's step, sharing them through the

@@ -46,7 +46,8 @@ from fairseq_fastgen.engine.encoder_pass import EncoderPass
 from fairseq_fastgen.engine.loaded_package import load_package
 
 COMPILED_DIR_ENV = "FASTGEN_COMPILED_DIR"
-ENGINE_SOURCES = ("decoder_step.py", "compiled_step.py", "fused_weights.py", "int8_weights.py", "aot_step.py")
+ENGINE_SOURCES = ("decoder_step.py", "compiled_step.py", "fused_weights.py", "layer_weights.py", "int8_weights.py",
+                  "bf16_weights.py", "aot_step.py")
 
 
 def compiled_dir() -> Path:
@@ -154,8 +155,10 @@ class StepPackage:
         """Whether the unit reads its weights from the decode's own tensors (``bind_constants``) instead of a copy
         of its own: under --quantize int8, whose units read only named tensors (the int8 rows' buffers, the
         embeddings, the layer norms; no weight prepacked at compile time), every unit of a decoder reads the same
-        ones (about 100 MB a unit at base size)."""
-        return self.step.decoder_step.int8 is not None
+        ones (about 100 MB a unit at base size).  Under --quantize bf16 inductor packs each unit's bfloat16
+        weights into its products' layout: constants of the unit."""
+        reduced = self.step.decoder_step.reduced
+        return reduced is not None and reduced.shares_constants
 
     def bind(self, loaded):
         """``loaded`` (the package's callable), reading the step's own tensors where it shares them."""

@@ -2,11 +2,11 @@
 (the default) resolved for the model it serves, the model the engine must serve (else fairseq's, in one line),
 and the runner built.
 
-``auto`` runs the fastest path measured where it keeps every decoder's exactness promise: on the CPU, in float32
-or int8, ``compiled`` with its row buckets frozen (``--compiled-freezing``) and every unit not on disk yet compiled
+``auto`` runs the fastest path measured where it keeps every decoder's exactness promise: on the CPU, in float32,
+int8 or bfloat16, ``compiled`` with its row buckets frozen (``--compiled-freezing``) and every unit not on disk yet compiled
 by a child process while the decode runs those steps eager (``--compile-in-background``): a first run on a new
 model does not wait for the compiler, later runs load the units.  Elsewhere (CUDA, where the compiled engine's
-buckets compile in the decoding process, half precision, ``--quantize bf16``) ``static``.  ``$FASTGEN_STEP_ENGINE``
+buckets compile in the decoding process, half precision) ``static``.  ``$FASTGEN_STEP_ENGINE``
 names the engine ``auto`` runs instead (``static`` for bitwise fairseq's hypotheses in a whole pipeline without
 editing its commands)."""
 
@@ -22,7 +22,7 @@ from fairseq_fastgen.engine.compiled import CompiledRunner
 from fairseq_fastgen.engine.decoder_step import unsupported_reason
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from fairseq_fastgen.engine.runners import StaticRunner
-from fairseq_fastgen.ops import int8_kernel
+from fairseq_fastgen.ops import int8_kernel, precision_linear
 
 ENGINES = ("auto", "fairseq", "static", "compiled")
 AUTO_ENGINE_ENV = "FASTGEN_STEP_ENGINE"  # the engine --step-engine auto runs, where set
@@ -32,11 +32,14 @@ logger = logging.getLogger("fairseq_fastgen.engine")
 _quantized_fallback_named = []  # the line saying compiled falls back under --quantize: once per process
 
 
-def compiled_int8_refusal(options: PluginOptions) -> Optional[str]:
+def compiled_precision_refusal(options: PluginOptions) -> Optional[str]:
     """Why ``--step-engine compiled`` cannot compute ``--quantize``'s products in its units (it then falls back to
-    ``static``), or None: its units compute int8 through the plugin's kernel (``int8_weights.py``)."""
+    ``static``), or None: its units compute int8 through the plugin's kernel (``int8_weights.py``) and bfloat16
+    through inductor's products (``bf16_weights.py``)."""
+    if options.quantize == "bf16":
+        return precision_linear.precision_refusal("bf16")
     if options.quantize != "int8":
-        return f"its units compute in float32 or int8: --quantize {options.quantize}"
+        return f"its units compute in float32, int8 or bf16: --quantize {options.quantize}"
     if options.int8_library_kernels:
         return "its units compute int8 through the plugin's kernel: --int8-library-kernels"
     if not int8_kernel.available():
@@ -82,7 +85,7 @@ def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
         engine = configured  # the engine as named, its flags as given
     if engine != "compiled":
         return EngineChoice(engine)
-    refusal = compiled_int8_refusal(options) if options.quantize else None
+    refusal = compiled_precision_refusal(options) if options.quantize else None
     if refusal is None:
         return EngineChoice(engine, options.compiled_freezing, options.compile_in_background)
     if not _quantized_fallback_named:
@@ -93,14 +96,14 @@ def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
 
 def auto_choice(options: PluginOptions, model=None) -> EngineChoice:
     """What ``--step-engine auto`` runs for ``model`` (None: a float32 model on the CPU) where
-    $FASTGEN_STEP_ENGINE names no engine: ``AUTO_ON_CPU`` on the CPU in float32 or int8 (the compiled units compute
-    both), ``static`` elsewhere: on CUDA the compiled engine's buckets compile through torch.compile in the
+    $FASTGEN_STEP_ENGINE names no engine: ``AUTO_ON_CPU`` on the CPU in float32, int8 or bfloat16 (the compiled
+    units compute each), ``static`` elsewhere: on CUDA the compiled engine's buckets compile through torch.compile in the
     decoding process (about a minute for the toy model on an H200), which a first run would wait for, and it has no
     half-precision units."""
     parameter = next(model.parameters(), None) if model is not None else None
     if parameter is not None and (parameter.device.type != "cpu" or parameter.dtype != torch.float32):
         return EngineChoice("static")
-    if options.quantize and compiled_int8_refusal(options) is not None:
+    if options.quantize and compiled_precision_refusal(options) is not None:
         return EngineChoice("static")
     return AUTO_ON_CPU
 
@@ -139,26 +142,30 @@ def build_runner(model, options: PluginOptions, temperature: float, projection):
         engine = "fairseq"
     return make_runner(engine, model, temperature, projection, choice.freezing,
                        background=choice.background, blocks_by_position=options.quantize == "int8",
-                       int8=compiled_int8(options))
+                       precision=compiled_precision(options))
 
 
-def compiled_int8(options: PluginOptions) -> Optional[str]:
-    """What the compiled engine's units compute in int8 under ``options``: "all" the linear layers, "layers" (the
-    vocabulary projection in float32: --float32-vocabulary-projection), or None (float32)."""
-    if compiled_int8_refusal(options) is not None:
+def compiled_precision(options: PluginOptions) -> Optional[str]:
+    """The precision of the compiled engine's units under ``options``: "int8" (every linear layer int8 that
+    --quantize int8 serves), "int8-layers" (the vocabulary projection in float32: --float32-vocabulary-projection),
+    "bf16", or None (float32)."""
+    if not options.quantize or compiled_precision_refusal(options) is not None:
         return None
-    return "layers" if options.float32_vocabulary_projection else "all"
+    if options.quantize == "int8" and options.float32_vocabulary_projection:
+        return "int8-layers"
+    return options.quantize
 
 
 def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1,
-                background: bool = False, blocks_by_position: bool = False, int8: Optional[str] = None):
+                background: bool = False, blocks_by_position: bool = False, precision: Optional[str] = None):
     """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job);
     ``beams``: the rows of a sentence in fairseq's beam search (sharing their encoder-decoder keys);
     ``freezing``, ``background``: --compiled-freezing, --compile-in-background;
     ``blocks_by_position``: the static engine's blocks attend position by position (--quantize int8:
-    ``DecoderStep``'s exact form); ``int8``: what the compiled engine computes in int8 (``compiled_int8``)."""
+    ``DecoderStep``'s exact form); ``precision``: what the compiled engine's units compute in
+    (``compiled_precision``)."""
     if engine == "static":
         return StaticRunner(model, temperature, projection, blocks_by_position, beams)
     if engine == "compiled":
-        return CompiledRunner(model, temperature, projection, freezing, beams, background, int8)
+        return CompiledRunner(model, temperature, projection, freezing, beams, background, precision)
     return ModelRunner(model, temperature, projection, beams)

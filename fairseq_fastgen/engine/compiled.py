@@ -45,7 +45,9 @@ from fairseq_fastgen.engine.encoder_pass import EncoderPass, unsupported_encoder
 from fairseq_fastgen.engine.fairseq_runner import encoder_output
 from fairseq_fastgen.engine.runners import StaticRunner, shared_by_beams
 from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache
+from fairseq_fastgen.engine.bf16_weights import Bf16Weights
 from fairseq_fastgen.engine.int8_weights import Int8Weights
+from fairseq_fastgen.engine.layer_weights import LayerWeights
 from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear, onednn_serves, pack_weight
 
@@ -88,18 +90,19 @@ class CompiledRunner(StaticRunner):
     engine = "compiled"
 
     def __init__(self, model, temperature: float = 1.0, projection=None, freezing: bool = False, beams: int = 1,
-                 background: bool = False, int8: Optional[str] = None):
+                 background: bool = False, precision: Optional[str] = None):
         # beams: above max_rows, on the CPU, the step for many rows reads keys/values held once per sentence
         super().__init__(model, temperature, projection, beams=beams)
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.on_cuda = next(model.parameters()).device.type == "cuda"
-        # --quantize int8 ("all", or "layers": the vocabulary projection float32): the units compute the decoder's
-        # linear layers on int8 rows, constants they read in place (int8_weights.py), so every unit is frozen; the
-        # encoder and the encoder-decoder keys run fairseq's layers, through --quantize's stand-ins
-        self.int8 = int8 if on_cpu else None
+        # --quantize: "int8", "int8-layers" (the vocabulary projection float32) or "bf16": the units compute the
+        # decoder's linear layers in that precision, constants of every unit (int8_weights.py, bf16_weights.py), so
+        # every unit is frozen; the encoder and the encoder-decoder keys run fairseq's layers, through --quantize's
+        # stand-ins
+        self.precision = precision if on_cpu else None
         # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
         # products for a few rows); it is compiled again when any decoder parameter changes
-        self.freezing = (freezing or self.int8 is not None) and on_cpu
+        self.freezing = (freezing or self.precision is not None) and on_cpu
         # on the CPU, steps compiled ahead of time and kept on disk (aot_step.py): above max_rows one for every row
         # count, with --compiled-freezing one per row bucket
         packages = on_cpu and onednn_available()
@@ -118,18 +121,21 @@ class CompiledRunner(StaticRunner):
         step = PaddedStep(self.decoder_step, temperature, projection is None, self.scores_blocks)
         # on the CPU the encoder runs a unit compiled ahead of time where it can (encoder_pass.py)
         encoder_pass = None
-        if packages and unsupported_encoder_reason(model.encoder) is None and self.int8 is None:
+        if packages and unsupported_encoder_reason(model.encoder) is None and self.precision is None:
             encoder_pass = EncoderPass(model.encoder)
         # --compile-in-background: a unit that is not on disk yet is compiled by a child process while its steps
         # run eager; on CUDA one compilation with symbolic shapes serves every bucket (a CUDA graph per bucket)
         self.units = CompiledUnits(step, encoder_pass, max_rows, self.freezing, packages, symbolic=self.on_cuda,
                                    background=background, eager_products=self.eager_products,
-                                   int8_weights=self.int8_weights if self.int8 else None)
+                                   reduced_weights=self.reduced_weights if self.precision else None)
 
-    def int8_weights(self, fused: FusedWeights) -> Int8Weights:
-        """The int8 rows of the decoder's linear layers (``fused``: its fused query/key/value weights)."""
-        return Int8Weights(self.decoder_step.decoder, fused.qkv_weights, fused.qkv_biases,
-                           float32_vocabulary=self.int8 == "layers")
+    def reduced_weights(self, fused: FusedWeights) -> LayerWeights:
+        """The decoder's linear layers in ``self.precision`` (``fused``: its fused query/key/value weights)."""
+        decoder = self.decoder_step.decoder
+        if self.precision == "bf16":
+            return Bf16Weights(decoder, fused.qkv_weights, fused.qkv_biases)
+        return Int8Weights(decoder, fused.qkv_weights, fused.qkv_biases,
+                           float32_vocabulary=self.precision == "int8-layers")
 
     @property
     def max_rows(self) -> int:
@@ -320,13 +326,13 @@ class CompiledRunner(StaticRunner):
         """The decoder step's fast form, its fused query/key/value products through oneDNN where it serves."""
         if self.qkv_packed_from is not self.fused:  # the decode's fused weights: packed once per change
             self.qkv_packed_from = self.fused
-            with_onednn = self.eager_linears is not None and not self.int8  # int8: fused_qkv's rows serve
+            with_onednn = self.eager_linears is not None and not self.precision  # fused_qkv's layers serve
             self.qkv_packed = [pack_weight(w) if with_onednn else None for w in self.fused.qkv_weights]
         fused, packed = self.fused, self.qkv_packed
 
         def qkv_product(index: int, x: Tensor) -> Tensor:
             weight, bias = fused.qkv_weights[index], fused.qkv_biases[index]
-            if self.int8:
+            if self.precision:
                 return self.decoder_step.fused_qkv(index, x, weight, bias)
             if packed[index] is not None and onednn_serves(x, weight):
                 return onednn_linear(x, packed[index], bias)

@@ -59,7 +59,7 @@ class PaddedStep(nn.Module):
         """Log-probabilities (rows, n, vocab) of features (rows, n, dim): the model's projection (its weight
         transposed, or its int8 rows under --quantize int8), the temperature, log-softmax."""
         step = self.decoder_step
-        int8_rows = None if step.int8 is None else step.int8.layer("output_projection")
+        int8_rows = None if step.reduced is None else step.reduced.layer("output_projection")
         if fused.output_t is not None and int8_rows is not None:
             logits = int8_rows(features)  # (rows, n, vocab)
         elif fused.output_t is not None:

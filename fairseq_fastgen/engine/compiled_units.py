@@ -38,13 +38,13 @@ class CompiledUnits:
     compilation for every bucket (CUDA); ``eager_products``: the context of eager work's products."""
 
     def __init__(self, step: PaddedStep, encoder_pass, max_rows: int, freezing: bool, packages: bool,
-                 symbolic: bool, background: bool, eager_products, int8_weights=None):
+                 symbolic: bool, background: bool, eager_products, reduced_weights=None):
         self.step, self.encoder_pass, self.max_rows = step, encoder_pass, max_rows
         self.freezing, self.packages, self.symbolic = freezing, packages, symbolic
         self.compile_in_background, self.eager_products = background, eager_products
-        # --quantize int8: fused weights -> the decoder's int8 rows (int8_weights.Int8Weights), which every unit
-        # holds as constants; a bucket whose unit cannot be built runs eager (not through torch.compile)
-        self.int8_weights = int8_weights
+        # --quantize: fused weights -> the decoder's layers in int8 or bfloat16 (layer_weights.LayerWeights), which
+        # every unit holds as constants; a bucket whose unit cannot be built runs eager (not through torch.compile)
+        self.reduced_weights = reduced_weights
         self.packaged: Dict[object, object] = {}  # key -> unit compiled ahead of time, or None (eager)
         self.compiled_now: set = set()  # keys of the units compiled in this process (the others were loaded)
         self.background = None  # (key, what, aot_step.BackgroundCompilation) of the unit being compiled, or None
@@ -73,8 +73,8 @@ class CompiledUnits:
     @property
     def buckets_through_torch_compile(self) -> bool:
         """Whether a row bucket without a unit compiled ahead of time runs through torch.compile (else eager):
-        not under int8, whose units read their rows as frozen constants (int8_weights.py)."""
-        return self.int8_weights is None
+        not under --quantize, whose units hold their layers as frozen constants (layer_weights.py)."""
+        return self.reduced_weights is None
 
     def block_unit(self, rows: int, bucket: int, block: int, beams: int, capacity: int):
         """The unit of ``block`` positions per row for ``rows`` rows, or None (eager)."""
@@ -116,8 +116,8 @@ class CompiledUnits:
         self.decoder_signature, self.background = signature, None
         self.packaged = {key: unit for key, unit in self.packaged.items() if is_encoder(key)}
         self.step.decoder_step.fused_buffers = FusedBuffers(fused)  # a submodule: its buffers freeze
-        if self.int8_weights is not None:
-            self.step.decoder_step.int8 = self.int8_weights(fused)  # a submodule too
+        if self.reduced_weights is not None:
+            self.step.decoder_step.reduced = self.reduced_weights(fused)  # a submodule too
         if self.freezing:
             self._bucket_step, self.compiled_shapes = None, {}
 

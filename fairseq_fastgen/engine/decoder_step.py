@@ -88,7 +88,7 @@ def attention_unsupported(attention) -> Optional[str]:
 
 def feed_forward(layer, x: Tensor, fc1=None, fc2=None) -> Tensor:
     """The feed-forward block of a fairseq encoder or decoder layer; ``fc1``/``fc2``: callables in place of the
-    layer's own (the compiled engine's int8 rows)."""
+    layer's own (the compiled engine's reduced-precision layers)."""
     residual = x
     if layer.normalize_before:
         x = layer.final_layer_norm(x)
@@ -141,9 +141,9 @@ class DecoderStep(nn.Module):
         attention = decoder.layers[0].self_attn
         self.heads, self.head_dim = attention.num_heads, attention.head_dim
         self.first_head = getattr(decoder, "heads", None)  # transformer_khead: head 1 of its k heads
-        # the compiled engine under --quantize int8: the linear layers' int8 rows (int8_weights.Int8Weights),
+        # the compiled engine under --quantize: the linear layers in int8 or bfloat16 (layer_weights.LayerWeights),
         # which the fast and padded forms compute through; None: each layer's own forward
-        self.int8 = None
+        self.reduced = None
 
     @property
     def num_layers(self) -> int:
@@ -182,23 +182,23 @@ class DecoderStep(nn.Module):
             x = self.linear(decoder.project_out_dim, x, "project_out_dim")
         if first_head and self.first_head is not None:
             heads = self.first_head
-            if self.int8 is None or heads.identity_first:
+            if self.reduced is None or heads.identity_first:
                 x = heads.first(x)
-            else:  # head 1 is learned: its layers in int8 too
+            else:  # head 1 is learned: its layers in the reduced precision too
                 x = heads.learned(x, lambda h: self.linear(heads.fc1, h, "heads.fc1"),
                                   lambda h: self.linear(heads.fc2, h, "heads.fc2"))[..., 0, :]
         return x
 
     def linear(self, module: nn.Module, x: Tensor, name: str) -> Tensor:
         """``module(x)`` for the linear layer ``name`` of the decoder (its name among the decoder's modules):
-        through its int8 rows where ``self.int8`` holds them."""
-        rows = None if self.int8 is None else self.int8.layer(name)
+        through its reduced-precision module where ``self.reduced`` holds one."""
+        rows = None if self.reduced is None else self.reduced.layer(name)
         return module(x) if rows is None else rows(x)
 
     def fused_qkv(self, index: int, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         """Layer ``index``'s query, key and value projections as one product: x (..., dim) -> (..., 3 * dim),
-        ``weight``/``bias`` the fused float32 ones (``fused_weights.py``), int8 rows where ``self.int8`` holds them."""
-        rows = None if self.int8 is None else self.int8.qkv_layer(index)
+        ``weight``/``bias`` the fused float32 ones (``fused_weights.py``), reduced-precision ones where ``self.reduced`` holds them."""
+        rows = None if self.reduced is None else self.reduced.qkv_layer(index)
         return F.linear(x, weight, bias) if rows is None else rows(x)
 
     def split_heads(self, x: Tensor) -> Tensor:
@@ -356,7 +356,7 @@ class DecoderStep(nn.Module):
 
     def feed_forward(self, layer, x: Tensor, index: int) -> Tensor:
         """The feed-forward block of layer ``index``."""
-        if self.int8 is None:
+        if self.reduced is None:
             return feed_forward(layer, x)
         return feed_forward(layer, x, lambda h: self.linear(layer.fc1, h, f"layers.{index}.fc1"),
                             lambda h: self.linear(layer.fc2, h, f"layers.{index}.fc2"))

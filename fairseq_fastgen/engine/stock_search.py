@@ -25,7 +25,7 @@ from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
 from fairseq_fastgen.adapters.ensemble import use_ensemble
 from fairseq_fastgen.config import PluginOptions
-from fairseq_fastgen.engine.choice import compiled_int8, engine_choice, make_runner
+from fairseq_fastgen.engine.choice import compiled_precision, engine_choice, make_runner
 from fairseq_fastgen.engine.decoder_step import unsupported_reason
 
 logger = logging.getLogger("fairseq_fastgen.engine")
@@ -85,18 +85,19 @@ def stock_search_refusal(generator, models) -> Optional[str]:
 
 
 def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = False,
-                               background: bool = False, share_keys: bool = True, int8: Optional[str] = None) -> bool:
+                               background: bool = False, share_keys: bool = True,
+                               precision: Optional[str] = None) -> bool:
     """Give ``generator`` (fairseq's ``--decoder beam``) an :class:`EngineEnsemble` of ``engine``'s
     runner (:func:`fairseq_fastgen.adapters.ensemble.use_ensemble`); returns whether it did (otherwise one line
     says why, and fairseq's step runs).  ``share_keys``: the beams of a sentence share its encoder-decoder
-    keys/values in the runner's cache, else each beam keeps its copy; ``int8``: ``choice.compiled_int8``'s."""
+    keys/values in the runner's cache, else each beam keeps its copy; ``precision``: ``choice.compiled_precision``'s."""
     refusal = stock_search_refusal(generator, models)
     if refusal:
         if engine != "fairseq":  # under fairseq's engine, fairseq's ensemble is what was asked for
             logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         return False
     runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None), freezing,
-                         generator.beam_size if share_keys else 1, background, int8=int8)
+                         generator.beam_size if share_keys else 1, background, precision=precision)
     use_ensemble(generator, EngineEnsemble(models, runner, generator.max_len + 2))  # undone by restore_ensemble
     return True
 
@@ -109,4 +110,4 @@ def serve_stock_search(generator, models, options: PluginOptions) -> bool:
     ``--no-shared-encoder-cache``: every beam keeps its own copy of the encoder-decoder keys/values."""
     choice = engine_choice(options, models[0])
     return run_stock_search_on_engine(generator, models, choice.engine, choice.freezing, choice.background,
-                                      not options.no_shared_encoder_cache, compiled_int8(options))
+                                      not options.no_shared_encoder_cache, compiled_precision(options))

@@ -18,7 +18,7 @@ from fairseq_fastgen.engine import choice
 from fairseq_fastgen.engine.choice import EngineChoice, engine_choice
 from fairseq_fastgen.engine.compiled import CompiledRunner
 from fairseq_fastgen.engine.runners import StaticRunner
-from fairseq_fastgen.ops import int8_kernel
+from fairseq_fastgen.ops import int8_kernel, precision_linear
 from tests.sequence_generators.test_var_beam import toy  # noqa: F401  (fixture)
 from tests.test_foundation_cli import generate, hypotheses
 
@@ -40,7 +40,6 @@ def test_auto_is_the_default_and_runs_compiled_frozen_in_the_background_on_the_c
 def test_auto_runs_static_where_compiled_has_no_faster_units(auto):
     half = nn.Linear(2, 2).half()
     assert engine_choice(PluginOptions(), half) == EngineChoice("static")
-    assert engine_choice(PluginOptions(quantize="bf16")) == EngineChoice("static")
     assert engine_choice(PluginOptions(quantize="int8", int8_library_kernels=True)) == EngineChoice("static")
     if torch.cuda.is_available():
         assert engine_choice(PluginOptions(), nn.Linear(2, 2).cuda()) == EngineChoice("static")
@@ -49,6 +48,12 @@ def test_auto_runs_static_where_compiled_has_no_faster_units(auto):
 def test_auto_runs_compiled_int8_where_the_plugins_kernel_runs(auto):
     expected = EngineChoice("compiled", True, True) if int8_kernel.available() else EngineChoice("static")
     assert engine_choice(PluginOptions(quantize="int8")) == expected
+
+
+def test_auto_runs_compiled_bf16_where_the_processor_multiplies_bfloat16(auto):
+    native = precision_linear.precision_refusal("bf16") is None
+    expected = EngineChoice("compiled", True, True) if native else EngineChoice("static")
+    assert engine_choice(PluginOptions(quantize="bf16")) == expected
 
 
 def test_the_environment_names_the_engine_auto_runs(monkeypatch):

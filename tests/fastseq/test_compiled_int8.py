@@ -1,7 +1,7 @@
 """``--quantize int8 --step-engine compiled``: the compiled units compute the decoder's linear layers on int8 rows
 they hold as constants (engine/int8_weights.py).  Within int8 the compiled engine keeps its promises (greedy's
-tokens as static int8 gives them, blockwise's exact mode is greedy, var-stream is var-batch); bf16 and
---int8-library-kernels fall back to static with one line."""
+tokens as static int8 gives them, blockwise's exact mode is greedy, var-stream is var-batch);
+--int8-library-kernels falls back to static with one line.  bfloat16: test_compiled_bf16.py."""
 
 import logging
 
@@ -73,7 +73,7 @@ def test_compiled_units_compute_int8_and_give_static_int8s_tokens(loaded_toy, tr
     assert best_tokens(int8) == best_tokens(static)
     assert best_tokens(int8) != best_tokens(float32)
     assert runner.freezing and runner.units.packaged and all(u is not None for u in runner.units.packaged.values())
-    assert isinstance(runner.decoder_step.int8, Int8Weights)
+    assert isinstance(runner.decoder_step.reduced, Int8Weights)
     assert all("forward" not in m.__dict__ for m in loaded_toy.models[0].modules())  # detached after generate
 
 
@@ -86,9 +86,9 @@ def test_every_unit_reads_the_decodes_own_int8_rows_in_place(loaded_toy, transla
     before = best_tokens(translate(loaded_toy, generator, 16))  # the unit for many rows, then 1 row at the end
     units = [unit for unit in runner.units.packaged.values() if unit is not None]
     assert len(units) >= 2
-    vocabulary = runner.decoder_step.int8.layer("output_projection")
+    vocabulary = runner.decoder_step.reduced.layer("output_projection")
     for unit in units:
-        held = unit.constants["decoder_step.int8.layers.output_projection.packed"]
+        held = unit.constants["decoder_step.reduced.layers.output_projection.packed"]
         assert held.data_ptr() == vocabulary.packed.data_ptr()
     scales = vocabulary.scales.clone()
     with torch.inference_mode():  # the rows were made in the decode's inference mode
@@ -113,29 +113,34 @@ def test_beam_search_on_compiled_int8_units(loaded_toy, translate):
     assert runner_of(generator).units.packaged.get(("beams", 4)) is not None
 
 
-def test_blockwise_exact_mode_is_greedy_on_compiled_int8(loaded_khead, translate):
-    greedy = decode(loaded_khead, translate, 16, decoder="greedy", beam=1, quantize="int8", step_engine="compiled")
-    blockwise = decode(loaded_khead, translate, 16, decoder="blockwise", beam=1, quantize="int8",
+def assert_blockwise_is_greedy_on_compiled(loaded_khead, translate, quantize: str):
+    """Blockwise's exact mode gives greedy's tokens on the compiled engine under ``--quantize quantize``."""
+    greedy = decode(loaded_khead, translate, 16, decoder="greedy", beam=1, quantize=quantize, step_engine="compiled")
+    blockwise = decode(loaded_khead, translate, 16, decoder="blockwise", beam=1, quantize=quantize,
                        step_engine="compiled")
     assert best_tokens(blockwise) == best_tokens(greedy)
 
 
-def test_var_stream_is_var_batch_on_compiled_int8(loaded_toy, translate):
-    batch = decode(loaded_toy, translate, 32, decoder="var-batch", beam=4, quantize="int8", step_engine="compiled")
-    stream = decode(loaded_toy, translate, 32, decoder="var-stream", beam=4, quantize="int8", step_engine="compiled")
+def assert_var_stream_is_var_batch_on_compiled(loaded_toy, translate, quantize: str):
+    """var-stream gives var-batch's hypotheses, all of them, on the compiled engine under ``--quantize quantize``."""
+    batch = decode(loaded_toy, translate, 32, decoder="var-batch", beam=4, quantize=quantize, step_engine="compiled")
+    stream = decode(loaded_toy, translate, 32, decoder="var-stream", beam=4, quantize=quantize,
+                    step_engine="compiled")
     assert sorted(stream) == sorted(batch)
     for sentence, hypotheses in batch.items():
         assert [h["tokens"].tolist() for h in stream[sentence]] == [h["tokens"].tolist() for h in hypotheses]
 
 
-@pytest.mark.parametrize("options, reason", [
-    (dict(quantize="bf16"), "--quantize bf16"),
-    (dict(quantize="int8", int8_library_kernels=True), "--int8-library-kernels"),
-])
-def test_other_precisions_fall_back_to_static_with_one_line(loaded_toy, translate, caplog, monkeypatch, options,
-                                                            reason):
-    if options["quantize"] == "bf16" and precision_linear.precision_refusal("bf16"):
-        pytest.skip("no bfloat16 products on this CPU")
+def test_blockwise_exact_mode_is_greedy_on_compiled_int8(loaded_khead, translate):
+    assert_blockwise_is_greedy_on_compiled(loaded_khead, translate, "int8")
+
+
+def test_var_stream_is_var_batch_on_compiled_int8(loaded_toy, translate):
+    assert_var_stream_is_var_batch_on_compiled(loaded_toy, translate, "int8")
+
+
+def test_the_library_kernels_fall_back_to_static_with_one_line(loaded_toy, translate, caplog, monkeypatch):
+    options, reason = dict(quantize="int8", int8_library_kernels=True), "--int8-library-kernels"
     monkeypatch.setattr("fairseq_fastgen.engine.choice._quantized_fallback_named", [])
     with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
         assert engine_setting(PluginOptions(step_engine="compiled", **options)) == "static"
