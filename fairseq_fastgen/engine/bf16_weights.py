@@ -25,7 +25,7 @@ class Bf16Layer(nn.Module):
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor]):
         super().__init__()
-        self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())  # (out, in)
+        self.register_buffer("weight", weight.to(torch.bfloat16).contiguous())  # (out, in)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())  # (out,)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -37,6 +37,5 @@ class Bf16Weights(LayerWeights):
     ``qkv_weights``/``qkv_biases`` too), the vocabulary projection float32."""
 
     def __init__(self, decoder: nn.Module, qkv_weights: List[Tensor], qkv_biases: List[Optional[Tensor]]):
-        with torch.no_grad():
-            super().__init__(decoder, qkv_weights, qkv_biases, Bf16Layer, takes=lambda linear: True,
-                             kept=getattr(decoder, "output_projection", None))
+        super().__init__(decoder, qkv_weights, qkv_biases, Bf16Layer, takes=lambda linear: True,
+                         kept=getattr(decoder, "output_projection", None))

@@ -3,8 +3,8 @@
 and the runner built.
 
 ``auto`` runs the fastest path measured where it keeps every decoder's exactness promise: on the CPU, in float32,
-int8 or bfloat16, ``compiled`` with its row buckets frozen (``--compiled-freezing``) and every unit not on disk yet compiled
-by a child process while the decode runs those steps eager (``--compile-in-background``): a first run on a new
+int8 or bfloat16, ``compiled`` with its row buckets frozen (``--compiled-freezing``) and every unit not on disk yet
+compiled by a child process while the decode runs those steps eager (``--compile-in-background``): a first run on a new
 model does not wait for the compiler, later runs load the units.  Elsewhere (CUDA, where the compiled engine's
 buckets compile in the decoding process, half precision) ``static``.  ``$FASTGEN_STEP_ENGINE``
 names the engine ``auto`` runs instead (``static`` for bitwise fairseq's hypotheses in a whole pipeline without
@@ -97,8 +97,8 @@ def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
 def auto_choice(options: PluginOptions, model=None) -> EngineChoice:
     """What ``--step-engine auto`` runs for ``model`` (None: a float32 model on the CPU) where
     $FASTGEN_STEP_ENGINE names no engine: ``AUTO_ON_CPU`` on the CPU in float32, int8 or bfloat16 (the compiled
-    units compute each), ``static`` elsewhere: on CUDA the compiled engine's buckets compile through torch.compile in the
-    decoding process (about a minute for the toy model on an H200), which a first run would wait for, and it has no
+    units compute each), ``static`` elsewhere: on CUDA the compiled engine's buckets compile through torch.compile
+    in the decoding process (about a minute for the toy model on an H200), which a first run would wait for, and it has no
     half-precision units."""
     parameter = next(model.parameters(), None) if model is not None else None
     if parameter is not None and (parameter.device.type != "cpu" or parameter.dtype != torch.float32):

@@ -197,7 +197,8 @@ class DecoderStep(nn.Module):
 
     def fused_qkv(self, index: int, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         """Layer ``index``'s query, key and value projections as one product: x (..., dim) -> (..., 3 * dim),
-        ``weight``/``bias`` the fused float32 ones (``fused_weights.py``), reduced-precision ones where ``self.reduced`` holds them."""
+        ``weight``/``bias`` the fused float32 ones (``fused_weights.py``), reduced-precision ones where
+        ``self.reduced`` holds them."""
         rows = None if self.reduced is None else self.reduced.qkv_layer(index)
         return F.linear(x, weight, bias) if rows is None else rows(x)
 

@@ -59,5 +59,4 @@ class Int8Weights(LayerWeights):
         if not int8_kernel.available():
             raise RuntimeError("the compiled engine's int8 units need the plugin's int8 kernel")
         kept = getattr(decoder, "output_projection", None) if float32_vocabulary else None
-        with torch.no_grad():
-            super().__init__(decoder, qkv_weights, qkv_biases, Int8Layer, takes_int8, kept)
+        super().__init__(decoder, qkv_weights, qkv_biases, Int8Layer, takes_int8, kept)

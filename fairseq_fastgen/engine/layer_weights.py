@@ -11,6 +11,7 @@ rows are one product, as the compiled engine's float32 step fuses them.
 
 from typing import Callable, List, Optional
 
+import torch
 from torch import Tensor, nn
 
 # layers the units never call through these modules: each self-attention's query/key/value (one fused product,
@@ -36,15 +37,16 @@ class LayerWeights(nn.Module):
                  takes: Callable[[nn.Linear], bool], kept: Optional[nn.Module] = None):
         super().__init__()
         self.layers = nn.ModuleDict()  # the layer's name among the decoder's modules, dots as "_" -> its module
-        for name, module in decoder.named_modules():
-            if (isinstance(module, nn.Linear) and module is not kept and takes(module)
-                    and not name.endswith(NOT_IN_UNITS)):
-                self.layers[name.replace(".", "_")] = layer_class(module.weight.detach(), module.bias)
-        # per layer: the fused query/key/value rows where the layer's projections take the precision, else Identity
-        self.qkv = nn.ModuleList([
-            layer_class(weight.detach(), bias) if takes(layer.self_attn.q_proj) else nn.Identity()
-            for layer, weight, bias in zip(decoder.layers, qkv_weights, qkv_biases)
-        ])
+        with torch.no_grad():
+            for name, module in decoder.named_modules():
+                if (isinstance(module, nn.Linear) and module is not kept and takes(module)
+                        and not name.endswith(NOT_IN_UNITS)):
+                    self.layers[name.replace(".", "_")] = layer_class(module.weight.detach(), module.bias)
+            # per layer: the fused query/key/value rows where its projections take the precision, else an Identity
+            self.qkv = nn.ModuleList([
+                layer_class(weight.detach(), bias) if takes(layer.self_attn.q_proj) else nn.Identity()
+                for layer, weight, bias in zip(decoder.layers, qkv_weights, qkv_biases)
+            ])
 
     def layer(self, name: str) -> Optional[nn.Module]:
         """The module computing the decoder's linear layer ``name`` ("layers.0.fc1"), or None where it keeps its

@@ -4,13 +4,6 @@ greedy and var-stream is var-batch, sentence by sentence.  Against static bf16 (
 kernels, each output rounded to bfloat16, so a last-bit difference can move a product by a bfloat16 step) nearly
 every output is the same: the tests ask for 95%.  A processor without bfloat16 products gets static's refusal."""
 
-SAME_AS_STATIC = 0.95  # the share of outputs at least this: the toy gave 200 of 200 (greedy), 199 of 200 (beam 4)
-
-
-def share_identical(got, expected) -> float:
-    assert sorted(got) == sorted(expected)
-    return sum(got[s] == expected[s] for s in expected) / len(expected)
-
 import logging
 
 import pytest
@@ -30,6 +23,13 @@ from tests.fastseq.test_precision_decoding import best_tokens, decode
 
 needs_bf16 = pytest.mark.skipif(precision_refusal("bf16") is not None, reason="no bfloat16 products on this CPU")
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="units are compiled ahead of time with oneDNN only")
+
+SAME_AS_STATIC = 0.95  # the share of outputs at least this: the toy gave 200 of 200 (greedy), 199 of 200 (beam 4)
+
+
+def share_identical(got, expected) -> float:
+    assert sorted(got) == sorted(expected)
+    return sum(got[s] == expected[s] for s in expected) / len(expected)
 
 
 @pytest.fixture(autouse=True)
