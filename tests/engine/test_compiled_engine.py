@@ -70,10 +70,14 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
     give fairseq's tokens.  A stale temporary file of a killed compilation changes nothing.  The unit's frozen
     weights, constants inside its library copied out at load, then leave the library's pages: once loaded, those
     pages are no longer in the process's memory (without the release they all are), and the unit still gives
-    fairseq's tokens.  The token embeddings are none of its constants (an input: the model's own table)."""
+    fairseq's tokens.  The token embeddings are none of its constants (an input: the model's own table).  No
+    load leaves torch's extracted copy of the package behind in $TMPDIR."""
     if not onednn_linear_module.onednn_available():
         pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
     monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path))
+    extracted = tmp_path / "tmpdir"
+    extracted.mkdir()
+    monkeypatch.setenv("TMPDIR", str(extracted))
     (tmp_path / ".step-0.123.tmp.pt2").write_bytes(b"half a package")
     from tests.engine.test_static_engine import translate_batches
 
@@ -89,6 +93,7 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
     assert len(list(tmp_path.glob("step-any-rows-*.pt2"))) == 1
     lines = [r.getMessage() for r in caplog.records if "the step above" in r.getMessage()]
     assert len(lines) == 2 and "compiled and stored in" in lines[0] and " loaded in " in lines[1]
+    assert not list(extracted.iterdir())
 
     from fairseq_fastgen.engine import loaded_package
 
@@ -100,6 +105,7 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
             before = loaded_package.mapped_libraries()
             unit = loaded_package.load_package(package)
             (library,) = [path for path in loaded_package.mapped_libraries() - before if "wrapper" in path]
+        assert str(extracted) in library and not list(extracted.iterdir())  # extracted there, then removed
         size, resident = resident_constants(library)
         assert size > 64 * 4096  # the toy's weights: enough pages to tell
         assert (resident < size / 8) if release else (resident >= size)
