@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The quality of --quantize over a whole test split (test_2016_flickr: 1,000 sentences): BLEU (sacrebleu on the
 # detokenized D- lines against the T- references) and the share of sentences given float32's tokens, for greedy
-# and stock beam 5 at batch 64, each precision in one fairseq-generate process on --step-engine static (the
-# arithmetic the other engines are held to). Only quality: one pass each, no timing (fastgen-bench's rows,
-# benchmarks/precision.sh, measure speed). A process whose output is complete is kept (rerun: delete it).
+# and stock beam 5 at batch 64, each precision (int8 also with its vocabulary projection in float32) in one
+# fairseq-generate process on --step-engine static (the arithmetic the other engines are held to). Only quality:
+# one pass each, no timing (fastgen-bench's rows, benchmarks/precision.sh, measure speed). A process whose output
+# is complete is kept (rerun: delete it).
 #
 #   bash benchmarks/precision_quality.sh [MODEL_DIR] [OUT_DIR] [THREADS]
 #
@@ -18,9 +19,10 @@ BASE=${BASE:-$M/base/checkpoint_best.pt}
 read -r -a EXTRA_OPTIONS <<< "${EXTRA:-}"
 mkdir -p "$OUT"
 declare -A SEARCH=([greedy]="--decoder greedy --beam 1" [beam5]="--beam 5")
-declare -A PRECISION=([float32]="" [int8]="--quantize int8" [bf16]="--quantize bf16")
+declare -A PRECISION=([float32]="" [int8]="--quantize int8" [int8-f32vocab]="--quantize int8 --float32-vocabulary-projection"
+                      [bf16]="--quantize bf16")
 for search in greedy beam5; do
-  for precision in float32 int8 bf16; do
+  for precision in float32 int8 int8-f32vocab bf16; do
     out=$OUT/$search-$precision.out
     grep -q "^Generate " "$out" 2> /dev/null && continue
     read -r -a options <<< "${SEARCH[$search]} ${PRECISION[$precision]}"
@@ -60,7 +62,7 @@ for search in ("greedy", "beam5"):
     float32, references = read(out / f"{search}-float32.out")
     ids = sorted(references)
     bleu32 = sacrebleu.corpus_bleu([float32[i]["D"] for i in ids], [[references[i] for i in ids]]).score
-    for precision in ("float32", "int8", "bf16"):
+    for precision in ("float32", "int8", "int8-f32vocab", "bf16"):
         hypotheses, _ = read(out / f"{search}-{precision}.out")
         assert sorted(hypotheses) == ids, f"{search}-{precision}: not every sentence answered"
         bleu = sacrebleu.corpus_bleu([hypotheses[i]["D"] for i in ids], [[references[i] for i in ids]]).score
