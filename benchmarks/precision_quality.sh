@@ -41,7 +41,7 @@ import sacrebleu
 
 
 def read(path):
-    """id -> (tokens of the H- line, detokenized D- text), and id -> reference (T- line)."""
+    """id -> {"H": the best hypothesis's pieces, "D": its detokenized text}, and id -> reference (T- line)."""
     hypotheses, references = {}, {}
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         kind, _, rest = line.partition("-")
@@ -63,7 +63,7 @@ for search in ("greedy", "beam5"):
     ids = sorted(references)
     bleu32 = sacrebleu.corpus_bleu([float32[i]["D"] for i in ids], [[references[i] for i in ids]]).score
     for precision in ("float32", "int8", "int8-f32vocab", "bf16"):
-        hypotheses, _ = read(out / f"{search}-{precision}.out")
+        hypotheses = float32 if precision == "float32" else read(out / f"{search}-{precision}.out")[0]
         assert sorted(hypotheses) == ids, f"{search}-{precision}: not every sentence answered"
         bleu = sacrebleu.corpus_bleu([hypotheses[i]["D"] for i in ids], [[references[i] for i in ids]]).score
         same = sum(hypotheses[i]["H"] == float32[i]["H"] for i in ids)

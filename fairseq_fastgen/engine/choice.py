@@ -98,8 +98,8 @@ def auto_choice(options: PluginOptions, model=None) -> EngineChoice:
     """What ``--step-engine auto`` runs for ``model`` (None: a float32 model on the CPU) where
     $FASTGEN_STEP_ENGINE names no engine: ``AUTO_ON_CPU`` on the CPU in float32, int8 or bfloat16 (the compiled
     units compute each), ``static`` elsewhere: on CUDA the compiled engine's buckets compile through torch.compile
-    in the decoding process (about a minute for the toy model on an H200), which a first run would wait for, and it has no
-    half-precision units."""
+    in the decoding process (about a minute for the toy model on an H200), which a first run would wait for, and it
+    has no half-precision units."""
     parameter = next(model.parameters(), None) if model is not None else None
     if parameter is not None and (parameter.device.type != "cpu" or parameter.dtype != torch.float32):
         return EngineChoice("static")

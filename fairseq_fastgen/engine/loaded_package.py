@@ -92,11 +92,11 @@ def load_package(path: Path):
         import torch._inductor as inductor
 
         loaded = InductorLoaded(inductor.aoti_load_package(str(path)))
-    for library in mapped_libraries() - libraries_before:
+    libraries = mapped_libraries() - libraries_before
+    for library in libraries:
         release_constant_pages(library)
-        extracted = extracted_directory(library)
-        if extracted is not None:
-            shutil.rmtree(extracted, ignore_errors=True)
+    for extracted in {extracted_directory(library) for library in libraries} - {None}:  # one per package
+        shutil.rmtree(extracted, ignore_errors=True)
     return loaded
 
 
