@@ -60,12 +60,13 @@ fi
 wanted varbeam && row base-var-beam-bs64 --path "$BASE" --decoders beam,var-batch,var-stream --beam 5,20 \
   --batch-size 64 --max-sentences 192 --repeat 2 --step-engine static --no-ctranslate2
 # the big shapes, untrained (one update at a learning rate of 1e-9, made here when missing; outputs capped at 25
-# tokens): speed only, greedy at batch 1 and 64
+# tokens): speed only, greedy at batch 1 and 64, on static and on the frozen compiled engine
 BIG=${BIG:-bench_out/multi30k-big/base/checkpoint_last.pt}
 if wanted big; then
   untrained transformer_vaswani_wmt_en_de_big "$BIG"
   for BATCH in 1 64; do
     row "big-greedy-bs$BATCH" --path "$BIG" --decoders greedy --beam 1 --batch-size "$BATCH" --max-len-a 0 \
-      --max-len-b 25 --max-sentences $((BATCH == 1 ? 30 : 128)) --repeat 2 --reference greedy --step-engine static
+      --max-len-b 25 --max-sentences $((BATCH == 1 ? 30 : 128)) --repeat 2 --reference greedy --step-engine static \
+      "${FROZEN[@]}"
   done
 fi
