@@ -27,8 +27,8 @@ class PluginOptions(FairseqDataclass):
         default="auto",
         metadata={"help": "what runs each decoder step: 'auto' (default: on the CPU in float32, int8 or bf16 "
                           "'compiled' with --compiled-freezing --compile-in-background: a first run on a new model "
-                          "decodes at once, eager, while a child process compiles the steps and stores them on disk; later "
-                          "runs load them; on CUDA and in half precision 'static'; "
+                          "decodes at once, eager, while a child process compiles the steps and stores them on "
+                          "disk; later runs load them; on CUDA and in half precision 'static'; "
                           "$FASTGEN_STEP_ENGINE names another engine for 'auto'), "
                           "'static' (keys/values in preallocated "
                           "buffers, eager; bitwise fairseq's hypotheses), 'fairseq' (fairseq's own incremental "
