@@ -40,6 +40,7 @@ from multi30k import (  # noqa: E402  (the base model's settings)
     resolve_size,
     step,
     student_spec,
+    train_step,
 )
 
 from fastgen_demo import toy  # noqa: E402
@@ -53,11 +54,11 @@ def run_logged(command, log_path, env=None):
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def distill(bin_dir, teacher, output_dir, split, workers, log_path):
+def distill(bin_dir, teacher, output_dir, split, workers, log_path, teacher_args=()):
     """Run fastgen-distill (one torch thread per worker) and return its summary."""
     run_logged([console_script("fastgen-distill"), str(bin_dir), "--path", str(teacher), "--split", split,
                 "--output-dir", str(output_dir), "--workers", str(workers), "--beam", "5", "--batch-size", "64",
-                "--cpu"], log_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                "--cpu", *teacher_args], log_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return json.loads((Path(output_dir) / f"distill.{split}.json").read_text())
 
 
@@ -70,9 +71,8 @@ def train_student(args, bin_dir, save_dir, base, k, regime, data_kind, distilled
     extra = ["--subloss-mode", args.finetune_subloss_mode] if regime == "finetuned" else []
     if data_kind == "distilled":
         extra += ["--task", "translation_distill", "--distilled-data", str(distilled_dir), "--distill-mix", "distilled"]
-    if restore is not None:
-        extra += ["--restore-file", str(Path(restore).resolve()), "--reset-optimizer", "--reset-lr-scheduler",
-                  "--reset-meters", "--reset-dataloader"]
+    if restore is not None:  # fairseq starts from it on the first launch only: a stopped run resumes from its own
+        extra += ["--finetune-from-model", str(Path(restore).resolve())]
     if regime == "frozen":
         lr, updates = args.frozen_lr, args.student_updates
     else:
@@ -180,6 +180,9 @@ def main(argv=None):
                         help="comma-separated stages to run (distill, throughput, students, bench; speed: "
                              "batch 1 and 64 timings of every trained model, --bench-dir/speed)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of fastgen-bench")
+    parser.add_argument("--teacher-args", default="",
+                        help="more fastgen-distill options for the training split (e.g. \"--quantize int8 "
+                             "--step-engine compiled\": the base-size teacher in int8, about 3x float32's speed)")
     add_base_model_options(parser)  # as benchmarks/multi30k.py built the base model
     args = resolve_size(parser.parse_args(argv))
     out, bench_dir = Path(args.out), Path(args.bench_dir)
@@ -190,7 +193,8 @@ def main(argv=None):
 
     if "distill" in wanted:
         step("fastgen-distill train (2 workers)", distilled / "distill.train.json",
-             lambda: distill(bin_dir, base, distilled, "train", 2, bench_dir / "distill-train.log"))
+             lambda: distill(bin_dir, base, distilled, "train", 2, bench_dir / "distill-train.log",
+                             args.teacher_args.split()))
     if "throughput" in wanted:
         for workers in (1, 2):
             target = out / f"distill-valid-{workers}w"
@@ -213,9 +217,9 @@ def main(argv=None):
         for name in order:
             k, regime, data_kind = students[name]
             save_dir = out / "table1" / name
-            step(f"student {name}", save_dir / "checkpoint_last.pt",
-                 lambda k=k, regime=regime, data_kind=data_kind, save_dir=save_dir: train_student(
-                     args, bin_dir, save_dir, base, k, regime, data_kind, distilled))
+            train_step(f"student {name}", save_dir, save_dir / "checkpoint_last.pt",
+                       lambda k=k, regime=regime, data_kind=data_kind, save_dir=save_dir: train_student(
+                           args, bin_dir, save_dir, base, k, regime, data_kind, distilled))
     models = [("k1-base", base)] + [(name, out / "table1" / name / "checkpoint_last.pt") for name in students]
     for two_stage in args.two_stage.split(",") if args.two_stage else []:
         k, data_kind = two_stage.split("-")
@@ -226,8 +230,10 @@ def main(argv=None):
         models.insert(0, (name, checkpoint))
         if "students" in wanted:
             frozen = out / "table1" / cell_name(k, "frozen", data_kind) / "checkpoint_last.pt"
-            step(f"student {name}", checkpoint, lambda k=k, data_kind=data_kind, name=name, frozen=frozen: train_student(
-                args, bin_dir, out / "table1" / name, base, int(k), "finetuned", data_kind, distilled, restore=frozen))
+            train_step(f"student {name}", out / "table1" / name, checkpoint,
+                       lambda k=k, data_kind=data_kind, name=name, frozen=frozen: train_student(
+                           args, bin_dir, out / "table1" / name, base, int(k), "finetuned", data_kind, distilled,
+                           restore=frozen))
     if "bench" in wanted:
         for name, checkpoint in models:
             if not checkpoint.exists():

@@ -136,6 +136,7 @@ GENERATION_OPTIONS = {
     "stream_capacity_tokens": Check("int", 1, optional=True),
     "stream_capacity_rows": Check("int", 1, optional=True),
     "stream_pool": Check("int", 1),
+    "stream_set_aside": Check("int", 0),
     "blockwise_block_size": Check("int", 1, optional=True),  # at most the model's heads: checked at build
     "blockwise_top_k": Check("int", 0),
     "blockwise_epsilon": Check("real", 0, optional=True),

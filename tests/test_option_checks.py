@@ -98,6 +98,7 @@ BAD_GENERATION_OPTIONS = [
     ("stream_capacity_tokens", -5, "--stream-capacity-tokens must be an integer >= 1, got -5"),
     ("stream_capacity_rows", 0, "--stream-capacity-rows must be an integer >= 1, got 0"),
     ("stream_pool", 0, "--stream-pool must be an integer >= 1, got 0"),
+    ("stream_set_aside", -1, "--stream-set-aside must be an integer >= 0, got -1"),
     ("postprocess_workers", -1, "--postprocess-workers must be an integer >= 0, got -1"),
 ]
 
@@ -113,6 +114,7 @@ def test_bad_generation_options_are_refused_by_name(name, value, message):
     ("var_beam_delta", INF), ("var_beam_delta", 0.0), ("stream_eps", 0.0), ("stream_eps", 1.0),
     ("blockwise_block_size", None), ("blockwise_block_size", 1), ("blockwise_epsilon", None),
     ("blockwise_epsilon", 0.0), ("blockwise_top_k", 0), ("stream_capacity", None), ("postprocess_workers", 0),
+    ("stream_set_aside", 0),
 ])
 def test_valid_generation_options_pass(name, value):
     check_generation_options(parse_options(SimpleNamespace(**{name: value})))

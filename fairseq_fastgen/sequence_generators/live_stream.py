@@ -153,7 +153,7 @@ class LiveStream:
     @property
     def rows(self) -> int:
         """Rows of the running states, padding rows included: what each model call computes."""
-        return sum(cohort.rows for cohort in self.run.cohorts)
+        return sum(state.rows for state in self.run.states)
 
     def cancel(self, sentences) -> List[int]:
         """The rows of ``sentences`` (pool positions) leave the stream unanswered (their client gave up); returns
@@ -162,7 +162,7 @@ class LiveStream:
         (``finished_rows_wait``); a policy of padded cohorts keeps its other rows, padded again (``select_padded``)."""
         wanted = torch.as_tensor(sorted(sentences), dtype=torch.long)  # (n,)
         found = set()
-        for cohort in self.run.cohorts:
+        for cohort in self.run.states:
             gone = torch.isin(cohort.sentence, wanted.to(cohort.sentence.device))  # (rows,)
             if not bool(gone.any()):
                 continue
@@ -171,7 +171,7 @@ class LiveStream:
                 finished_rows_wait(cohort, gone)
             else:
                 select_padded(cohort, (~gone & cohort.sentence.ne(PADDING_SENTENCE)).nonzero().squeeze(1))
-        self.run.cohorts = [cohort for cohort in self.run.cohorts if cohort.rows > 0]
+        self.run.forget_empty()
         forget = getattr(self.run.policy, "forget", None)  # a beam search's hypotheses of those sentences
         if forget is not None and found:
             forget(sorted(found), self.ctx)
@@ -182,7 +182,7 @@ class LiveStream:
         ``sentences`` (a set of pool positions) running in the stream has so far, (length,) each; those are
         its answer's first tokens."""
         decided = {}
-        for cohort in self.run.cohorts:
+        for cohort in self.run.states:
             for row, sentence in enumerate(cohort.sentence.tolist()):
                 if sentence in sentences and sentence not in decided:
                     decided[sentence] = cohort.tokens[row, 1: 1 + cohort.row_length(row)].clone()

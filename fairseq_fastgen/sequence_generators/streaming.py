@@ -22,7 +22,11 @@ policy (variable-width beam, fixed-width beam, greedy, blockwise):
   positions), so rows at different lengths verify their blocks in one call.
   Its sources are encoded, and started by the policy's ``start`` (blockwise:
   their bos run; greedy: their first step), several capacities at a time
-  (``EncodedAhead``).
+  (``EncodedAhead``).  Right-aligned, every row attends over as many cached
+  positions as the longest row holds: a row that runs far longer than the
+  others (``--stream-set-aside``) moves out into a side state of its own,
+  stepped beside the stream at every iteration until it finishes
+  (``SetAside``).
 
 Without a capacity every source of the call starts at once: a static batch
 (``var-batch`` uses that).  Any policy with ``start(state, ctx)`` and
@@ -92,6 +96,11 @@ ENCODED_AHEAD = 4  # a stream that joins lengths encodes this many capacities of
 COHORT_EPS = 1 / 6  # default refill point of a stream whose refills start cohorts of their own (the paper's)
 JOINED_EPS = 1.0  # ... and of one whose refills take finished rows' places: as soon as a source fits
 SELECTIONS = ["min-length", "fifo"]  # which cohort a streaming iteration expands
+# --stream-set-aside: a row moves out of a joined stream once its output is past the option's length and this many
+# times the median of the running rows' ...
+SET_ASIDE_MEDIAN_FACTOR = 3
+# ... where the stream holds at least this many rows: a smaller stream's step costs about what the side state's would
+SET_ASIDE_MIN_ROWS = 8
 
 
 @dataclass
@@ -143,6 +152,15 @@ class StreamOptions(FairseqDataclass):
                           "greedy-stream takes on --step-engine fairseq",
                   "decoders": ("greedy-stream",)},
     )
+    stream_set_aside: int = field(
+        default=32,
+        metadata={"help": "greedy-stream and blockwise-stream, whose rows join at any length: a row whose output "
+                          "grows past this many tokens and past 3x the median of the running rows leaves the "
+                          "stream for a side batch stepped beside it, so that the stream's other rows stop reading "
+                          "the cached positions only it holds (a stream's rows attend over as many positions as "
+                          "its longest row has); the same tokens; 0: never",
+                  "decoders": ("greedy-stream", "blockwise-stream")},
+    )
     stream_pool: int = field(
         default=1024,
         metadata={"help": "streaming decoders in fairseq-generate: sentences read per generate() call, streamed "
@@ -186,11 +204,12 @@ class StreamingScheduler:
     """Refill-on-demand streaming over cohorts of sources (see the module doc)."""
 
     def __init__(self, capacity: Optional[int] = None, capacity_tokens: Optional[int] = None, eps: float = COHORT_EPS,
-                 capacity_rows: Optional[int] = None, selection: str = "min-length"):
+                 capacity_rows: Optional[int] = None, selection: str = "min-length", set_aside: int = 0):
         for option, value in (("--stream-capacity", capacity), ("--stream-capacity-tokens", capacity_tokens),
                               ("--stream-capacity-rows", capacity_rows)):
             if value is not None:
                 require_int(option, value, 1)
+        self.set_aside = require_int("--stream-set-aside", set_aside, 0)
         eps = require_finite_in_range("--stream-eps", eps, 0, 1)
         if selection not in SELECTIONS:
             raise UsageError(f"--stream-selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
@@ -208,7 +227,7 @@ class StreamingScheduler:
         if eps is None:
             eps = JOINED_EPS if joins_lengths else COHORT_EPS
         return cls(options.stream_capacity, options.stream_capacity_tokens, eps, options.stream_capacity_rows,
-                   str(options.stream_selection))
+                   str(options.stream_selection), options.stream_set_aside if joins_lengths else 0)
 
     @property
     def streams(self) -> bool:
@@ -244,6 +263,8 @@ class StreamRun:
             ctx.counters.add("refills", 0)  # reported even when none was needed
         self.next_source = 0  # sources before it (in pool order) have been admitted
         self.cohorts = []
+        # joins_lengths: the rows that ran far longer than the stream's others, in a state of their own (SetAside)
+        self.aside = SetAside(scheduler.set_aside, ctx) if self.joins_lengths and scheduler.set_aside else None
 
     @property
     def source_len(self) -> torch.Tensor:
@@ -263,19 +284,37 @@ class StreamRun:
                     ctx.counters.add("refills")
                 self.next_source += admitted
                 ctx.pool.admitted(admitted)
-        if not self.cohorts:  # (sources answered at their start, greedy's at a first eos, leave no row)
+        aside = self.aside is not None and self.aside.state is not None
+        if not self.cohorts and not aside:  # (sources answered at their start, greedy's at a first eos, leave no row)
             return self.next_source < ctx.pool.size
         drain = getattr(self.policy, "drain", None)
         if drain is not None and self.next_source >= ctx.pool.size:  # no source waits for a finished row's place
             self.cohorts = [c for c in (drain(c, ctx) for c in self.cohorts) if c.rows > 0]
-            if not self.cohorts:
+            if not self.cohorts and not aside:
                 return False
-        cohort = self._select()
-        ctx.counters.record_step("candidate_expansions", int(cohort.sentence.ne(PADDING_SENTENCE).sum()))
-        self.policy.advance(cohort, ctx)
+        if self.cohorts:
+            cohort = self._select()
+            ctx.counters.record_step("candidate_expansions", int(cohort.sentence.ne(PADDING_SENTENCE).sum()))
+            self.policy.advance(cohort, ctx)
+        if aside:
+            self.aside.advance(self.policy)
         ctx.counters.add("iterations")
         self.cohorts = self.merge([c for c in self.cohorts if c.rows > 0])
+        if self.aside is not None and self.cohorts:
+            self.aside.take_long_rows(self.cohorts[0])
         return True
+
+    @property
+    def states(self) -> List[DecodingState]:
+        """Every state whose rows decode: the cohorts, and the side state of rows set aside."""
+        aside = [] if self.aside is None or self.aside.state is None else [self.aside.state]
+        return self.cohorts + aside
+
+    def forget_empty(self):
+        """Drop the states left without rows, and the rows set aside that were cancelled."""
+        self.cohorts = [cohort for cohort in self.cohorts if cohort.rows > 0]
+        if self.aside is not None and self.aside.state is not None:
+            self.aside.drop_waiting()
 
     def _select(self):
         """The cohort this iteration expands: the least expanded, or with fifo the most (admitted first)."""
@@ -329,6 +368,54 @@ class StreamRun:
             admitted += 1
             tokens += length
         return admitted
+
+
+class SetAside:
+    """The rows of a joined stream (``joins_lengths``) that ran far longer than its others (``--stream-set-aside``):
+    the runner right-aligns the stream's cached positions, so every row's step reads as many positions as its
+    longest row holds; a few rows running to the length limit would make every step of the stream read several
+    times the keys/values its rows need.  Such a row leaves the stream (its place waits for a refill, as a
+    finished row's, and the positions only it attended go) for one side state, stepped by the policy beside the
+    stream at every iteration; a row done there leaves it.  The same computation for every row: the tokens the
+    stream would give (scores within float rounding, as the stream's)."""
+
+    def __init__(self, after: int, ctx):
+        self.after, self.ctx = after, ctx
+        self.state: Optional[DecodingState] = None  # the rows set aside, or None
+
+    def take_long_rows(self, stream: DecodingState):
+        """Move the rows of ``stream`` whose output is past ``after`` tokens and ``SET_ASIDE_MEDIAN_FACTOR`` times
+        the running rows' median into the side state."""
+        alive = stream.sentence.ne(PADDING_SENTENCE)  # (rows,)
+        if stream.rows < SET_ASIDE_MIN_ROWS or stream.row_lengths is None or not bool(alive.any()):
+            return
+        lengths = stream.row_lengths  # (rows,) tokens so far
+        median = float(lengths[alive].float().median())
+        long = alive & lengths.gt(max(self.after, SET_ASIDE_MEDIAN_FACTOR * median))  # (rows,)
+        if not bool(long.any()):
+            return
+        moved = stream.taken(long.nonzero().squeeze(1))
+        finished_rows_wait(stream, long)  # their places wait for a refill's rows; only their positions go
+        self.ctx.counters.add("rows_set_aside", moved.rows)
+        if self.state is None:
+            self.state = moved
+            return
+        width = max(self.state.src_len, moved.src_len)
+        self.state = DecodingState.concat([CompanionFreeLayout.widen(self.state, width),
+                                           CompanionFreeLayout.widen(moved, width)])
+
+    def advance(self, policy):
+        """The side state's step (the policy's), its finished rows gone."""
+        state = self.state
+        self.ctx.counters.record_step("candidate_expansions", int(state.sentence.ne(PADDING_SENTENCE).sum()))
+        self.ctx.counters.add("set_aside_steps")
+        policy.advance(state, self.ctx)
+        self.drop_waiting()
+
+    def drop_waiting(self):
+        """The rows done (answered, or cancelled) leave the side state; no state is left without rows."""
+        state = drain_waiting_rows(self.state)
+        self.state = state if state.rows else None
 
 
 def join_any_lengths(parts):

@@ -15,6 +15,7 @@ import torch
 
 from fairseq_fastgen.commands import fairseq_command
 from fairseq_fastgen.sequence_generators.live_stream import RETURNED, LiveStream
+from fairseq_fastgen.sequence_generators.streaming import PADDING_SENTENCE
 from test_blockwise import loaded  # noqa: F401  (the k-head fixture)
 from test_var_beam import TEST_SENTENCES, assert_identical, toy  # noqa: F401
 
@@ -94,7 +95,9 @@ def test_live_arrivals_take_their_first_step_in_the_running_call(toy):
         assert torch.allclose(got["positional_scores"], want["positional_scores"], atol=1e-5, rtol=0), sentence
     counts = generator.counters.counts
     assert counts["refills"] >= 10 and script.most_ahead >= 2
-    assert counts["model_calls"] == counts["iterations"]  # every call a running step: none for a group's start
+    # every call a running step, the stream's or that of its rows set aside (--stream-set-aside): none for a group's
+    # start
+    assert counts["model_calls"] == counts["iterations"] + counts.get("set_aside_steps", 0)
 
 
 def test_live_blockwise_stream_gives_blockwise_outputs(loaded):  # noqa: F811
@@ -322,3 +325,51 @@ def test_cancelled_sentences_leave_the_stream_the_others_keep_answers(toy, loade
     records = getattr(generator.policy, "_records", None)  # a beam search's: no cancelled sentence's hypotheses kept
     if records is not None:
         assert all(records.collected[p] == [] and records.waiting[p] == {} for p in server.cancelled)
+
+
+class SetAsideCanceller(LiveStream):
+    """A served stream (greedy-stream, --stream-set-aside 8) whose first row set aside is cancelled by its client
+    while it runs there; every sentence arrives at once, one line each, and each answer is read once."""
+
+    def __init__(self, toy, generator, ids):
+        self.unsent, self.ids, self.answers, self.cancelled = [toy.sample([s])["net_input"] for s in ids], ids, {}, None
+        self.aside_after_cancel = "not cancelled"
+        super().__init__(generator, self.arrivals, lambda count: None)
+
+    def arrivals(self):
+        arrived, self.unsent = self.unsent, []
+        return arrived
+
+    def answer(self, net_input):
+        results, run = self.pool.results, self.run
+        for _ in range(5000):  # (a hang guard)
+            if self.cancelled is None and run.aside.state is not None:
+                aside = run.aside.state.sentence
+                self.cancelled = int(aside[aside.ne(PADDING_SENTENCE)][0])
+                assert self.cancel([self.cancelled]) == [self.cancelled]
+                results[self.cancelled] = RETURNED
+                state = run.aside.state
+                self.aside_after_cancel = [] if state is None else state.sentence.tolist()
+            progressed = run.iterate()
+            for position, result in enumerate(results):
+                if result is not None and result is not RETURNED:
+                    assert self.ids[position] not in self.answers
+                    self.answers[self.ids[position]], results[position] = result, RETURNED
+            if not progressed:
+                return []
+        raise AssertionError("the stream did not end")
+
+
+def test_a_row_set_aside_leaves_when_its_client_gives_up(toy):
+    ids = list(range(TEST_SENTENCES))[:48]
+    greedy = toy.translate(toy.generator(decoder="greedy", beam=1), ids)
+    generator = toy.generator(decoder="greedy-stream", beam=1, stream_capacity=8, stream_set_aside=8)
+    server = generator.live = SetAsideCanceller(toy, generator, ids)
+    generator.generate(None, {"net_input": None})
+
+    assert server.cancelled is not None, "no row was set aside"
+    assert server.cancelled not in server.aside_after_cancel  # it left the side state at once
+    assert set(server.answers) == set(ids) - {server.ids[server.cancelled]}
+    for sentence, hypotheses in server.answers.items():
+        assert torch.equal(hypotheses[0]["tokens"], greedy[sentence][0]["tokens"]), sentence
+    assert server.rows == 0 and server.run.aside.state is None

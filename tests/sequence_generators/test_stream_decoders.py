@@ -332,11 +332,11 @@ def test_greedy_refills_take_finished_rows_places(toy, monkeypatch):
     """--stream-join-lengths with refills at 7/8: a refill's rows take the places finished rows left (no copy
     of the running rows), every call runs the capacity's rows until no source waits and then a multiple of
     ROW_MULTIPLE, the sources are encoded ahead in groups and take their first step there, at their bos, in one
-    call a group; greedy's tokens."""
+    call a group; greedy's tokens (no row set aside: test_rows_far_longer_than_the_others_are_set_aside)."""
     ids = list(range(TEST_SENTENCES))
     greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
     generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=7 / 8,
-                              stream_join_lengths=True, **SOURCE_LENGTH)
+                              stream_join_lengths=True, stream_set_aside=0, **SOURCE_LENGTH)  # every row in the stream
     log, positions = RowLog(generator.runner, monkeypatch), PositionLog(generator.runner, monkeypatch)
     streamed = toy.translate(generator, ids)
 
@@ -535,3 +535,76 @@ def test_answered_rows_keep_their_hypotheses_when_their_places_are_taken(toy):
             assert not got[n:].any(), sentence
             compared += 1
     assert compared == len(ids)
+
+
+class AsideLog:
+    """Every model call of joined rows (``step_rows``): whether the side state of rows set aside made it
+    (``SetAside.advance``), its rows and the cached positions its rows read (the cache's length)."""
+
+    def __init__(self, runner, monkeypatch):
+        self.calls, self.in_aside = [], False  # calls: (aside, rows, cached positions)
+        step_rows, advance = runner.step_rows, streaming.SetAside.advance
+
+        def logged_step_rows(last_tokens, positions, encoder_out, cache):
+            self.calls.append((self.in_aside, last_tokens.size(0), cache.length))
+            return step_rows(last_tokens, positions, encoder_out, cache)
+
+        def logged_advance(aside, policy):
+            self.in_aside = True
+            try:
+                return advance(aside, policy)
+            finally:
+                self.in_aside = False
+
+        monkeypatch.setattr(runner, "step_rows", logged_step_rows)
+        monkeypatch.setattr(streaming.SetAside, "advance", logged_advance)
+
+    def positions_read(self) -> int:
+        """Row-positions of cached keys/values all calls read."""
+        return sum(rows * length for _, rows, length in self.calls)
+
+    def longest_stream_cache(self) -> int:
+        return max(length for aside, _, length in self.calls if not aside)
+
+
+@pytest.mark.parametrize("engine", ["static", "compiled"])
+def test_rows_far_longer_than_the_others_are_set_aside(toy, engine, monkeypatch):
+    """--stream-set-aside: a row that runs far longer than the stream's others (no length limit: some toy outputs
+    run on) leaves the stream for a side state stepped beside it; greedy's tokens, and the stream's rows stop
+    reading the positions only it holds: its cache stays shorter and every call together reads fewer cached
+    positions than the same stream with every row in it."""
+    ids = list(range(TEST_SENTENCES))
+    greedy = translate_in_batches(toy, toy.generator(decoder="greedy"), ids, 25)
+    logs, counts = {}, {}
+    for set_aside in (0, 8):
+        generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=7 / 8,
+                                  stream_set_aside=set_aside, step_engine=engine)
+        logs[set_aside] = AsideLog(generator.runner, monkeypatch)
+        streamed = toy.translate(generator, ids)
+        for sentence in ids:
+            assert torch.equal(streamed[sentence][0]["tokens"], greedy[sentence][0]["tokens"]), sentence
+        counts[set_aside] = generator.counters.counts
+        monkeypatch.undo()
+
+    lengths = sorted(h[0]["tokens"].numel() for h in greedy.values())
+    assert lengths[-1] > 3 * lengths[len(lengths) // 2] and lengths[-1] > 8  # some outputs run far longer
+    assert "rows_set_aside" not in counts[0] and not any(aside for aside, _, _ in logs[0].calls)
+    assert counts[8]["rows_set_aside"] >= 2 and counts[8]["set_aside_steps"] >= 10
+    aside_calls = [rows for aside, rows, _ in logs[8].calls if aside]
+    assert len(aside_calls) == counts[8]["set_aside_steps"] and max(aside_calls) < streaming.SET_ASIDE_MIN_ROWS
+    assert logs[8].longest_stream_cache() < logs[0].longest_stream_cache()
+    assert logs[8].positions_read() < 0.8 * logs[0].positions_read()
+    assert counts[8]["sentences"] == TEST_SENTENCES
+
+
+@pytest.mark.parametrize("engine", ["fairseq", "static"])
+def test_blockwise_rows_set_aside_keep_blockwise_tokens(loaded, engine, monkeypatch):
+    """blockwise-stream sets rows aside as greedy-stream does (on fairseq's decoder, which takes no row in place,
+    the side state's rows are copied out as well): blockwise's tokens."""
+    model, task = loaded(4)
+    reference, _ = decode(model, task, 25, decoder="blockwise", step_engine=engine, **SOURCE_LENGTH)
+    generator, _, streamed = stream_blockwise(model, task, monkeypatch, stream_eps=7 / 8, step_engine=engine,
+                                              stream_set_aside=4)
+    assert_blockwise_tokens(reference, streamed, tolerance=1e-5)
+    counts = generator.counters.counts
+    assert counts["rows_set_aside"] >= 2 and counts["set_aside_steps"] >= 5
