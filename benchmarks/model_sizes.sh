@@ -15,7 +15,7 @@ M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
 ROWS=" ${3:-bs1 int8 bs64 beam5 clusters relaxed varbeam big} "
 BASE=$M/base/checkpoint_best.pt
-KHEAD=$M/khead4/checkpoint_last.pt
+KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of the same base
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
 source "$(dirname "$0")/bench_rows.sh"  # wanted, row, untrained
 FROZEN=(--variant "frozen=--step-engine compiled --compiled-freezing")
