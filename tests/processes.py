@@ -35,6 +35,18 @@ def wait_for_children(pid, poll_s=0.05):
     return []
 
 
+def wait_for_descendants(pid, count, timeout_s=300, poll_s=0.05):
+    """The processes below ``pid`` once there are ``count`` of them at once (polled: a short-lived child, such as a
+    probe run before the one awaited, does not end the wait), or whatever is there once ``pid`` has ended or
+    ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    found = descendants(pid)
+    while len(found) < count and running(pid) and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        found = descendants(pid)
+    return found
+
+
 class OutputReader(threading.Thread):
     """Reads a piped output to its end in a thread, so that a full pipe never blocks the process writing it."""
 

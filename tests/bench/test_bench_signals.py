@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from tests.bench.test_bench_cli import bench_command
-from tests.processes import descendants, finish, start_reading_until, wait_for_children
+from tests.processes import finish, start_reading_until, wait_for_descendants
 
 pytestmark = pytest.mark.xdist_group("test_bench_signals")
 
@@ -35,9 +35,7 @@ def test_a_signal_ends_the_bench_and_every_process_it_started(toy_model, tmp_pat
     process, lines, reader = start_bench(toy_model, output_dir, *(["--whole-process"] if whole_process else []))
     started = []
     if whole_process:  # once the pass's fairseq-generate decodes: it has started its data-loader worker
-        generate = wait_for_children(process.pid)
-        wait_for_children(generate[0]) if generate else None
-        started = descendants(process.pid)
+        started = wait_for_descendants(process.pid, 2)
     try:
         process.send_signal(signum)
     finally:
