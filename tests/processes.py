@@ -99,13 +99,16 @@ def running(pid):
 
 
 def finish(process, pids, reader=None):
-    """The rest of the output, once the process has ended, and which of ``pids`` were still running then.
+    """The rest of the output, once the process has ended, and which of ``pids`` were still running 10 s later.
     Those (what the test reports as a failure) are then killed, so that no orphan outlives the test; orphans
     hold the output pipe open, so it is read in a thread (``reader``, else a new one), not waited for."""
     reader = reader or OutputReader(process.stdout)
     survivors = list(pids)
     try:
         process.wait(timeout=600)
+        deadline = time.monotonic() + 10  # a data-loader worker ends itself within seconds of its parent
+        while any(running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
         survivors = [pid for pid in pids if running(pid)]
     finally:
         for pid in [process.pid] + pids:
