@@ -386,10 +386,11 @@ class SetAside:
     def take_long_rows(self, stream: DecodingState):
         """Move the rows of ``stream`` whose output is past ``after`` tokens and ``SET_ASIDE_MEDIAN_FACTOR`` times
         the running rows' median into the side state."""
-        alive = stream.sentence.ne(PADDING_SENTENCE)  # (rows,)
-        if stream.rows < SET_ASIDE_MIN_ROWS or stream.row_lengths is None or not bool(alive.any()):
+        if stream.rows < SET_ASIDE_MIN_ROWS or stream.row_lengths is None:
             return
-        lengths = stream.row_lengths  # (rows,) tokens so far
+        alive, lengths = stream.sentence.ne(PADDING_SENTENCE), stream.row_lengths  # (rows,) each: tokens so far
+        if not bool(lengths.masked_fill(~alive, 0).gt(self.after).any()):  # (every iteration: no median to take)
+            return
         median = float(lengths[alive].float().median())
         long = alive & lengths.gt(max(self.after, SET_ASIDE_MEDIAN_FACTOR * median))  # (rows,)
         if not bool(long.any()):
