@@ -1,16 +1,25 @@
 // int8 rows on the CPU: one call rounds each input row to int8 on a scale of its own, multiplies it with a weight
-// of int8 rows (AVX-512 VNNI: vpdpbusd sums four u8 x s8 products into each int32 lane, exactly) and scales the
-// sums back to float32.  The torch reference is Int8Rows in fairseq_fastgen/ops/precision_linear.py (fbgemm's and
-// oneDNN's products on the same integers): this kernel gives the same bits (tests/ops/test_int8_kernel.py).
+// of int8 rows and scales the sums back to float32.  The torch reference is Int8Rows in
+// fairseq_fastgen/ops/precision_linear.py (fbgemm's and oneDNN's products on the same integers): this kernel gives
+// the same bits (tests/ops/test_int8_kernel.py).  Two builds of this one source, chosen by the processor
+// (fairseq_fastgen/ops/int8_kernel.py):
+//
+// * AVX-512 VNNI (-mavx512vnni): vpdpbusd sums four u8 x s8 products into each int32 lane, exactly; inputs in
+//   [-127, 127] (FASTGEN_INPUT_LEVELS 127).
+// * AVX2 (every other x86 processor torch's int8 runs on): vpmaddubsw multiplies u8 by s8 and sums pairs into
+//   int16 lanes, saturating, then vpmaddwd sums those pairs into int32; with inputs in [-63, 63]
+//   (FASTGEN_INPUT_LEVELS 63, fbgemm's 7-bit inputs on such processors) a pair stays below 2 * 127 * 127 = 32,258,
+//   so nothing saturates and the sums are exact too.
 //
 // Why a kernel of our own: at one to a few rows a decoder step's products read each weight once, and fbgemm's
 // dynamic linear costs ~48 us for a 512 x 512 weight whose 256 KiB take ~13 us to read, plus five torch calls
 // around it to round the input.  Here the rounding, the product and the scaling are one call.
 //
 // The weight's layout (packed once, in torch: int8_kernel.pack_rows): groups of 64 output rows; inside a group,
-// for every 4 consecutive inputs k..k+3, the 64 rows' 4 bytes each: (out/64, in/4, 64, 4).  A group's 64 x 4 bytes
-// at one k4 are 4 zmm registers, one per 16 outputs; the input's 4 bytes at that k4 are broadcast to all lanes.
-// vpdpbusd multiplies unsigned by signed bytes, so the input goes in as q + 128 and 128 * (sum of the weight row)
+// for every 4 consecutive inputs k..k+3, the 64 rows' 4 bytes each: (out/64, in/4, 64, 4).  The input's 4 bytes at
+// one k4 are broadcast to all lanes; a group's 64 x 4 bytes there are 4 zmm registers (VNNI), or 8 ymm, taken as
+// two halves of 32 rows one after the other (AVX2: 16 registers hold no more).  Both instructions multiply
+// unsigned by signed bytes, so the input goes in as q + kOffset (kLevels + 1) and kOffset * (sum of the weight row)
 // comes off the int32 sum after.
 //
 // Compiled with -ffp-contract=off: the scaling is float(sum) * weight scale, then * input scale, then + bias,
@@ -29,11 +38,24 @@
 
 namespace {
 
-constexpr int64_t kGroup = 64;    // output rows a group holds: 4 zmm of 16 int32 sums
-constexpr int64_t kRowsAtOnce = 4;  // input rows sharing one pass over a group's weights (4 x 4 accumulators)
-constexpr float kLevels = 127.0f;   // input integers in [-127, 127]
+#ifndef FASTGEN_INPUT_LEVELS
+#error "build with -DFASTGEN_INPUT_LEVELS=127 (AVX-512 VNNI) or 63 (AVX2)"
+#endif
+constexpr int64_t kGroup = 64;                          // output rows a group holds
+constexpr float kLevels = FASTGEN_INPUT_LEVELS;         // input integers in [-kLevels, kLevels]
+constexpr int32_t kOffset = FASTGEN_INPUT_LEVELS + 1;   // added to each input integer: an unsigned byte
 
-// One input row (in floats) -> its scale and in_padded bytes q + 128 (padding: 128, i.e. q = 0).
+inline int32_t four_bytes(const uint8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, 4);
+  return four;
+}
+
+#if defined(__AVX512VNNI__)
+static_assert(FASTGEN_INPUT_LEVELS == 127, "the VNNI build takes inputs in [-127, 127]");
+constexpr int64_t kRowsAtOnce = 4;  // input rows sharing one pass over a group's weights (4 x 4 accumulators)
+
+// One input row (in floats) -> its scale and in_padded bytes q + kOffset (padding: q = 0).
 float round_row(const float* x, int64_t in, int64_t in_padded, uint8_t* out) {
   __m512 largest = _mm512_setzero_ps();
   int64_t k = 0;
@@ -42,7 +64,7 @@ float round_row(const float* x, int64_t in, int64_t in_padded, uint8_t* out) {
   for (; k < in; ++k) amax = std::max(amax, std::fabs(x[k]));
   const float scale = std::max(amax, 1e-30f) / kLevels;
   const __m512 scales = _mm512_set1_ps(scale);
-  const __m512i offset = _mm512_set1_epi32(128);
+  const __m512i offset = _mm512_set1_epi32(kOffset);
   k = 0;
   for (; k + 16 <= in; k += 16) {
     // x / scale rounded half to even (torch.round), as integers + 128, narrowed to bytes
@@ -51,8 +73,8 @@ float round_row(const float* x, int64_t in, int64_t in_padded, uint8_t* out) {
     __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(q), offset);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(shifted));
   }
-  for (; k < in; ++k) out[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[k] / scale)) + 128);
-  for (; k < in_padded; ++k) out[k] = 128;
+  for (; k < in; ++k) out[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[k] / scale)) + kOffset);
+  for (; k < in_padded; ++k) out[k] = kOffset;
   return scale;
 }
 
@@ -65,12 +87,6 @@ float round_row(const float* x, int64_t in, int64_t in_padded, uint8_t* out) {
     s##r##2 = _mm512_dpbusd_epi32(s##r##2, x, w2);                                          \
     s##r##3 = _mm512_dpbusd_epi32(s##r##3, x, w3);                                          \
   }
-
-inline int32_t four_bytes(const uint8_t* p) {
-  int32_t four;
-  std::memcpy(&four, p, 4);
-  return four;
-}
 
 // Sums of `rows` (1..4) rounded input rows with one group of 64 weight rows, scaled into out[r * ld + 0..63]
 // (only the first `width` outputs written: the last group may hang over the weight's end).  The 16 sums are named
@@ -114,8 +130,129 @@ using GroupProduct = void (*)(const uint8_t*, int64_t, const int8_t*, const int3
 constexpr GroupProduct kGroupProducts[kRowsAtOnce] = {group_product<1>, group_product<2>, group_product<3>,
                                                       group_product<4>};
 
+// Every input row with one group: kRowsAtOnce rows at a time.
+void group_rows(const uint8_t* inputs, int64_t rows, int64_t in_padded, const int8_t* group, const int32_t* offsets,
+                const float* weight_scales, const float* input_scales, const float* bias, float* out, int64_t ld,
+                int64_t width) {
+  for (int64_t r = 0; r < rows; r += kRowsAtOnce) {
+    const int64_t chunk = std::min(kRowsAtOnce, rows - r);
+    kGroupProducts[chunk - 1](inputs + r * in_padded, in_padded, group, offsets, weight_scales, input_scales + r,
+                              bias, out + r * ld, ld, width);
+  }
+}
+
+#else  // AVX2
+static_assert(FASTGEN_INPUT_LEVELS <= 63, "the AVX2 build takes inputs in [-63, 63]: larger ones saturate");
+constexpr int64_t kHalf = 32;       // output rows of a half group: 4 ymm of 8 int32 sums
+constexpr int64_t kRowsAtOnce = 2;  // input rows sharing one pass over a half group (2 x 4 accumulators)
+
+// One input row (in floats) -> its scale and in_padded bytes q + kOffset (padding: q = 0).
+float round_row(const float* x, int64_t in, int64_t in_padded, uint8_t* out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 largest = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= in; k += 8) largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, largest);
+  float amax = *std::max_element(lanes, lanes + 8);
+  for (; k < in; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float scale = std::max(amax, 1e-30f) / kLevels;
+  const __m256 scales = _mm256_set1_ps(scale);
+  const __m256i offset = _mm256_set1_epi32(kOffset);
+  const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  // x / scale rounded half to even (torch.round), as integers + kOffset
+  auto shifted = [&](int64_t at) {
+    const __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + at), scales),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_add_epi32(_mm256_cvtps_epi32(q), offset);
+  };
+  k = 0;
+  for (; k + 32 <= in; k += 32) {  // 32 integers in [1, 127] narrowed to bytes; the packs interleave 4-byte lanes
+    const __m256i low = _mm256_packs_epi32(shifted(k), shifted(k + 8));
+    const __m256i high = _mm256_packs_epi32(shifted(k + 16), shifted(k + 24));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(low, high), byte_order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), bytes);
+  }
+  for (; k < in; ++k) out[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[k] / scale)) + kOffset);
+  for (; k < in_padded; ++k) out[k] = kOffset;
+  return scale;
+}
+
+// The sums of 4 products for 8 rows: u8 x s8 pairs into int16, pairs of those into int32 (exact, see the top).
+inline __m256i four_products(__m256i x, __m256i w, __m256i ones) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), ones);
+}
+
+#define FASTGEN_ROW_SUMS(r)                                                                 \
+  if constexpr (kRows > r) {                                                                \
+    const __m256i x = _mm256_set1_epi32(four_bytes(inputs + r * in_padded + s * 4));        \
+    s##r##0 = _mm256_add_epi32(s##r##0, four_products(x, w0, ones));                       \
+    s##r##1 = _mm256_add_epi32(s##r##1, four_products(x, w1, ones));                       \
+    s##r##2 = _mm256_add_epi32(s##r##2, four_products(x, w2, ones));                       \
+    s##r##3 = _mm256_add_epi32(s##r##3, four_products(x, w3, ones));                       \
+  }
+
+// Sums of `rows` (1..2) rounded input rows with the 32 weight rows of half `half` of a group, scaled into
+// out[r * ld + 0..31] (only the first `width` outputs written).  `group`, `offsets`, `weight_scales`, `bias` and
+// `out` point at the group's first row.
+template <int kRows>
+void half_group_product(const uint8_t* inputs, int64_t in_padded, const int8_t* group, int64_t half,
+                        const int32_t* offsets, const float* weight_scales, const float* input_scales,
+                        const float* bias, float* out, int64_t ld, int64_t width) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s00 = _mm256_setzero_si256(), s01 = s00, s02 = s00, s03 = s00, s10 = s00, s11 = s00, s12 = s00, s13 = s00;
+  const int64_t steps = in_padded / 4;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int8_t* w = group + s * kGroup * 4 + half * kHalf * 4;
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kGroup * 4), _MM_HINT_T0);  // both lines the half reads
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kGroup * 4 + 64), _MM_HINT_T0);
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+    const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64));
+    const __m256i w3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 96));
+    FASTGEN_ROW_SUMS(0)
+    FASTGEN_ROW_SUMS(1)
+  }
+  const __m256i sums[2][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}};
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 row_scale = _mm256_set1_ps(input_scales[r]);
+    for (int j = 0; j < 4; ++j) {
+      const int64_t first = half * kHalf + j * 8;
+      if (first >= width) break;
+      const int64_t kept = std::min<int64_t>(8, width - first);
+      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(kept)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256i exact = _mm256_sub_epi32(
+          sums[r][j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + first)));
+      __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), _mm256_loadu_ps(weight_scales + first));
+      value = _mm256_mul_ps(value, row_scale);
+      if (bias != nullptr) value = _mm256_add_ps(value, _mm256_maskload_ps(bias + first, keep));
+      _mm256_maskstore_ps(out + r * ld + first, keep, value);
+    }
+  }
+}
+
+using HalfGroupProduct = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, const float*,
+                                  const float*, const float*, float*, int64_t, int64_t);
+constexpr HalfGroupProduct kHalfGroupProducts[kRowsAtOnce] = {half_group_product<1>, half_group_product<2>};
+
+// Every input row with one group: a half group at a time (its weights stay in the level-1 cache while every row
+// passes over them), kRowsAtOnce rows at a time.
+void group_rows(const uint8_t* inputs, int64_t rows, int64_t in_padded, const int8_t* group, const int32_t* offsets,
+                const float* weight_scales, const float* input_scales, const float* bias, float* out, int64_t ld,
+                int64_t width) {
+  for (int64_t half = 0; half * kHalf < width; ++half) {
+    for (int64_t r = 0; r < rows; r += kRowsAtOnce) {
+      const int64_t chunk = std::min(kRowsAtOnce, rows - r);
+      kHalfGroupProducts[chunk - 1](inputs + r * in_padded, in_padded, group, half, offsets, weight_scales,
+                                    input_scales + r, bias, out + r * ld, ld, width);
+    }
+  }
+}
+#endif
+
 // x (rows, in) float32; packed (out_padded/64, in_padded/4, 64, 4) int8; weight_scales (out_padded,) float32;
-// offsets (out_padded,) int32 = 128 * the weight rows' sums; bias (out,) float32 or none -> (rows, out) float32.
+// offsets (out_padded,) int32 = kOffset * the weight rows' sums; bias (out,) float32 or none -> (rows, out) float32.
 at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight_scales,
                             const at::Tensor& offsets, int64_t out_features, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "int8_rows_linear: x must be (rows, in) float32");
@@ -149,13 +286,9 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& packed, const
   at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
     for (int64_t g = first; g < last; ++g) {
       const int64_t width = std::min(kGroup, out_features - g * kGroup);
-      for (int64_t r = 0; r < rows; r += kRowsAtOnce) {
-        const int64_t chunk = std::min(kRowsAtOnce, rows - r);
-        kGroupProducts[chunk - 1](rounded.data() + r * in_padded, in_padded, weights + g * kGroup * in_padded,
-                                  offset_data + g * kGroup, scales + g * kGroup, input_scales.data() + r,
-                                  bias_data == nullptr ? nullptr : bias_data + g * kGroup,
-                                  out_data + r * out_features + g * kGroup, out_features, width);
-      }
+      group_rows(rounded.data(), rows, in_padded, weights + g * kGroup * in_padded, offset_data + g * kGroup,
+                 scales + g * kGroup, input_scales.data(), bias_data == nullptr ? nullptr : bias_data + g * kGroup,
+                 out_data + g * kGroup, out_features, width);
     }
   });
   return out;

@@ -2,14 +2,16 @@
 
 ``--quantize int8`` rounds each input row to int8 on a scale of its own and multiplies it with int8 weight rows
 (``precision_linear.Int8Rows``).  At one to a few rows fbgemm's and oneDNN's products spend most of their time in
-fixed costs, and the rounding around them is five torch calls; the kernel does the rounding, the product (AVX-512
-VNNI) and the scaling in one call and gives the same bits (``tests/ops/test_int8_kernel.py``).
+fixed costs, and the rounding around them is five torch calls; the kernel does the rounding, the product and the
+scaling in one call and gives the same bits (``tests/ops/test_int8_kernel.py``).  It is built for the processor:
+with AVX-512 VNNI (inputs in [-127, 127]) or with AVX2 (inputs in [-63, 63], fbgemm's 7-bit inputs there, which
+keep its int16 pair sums exact): ``INPUT_LEVELS``.
 
 The C++ source is compiled by torch's extension builder (ninja, the system's C++ compiler) on first use into
 ``$FASTGEN_CACHE/int8-kernel-<key>`` (the key: the source, torch's version and the flags), then loaded from there;
 its op is ``torch.ops.fastgen.int8_rows_linear``, with its output's shape registered for tracing, so that the
-compiled engine's units call it (``engine/int8_weights.py``).  Where the processor lacks AVX-512 VNNI, or the build fails
-(one warning line says why), ``available()`` is False and int8 products stay on fbgemm's and oneDNN's kernels
+compiled engine's units call it (``engine/int8_weights.py``).  Where the processor lacks AVX2, or the build fails (one
+warning line says why), ``available()`` is False and int8 products stay on fbgemm's and oneDNN's kernels
 (``--int8-library-kernels`` asks for those anyway, for comparison).
 """
 
@@ -28,15 +30,20 @@ logger = logging.getLogger("fairseq_fastgen.ops")
 SOURCE_NAME = "int8_rows_cpu.cpp"
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = (_PACKAGE_DIR / "kernels", _PACKAGE_DIR.parent / "kernels")  # installed package, then checkout
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-ffp-contract=off",
-         "-fopenmp"]
+VNNI = torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
+# Each input row is rounded to integers in [-INPUT_LEVELS, INPUT_LEVELS] on a scale of its own, by every int8 kernel
+# (this one and fbgemm's and oneDNN's, precision_linear.Int8Rows). Without VNNI the int8 kernels sum pairs of
+# products in int16 and need 7-bit inputs to stay clear of saturation.
+INPUT_LEVELS = 127 if VNNI else 63
+INSTRUCTIONS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"] if VNNI else ["-mavx2"]
+FLAGS = ["-O3", *INSTRUCTIONS, f"-DFASTGEN_INPUT_LEVELS={INPUT_LEVELS}", "-ffp-contract=off", "-fopenmp"]
 GROUP = 64  # output rows per group of the packed layout (the kernel's kGroup)
 
 
 def processor_refusal() -> Optional[str]:
     """Why the kernel cannot run here, or None."""
-    if not (torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()):
-        return "the processor lacks AVX-512 VNNI"
+    if not (VNNI or torch.cpu._is_avx2_supported()):
+        return "the processor has neither AVX-512 VNNI nor AVX2"
     return None
 
 
@@ -91,14 +98,15 @@ def register_output_shape():
 
 def pack_rows(integers: Tensor) -> Tuple[Tensor, Tensor]:
     """integers (out, in) int8 -> the kernel's layout (out/64, in/4, 64, 4) int8 and the offsets (out,) int32
-    (128 x each row's sum: the kernel's inputs enter as unsigned bytes q + 128), both padded to whole groups."""
+    ((INPUT_LEVELS + 1) x each row's sum: the kernel's inputs enter as unsigned bytes q + INPUT_LEVELS + 1), both
+    padded to whole groups."""
     out_features, in_features = integers.shape
     out_padded = -(-out_features // GROUP) * GROUP
     in_padded = -(-in_features // 4) * 4
     padded = torch.zeros(out_padded, in_padded, dtype=torch.int8)
     padded[:out_features, :in_features] = integers
     packed = padded.view(out_padded // GROUP, GROUP, in_padded // 4, 4).permute(0, 2, 1, 3).contiguous()
-    offsets = padded.sum(dim=1, dtype=torch.int32).mul_(128)  # (out_padded,)
+    offsets = padded.sum(dim=1, dtype=torch.int32).mul_(INPUT_LEVELS + 1)  # (out_padded,)
     return packed, offsets
 
 

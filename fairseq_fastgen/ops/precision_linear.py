@@ -5,9 +5,8 @@ it runs at the speed of memory: fewer bytes per weight go faster.
 
 * int8: each weight row rounded once to int8 with a float32 scale of its own,
   each input row rounded at each call to integers on a scale of its own, and
-  their product summed exactly in int32 (VNNI where the processor has it):
-  by the plugin's own kernel where the processor has AVX-512 VNNI
-  (``int8_kernel.py``), else by fbgemm's dynamic linear at a few rows and
+  their product summed exactly in int32: by the plugin's own kernel
+  (``int8_kernel.py``, AVX-512 VNNI or AVX2) where it builds, else by fbgemm's dynamic linear at a few rows and
   oneDNN's int8 linear at more (:class:`Int8Rows`).  A row's output is
   bitwise the same at batch 1 and 64, in any of the three kernels, in a
   blockwise block or a stream's refill
@@ -68,9 +67,7 @@ def precision_refusal(precision: str) -> Optional[str]:
     return f"--quantize must be one of {', '.join(PRECISIONS)}; got {precision!r}"
 
 
-# Each input row is rounded to integers in [-INPUT_LEVELS, INPUT_LEVELS] on a scale of its own. Without VNNI the
-# int8 kernels sum pairs of products in int16 and need 7-bit inputs to stay clear of saturation.
-INPUT_LEVELS = 127 if torch.cpu._is_vnni_supported() else 63
+INPUT_LEVELS = int8_kernel.INPUT_LEVELS  # each input row rounded to integers in [-INPUT_LEVELS, INPUT_LEVELS]
 # From this many rows a call goes to oneDNN's int8 product, below to fbgemm's; the two give the same bits
 # (tests/ops/test_precision_linear.py). fbgemm's product is the cheaper at a few rows, oneDNN's at many.
 ONEDNN_MIN_ROWS = 16
@@ -103,7 +100,7 @@ class Int8Rows:
     row's scale, then by the input row's, then the bias is added.  Three kernels compute it with the same bits
     (tests/ops/test_precision_linear.py, tests/ops/test_int8_kernel.py):
 
-    * the plugin's own (``int8_kernel.py``, AVX-512 VNNI): rounding, product and scaling in one call, at every
+    * the plugin's own (``int8_kernel.py``, AVX-512 VNNI or AVX2): rounding, product and scaling in one call, at every
       row count; used wherever it builds (``kernel``: None asks ``int8_kernel.available()``);
     * else fbgemm's at a few rows (``quantized::linear_dynamic``: it rounds its input once more, on one range for
       the whole call, which two fence rows of +-(INPUT_LEVELS + 0.5) pin to a scale of exactly 1, so the integers

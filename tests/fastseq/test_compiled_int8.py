@@ -1,7 +1,13 @@
 """``--quantize int8 --step-engine compiled``: the compiled units compute the decoder's linear layers on int8 rows
 they hold as constants (engine/int8_weights.py).  Within int8 the compiled engine keeps its promises (greedy's
 tokens as static int8 gives them, blockwise's exact mode is greedy, var-stream is var-batch);
---int8-library-kernels falls back to static with one line.  bfloat16: test_compiled_bf16.py."""
+--int8-library-kernels falls back to static with one line.  bfloat16: test_compiled_bf16.py.
+
+Where two different units meet (the step's against the eager step, the block's against the step's), their float
+sums may round apart in the last bit (inductor vectorizes each for the processor), and int8 magnifies that: an
+input row's integer can move by one and a near-tie between two tokens go the other way.  Those comparisons allow
+it in at most 2% of the sentences (seen: none of 200 on an AMD Zen 5 with AVX-512 VNNI, one on an AMD Zen 3 with
+AVX2); a wrong product would change most of them."""
 
 import logging
 
@@ -35,6 +41,15 @@ def every_layer_in_int8(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path_factory.getbasetemp() / "compiled-int8"))
 
 
+def assert_tokens_match_up_to_near_ties(got, expected):
+    """The best hypotheses' tokens of ``got`` are ``expected``'s for every sentence but at most 2% (near-ties that
+    the units' rounding decides: the module's docstring)."""
+    got, expected = best_tokens(got), best_tokens(expected)
+    assert sorted(got) == sorted(expected)
+    differing = [sentence for sentence in expected if got[sentence] != expected[sentence]]
+    assert len(differing) <= 0.02 * len(expected), differing
+
+
 def runner_of(generator) -> CompiledRunner:
     runner = getattr(generator, "runner", None) or generator.model.runner  # a stock search holds it in its ensemble
     assert type(runner) is CompiledRunner
@@ -60,7 +75,7 @@ def test_the_fused_query_key_value_rows_give_the_three_products_bits(loaded_toy)
 
 def test_compiled_units_compute_int8_and_give_static_int8s_tokens(loaded_toy, translate):
     """Every step runs a unit compiled ahead of time (the row buckets and the step for more rows), never the
-    eager step, and gives the tokens static int8 gives; the int8 products did change float32's."""
+    eager step, and gives the tokens static int8 gives (up to near-ties); the int8 products did change float32's."""
     assert engine_setting(PluginOptions(step_engine="compiled", quantize="int8")) == "compiled"
     static = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, quantize="int8")
     float32 = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, step_engine="compiled")
@@ -70,7 +85,7 @@ def test_compiled_units_compute_int8_and_give_static_int8s_tokens(loaded_toy, tr
     eager = []
     runner.eager_step = lambda *args: eager.append(args) or pytest.fail("the eager step ran")
     int8 = translate(loaded_toy, generator, 16)
-    assert best_tokens(int8) == best_tokens(static)
+    assert_tokens_match_up_to_near_ties(int8, static)
     assert best_tokens(int8) != best_tokens(float32)
     assert runner.freezing and runner.units.packaged and all(u is not None for u in runner.units.packaged.values())
     assert isinstance(runner.decoder_step.reduced, Int8Weights)
@@ -104,12 +119,12 @@ def test_every_unit_reads_the_decodes_own_int8_rows_in_place(loaded_toy, transla
 
 def test_beam_search_on_compiled_int8_units(loaded_toy, translate):
     """fairseq's beam search over the compiled engine in int8: its sentences' beams share their keys in the
-    unit for many rows; the hypotheses are static int8's tokens."""
+    unit for many rows; the hypotheses are static int8's tokens (up to near-ties between the units' rounding)."""
     static = decode(loaded_toy, translate, 16, decoder="beam", beam=4, quantize="int8")
     generator = loaded_toy.task.build_generator(loaded_toy.models, GenerationConfig(
         decoder="beam", beam=4, quantize="int8", step_engine="compiled"))
     int8 = translate(loaded_toy, generator, 16)
-    assert best_tokens(int8) == best_tokens(static)
+    assert_tokens_match_up_to_near_ties(int8, static)
     assert runner_of(generator).units.packaged.get(("beams", 4)) is not None
 
 
@@ -118,7 +133,10 @@ def assert_blockwise_is_greedy_on_compiled(loaded_khead, translate, quantize: st
     greedy = decode(loaded_khead, translate, 16, decoder="greedy", beam=1, quantize=quantize, step_engine="compiled")
     blockwise = decode(loaded_khead, translate, 16, decoder="blockwise", beam=1, quantize=quantize,
                        step_engine="compiled")
-    assert best_tokens(blockwise) == best_tokens(greedy)
+    if quantize == "int8":  # the block's unit against the step's: near-ties may go apart (the module's docstring)
+        assert_tokens_match_up_to_near_ties(blockwise, greedy)
+    else:
+        assert best_tokens(blockwise) == best_tokens(greedy)
 
 
 def assert_var_stream_is_var_batch_on_compiled(loaded_toy, translate, quantize: str):

@@ -83,7 +83,7 @@ def test_blockwise_at_batch_1_computes_int8_greedys_bits(loaded_khead, translate
 
 
 @pytest.mark.skipif(precision_refusal("int8") is not None or int8_kernel.processor_refusal() is not None,
-                    reason="the plugin's int8 kernel needs AVX-512 VNNI")
+                    reason="the plugin's int8 kernel needs AVX-512 VNNI or AVX2")
 @pytest.mark.parametrize("decoder, beam, batch_size", [("greedy", 1, 1), ("greedy", 1, 16), ("beam", 5, 16)])
 def test_the_plugins_int8_kernel_decodes_the_library_kernels_bits(loaded_toy, translate, decoder, beam, batch_size):
     """Every product of a decode (1 to 80 rows) through the plugin's kernel or through fbgemm's and oneDNN's: the
