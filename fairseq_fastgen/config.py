@@ -114,7 +114,7 @@ class PluginOptions(FairseqDataclass):
     int8_library_kernels: bool = field(
         default=False,
         metadata={"help": "with --quantize int8: compute the int8 products through fbgemm's and oneDNN's kernels "
-                          "instead of the plugin's own (built on first use where the processor has AVX-512 VNNI, "
+                          "instead of the plugin's own (built on first use for the processor: AVX-512 VNNI or AVX2, "
                           "kernels/int8_rows_cpu.cpp); the same bits, slower at a few rows: for comparison"},
     )
     reuse_large_allocations: bool = field(
