@@ -60,7 +60,7 @@ fi
 wanted varbeam && row base-var-beam-bs64 --path "$BASE" --decoders beam,var-batch,var-stream --beam 5,20 \
   --batch-size 64 --max-sentences 192 --repeat 2 --step-engine static --no-ctranslate2
 # the big shapes, untrained (one update at a learning rate of 1e-9, made here when missing; outputs capped at 25
-# tokens): speed only, greedy at batch 1 and 64, on static and on the frozen compiled engine
+# tokens): speed only, greedy at batch 1 and 64, on static and on the frozen compiled engine, and stock beam 5
 BIG=${BIG:-bench_out/multi30k-big/base/checkpoint_last.pt}
 if wanted big; then
   untrained transformer_vaswani_wmt_en_de_big "$BIG"
@@ -69,4 +69,7 @@ if wanted big; then
       --max-len-b 25 --max-sentences $((BATCH == 1 ? 30 : 128)) --repeat 2 --reference greedy --step-engine static \
       "${FROZEN[@]}"
   done
+  # stock beam 5 at batch 64 (one batch): fairseq's own step and the compiled engine, as the base row beam5
+  row big-beam5-bs64 --path "$BIG" --decoders beam --beam 5 --batch-size 64 --max-len-a 0 --max-len-b 25 \
+    --max-sentences 64 --repeat 2 --step-engine fairseq --variant "compiled=--step-engine compiled"
 fi
