@@ -132,9 +132,10 @@ def test_reduced_precision_server_gives_interactive_answers(toy_model, plugin_di
 def test_a_compiled_engine_server_warms_up_before_it_listens(toy_model, plugin_dir, tmp_path, sources, offline):
     """--step-engine compiled: the server decodes batches of 1, 2, 4 and 8 rows before its 'listening on' line, so
     that its units are loaded (or compiled) then, not while the first clients wait; the answers are greedy's
-    tokens with scores within float rounding."""
+    tokens with scores within float rounding.  The deadline is long: on a loaded 2-core machine (an AMD Zen 3 with
+    CI's other worker beside it) 4 clients' requests took more than the default 30 s."""
     server = Server(toy_model, plugin_dir, tmp_path, "--decoder", "greedy-stream", "--beam", "1", "--batch-size", "8",
-                    "--step-engine", "compiled")
+                    "--step-engine", "compiled", "--request-timeout", "300")
     log = server.log()
     assert "warmed up --step-engine compiled" in log and "(batches of 1, 2, 4, 8 rows)" in log
     answers, status = answers_then_stop(server, sources, 400, clients=4)
