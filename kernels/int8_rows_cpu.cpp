@@ -45,6 +45,12 @@ constexpr int64_t kGroup = 64;                          // output rows a group h
 constexpr float kLevels = FASTGEN_INPUT_LEVELS;         // input integers in [-kLevels, kLevels]
 constexpr int32_t kOffset = FASTGEN_INPUT_LEVELS + 1;   // added to each input integer: an unsigned byte
 
+// The inputs k..in-1 of a row rounded one at a time (after a build's vector loop), then its padding (q = 0).
+inline void round_tail(const float* x, int64_t k, int64_t in, int64_t in_padded, float scale, uint8_t* out) {
+  for (; k < in; ++k) out[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[k] / scale)) + kOffset);
+  for (; k < in_padded; ++k) out[k] = kOffset;
+}
+
 inline int32_t four_bytes(const uint8_t* p) {
   int32_t four;
   std::memcpy(&four, p, 4);
@@ -67,14 +73,13 @@ float round_row(const float* x, int64_t in, int64_t in_padded, uint8_t* out) {
   const __m512i offset = _mm512_set1_epi32(kOffset);
   k = 0;
   for (; k + 16 <= in; k += 16) {
-    // x / scale rounded half to even (torch.round), as integers + 128, narrowed to bytes
+    // x / scale rounded half to even (torch.round), as integers + kOffset, narrowed to bytes
     __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + k), scales),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512i shifted = _mm512_add_epi32(_mm512_cvtps_epi32(q), offset);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(shifted));
   }
-  for (; k < in; ++k) out[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[k] / scale)) + kOffset);
-  for (; k < in_padded; ++k) out[k] = kOffset;
+  round_tail(x, k, in, in_padded, scale, out);
   return scale;
 }
 
@@ -173,8 +178,7 @@ float round_row(const float* x, int64_t in, int64_t in_padded, uint8_t* out) {
     const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(low, high), byte_order);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), bytes);
   }
-  for (; k < in; ++k) out[k] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(x[k] / scale)) + kOffset);
-  for (; k < in_padded; ++k) out[k] = kOffset;
+  round_tail(x, k, in, in_padded, scale, out);
   return scale;
 }
 
