@@ -223,13 +223,17 @@ void half_group_product(const uint8_t* inputs, int64_t in_padded, const int8_t* 
     for (int j = 0; j < 4; ++j) {
       const int64_t first = half * kHalf + j * 8;
       if (first >= width) break;
-      const int64_t kept = std::min<int64_t>(8, width - first);
-      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(kept)),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       const __m256i exact = _mm256_sub_epi32(
           sums[r][j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + first)));
       __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), _mm256_loadu_ps(weight_scales + first));
       value = _mm256_mul_ps(value, row_scale);
+      if (width - first >= 8) {  // AMD's masked loads and stores take tens of cycles: only for the weight's end
+        if (bias != nullptr) value = _mm256_add_ps(value, _mm256_loadu_ps(bias + first));
+        _mm256_storeu_ps(out + r * ld + first, value);
+        continue;
+      }
+      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(width - first)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       if (bias != nullptr) value = _mm256_add_ps(value, _mm256_maskload_ps(bias + first, keep));
       _mm256_maskstore_ps(out + r * ld + first, keep, value);
     }
