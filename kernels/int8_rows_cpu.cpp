@@ -187,6 +187,27 @@ inline __m256i four_products(__m256i x, __m256i w, __m256i ones) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), ones);
 }
 
+// `blocks` int32 sums of 8 outputs each, the first at output `first` of the group, less the offsets, scaled by the
+// weight rows' and the input row's scales, plus the bias, into out[first..] (only outputs below `width` written).
+inline void store_sums(const __m256i* sums, int blocks, int64_t first, const int32_t* offsets,
+                       const float* weight_scales, float input_scale, const float* bias, float* out, int64_t width) {
+  const __m256 row_scale = _mm256_set1_ps(input_scale);
+  for (int j = 0; j < blocks && first < width; ++j, first += 8) {
+    const __m256i exact = _mm256_sub_epi32(sums[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + first)));
+    __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), _mm256_loadu_ps(weight_scales + first));
+    value = _mm256_mul_ps(value, row_scale);
+    if (width - first >= 8) {  // AMD's masked loads and stores take tens of cycles: only for the weight's end
+      if (bias != nullptr) value = _mm256_add_ps(value, _mm256_loadu_ps(bias + first));
+      _mm256_storeu_ps(out + first, value);
+      continue;
+    }
+    const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(width - first)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    if (bias != nullptr) value = _mm256_add_ps(value, _mm256_maskload_ps(bias + first, keep));
+    _mm256_maskstore_ps(out + first, keep, value);
+  }
+}
+
 #define FASTGEN_ROW_SUMS(r)                                                                 \
   if constexpr (kRows > r) {                                                                \
     const __m256i x = _mm256_set1_epi32(four_bytes(inputs + r * in_padded + s * 4));        \
@@ -218,26 +239,33 @@ void half_group_product(const uint8_t* inputs, int64_t in_padded, const int8_t* 
     FASTGEN_ROW_SUMS(1)
   }
   const __m256i sums[2][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}};
-  for (int r = 0; r < kRows; ++r) {
-    const __m256 row_scale = _mm256_set1_ps(input_scales[r]);
-    for (int j = 0; j < 4; ++j) {
-      const int64_t first = half * kHalf + j * 8;
-      if (first >= width) break;
-      const __m256i exact = _mm256_sub_epi32(
-          sums[r][j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + first)));
-      __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), _mm256_loadu_ps(weight_scales + first));
-      value = _mm256_mul_ps(value, row_scale);
-      if (width - first >= 8) {  // AMD's masked loads and stores take tens of cycles: only for the weight's end
-        if (bias != nullptr) value = _mm256_add_ps(value, _mm256_loadu_ps(bias + first));
-        _mm256_storeu_ps(out + r * ld + first, value);
-        continue;
-      }
-      const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(width - first)),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      if (bias != nullptr) value = _mm256_add_ps(value, _mm256_maskload_ps(bias + first, keep));
-      _mm256_maskstore_ps(out + r * ld + first, keep, value);
-    }
+  for (int r = 0; r < kRows; ++r)
+    store_sums(sums[r], 4, half * kHalf, offsets, weight_scales, input_scales[r], bias, out + r * ld, width);
+}
+
+// Sums of one rounded input row with a whole group of 64 weight rows, scaled into out[0..63]: a single row reads
+// the group's weights once, in order (a half group at a time would take every other pair of cache lines).
+void group_product_one_row(const uint8_t* input, int64_t in_padded, const int8_t* group, const int32_t* offsets,
+                           const float* weight_scales, float input_scale, const float* bias, float* out,
+                           int64_t width) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0, s6 = s0, s7 = s0;
+  const int64_t steps = in_padded / 4;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int8_t* w = group + s * kGroup * 4;
+    const __m256i x = _mm256_set1_epi32(four_bytes(input + s * 4));
+    auto weights = [w](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + j * 32)); };
+    s0 = _mm256_add_epi32(s0, four_products(x, weights(0), ones));
+    s1 = _mm256_add_epi32(s1, four_products(x, weights(1), ones));
+    s2 = _mm256_add_epi32(s2, four_products(x, weights(2), ones));
+    s3 = _mm256_add_epi32(s3, four_products(x, weights(3), ones));
+    s4 = _mm256_add_epi32(s4, four_products(x, weights(4), ones));
+    s5 = _mm256_add_epi32(s5, four_products(x, weights(5), ones));
+    s6 = _mm256_add_epi32(s6, four_products(x, weights(6), ones));
+    s7 = _mm256_add_epi32(s7, four_products(x, weights(7), ones));
   }
+  const __m256i sums[8] = {s0, s1, s2, s3, s4, s5, s6, s7};
+  store_sums(sums, 8, 0, offsets, weight_scales, input_scale, bias, out, width);
 }
 
 using HalfGroupProduct = void (*)(const uint8_t*, int64_t, const int8_t*, int64_t, const int32_t*, const float*,
@@ -245,10 +273,14 @@ using HalfGroupProduct = void (*)(const uint8_t*, int64_t, const int8_t*, int64_
 constexpr HalfGroupProduct kHalfGroupProducts[kRowsAtOnce] = {half_group_product<1>, half_group_product<2>};
 
 // Every input row with one group: a half group at a time (its weights stay in the level-1 cache while every row
-// passes over them), kRowsAtOnce rows at a time.
+// passes over them), kRowsAtOnce rows at a time; a single row over the whole group at once.
 void group_rows(const uint8_t* inputs, int64_t rows, int64_t in_padded, const int8_t* group, const int32_t* offsets,
                 const float* weight_scales, const float* input_scales, const float* bias, float* out, int64_t ld,
                 int64_t width) {
+  if (rows == 1) {
+    group_product_one_row(inputs, in_padded, group, offsets, weight_scales, input_scales[0], bias, out, width);
+    return;
+  }
   for (int64_t half = 0; half * kHalf < width; ++half) {
     for (int64_t r = 0; r < rows; r += kRowsAtOnce) {
       const int64_t chunk = std::min(kRowsAtOnce, rows - r);
