@@ -69,7 +69,8 @@ if wanted big; then
       --max-len-b 25 --max-sentences $((BATCH == 1 ? 30 : 128)) --repeat 2 --reference greedy --step-engine static \
       "${FROZEN[@]}"
   done
-  # stock beam 5 at batch 64 (one batch): fairseq's own step and the compiled engine, as the base row beam5
+  # stock beam 5 at batch 64 (one batch): fairseq's own step, the compiled engine as the base row beam5, and the
+  # frozen compiled engine (what the default engine runs)
   row big-beam5-bs64 --path "$BIG" --decoders beam --beam 5 --batch-size 64 --max-len-a 0 --max-len-b 25 \
-    --max-sentences 64 --repeat 2 --step-engine fairseq --variant "compiled=--step-engine compiled"
+    --max-sentences 64 --repeat 2 --step-engine fairseq --variant "compiled=--step-engine compiled" "${FROZEN[@]}"
 fi
