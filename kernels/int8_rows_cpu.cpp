@@ -18,9 +18,9 @@
 // The weight's layout (packed once, in torch: int8_kernel.pack_rows): groups of 64 output rows; inside a group,
 // for every 4 consecutive inputs k..k+3, the 64 rows' 4 bytes each: (out/64, in/4, 64, 4).  The input's 4 bytes at
 // one k4 are broadcast to all lanes; a group's 64 x 4 bytes there are 4 zmm registers (VNNI), or 8 ymm, taken as
-// two halves of 32 rows one after the other (AVX2: 16 registers hold no more).  Both instructions multiply
-// unsigned by signed bytes, so the input goes in as q + kOffset (kLevels + 1) and kOffset * (sum of the weight row)
-// comes off the int32 sum after.
+// two halves of 32 rows one after the other (AVX2: 16 registers hold no more sums of two rows; a single row takes
+// the whole group at once).  Both instructions multiply unsigned by signed bytes, so the input goes in as
+// q + kOffset (kLevels + 1) and kOffset * (sum of the weight row) comes off the int32 sum after.
 //
 // Compiled with -ffp-contract=off: the scaling is float(sum) * weight scale, then * input scale, then + bias,
 // each rounded as torch rounds them, never fused into one FMA.
@@ -193,7 +193,8 @@ inline void store_sums(const __m256i* sums, int blocks, int64_t first, const int
                        const float* weight_scales, float input_scale, const float* bias, float* out, int64_t width) {
   const __m256 row_scale = _mm256_set1_ps(input_scale);
   for (int j = 0; j < blocks && first < width; ++j, first += 8) {
-    const __m256i exact = _mm256_sub_epi32(sums[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + first)));
+    const __m256i offset = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(offsets + first));
+    const __m256i exact = _mm256_sub_epi32(sums[j], offset);
     __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(exact), _mm256_loadu_ps(weight_scales + first));
     value = _mm256_mul_ps(value, row_scale);
     if (width - first >= 8) {  // AMD's masked loads and stores take tens of cycles: only for the weight's end
