@@ -36,6 +36,11 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace {
 
 #ifndef FASTGEN_INPUT_LEVELS
@@ -93,6 +98,18 @@ float round_row(const float* x, int64_t in, int64_t in_padded, uint8_t* out) {
     s##r##3 = _mm512_dpbusd_epi32(s##r##3, x, w3);                                          \
   }
 
+// One input row's 16 int32 sums for the group's outputs first..first+15 -> float32 in out[first..] (only those
+// below `width`): the offset taken off, times the weight rows' scales, times the row's scale, plus the bias.
+inline void store_sixteen(__m512i sums, int64_t first, int64_t width, const int32_t* offsets,
+                          const float* weight_scales, float input_scale, const float* bias, float* out) {
+  __m512i exact = _mm512_sub_epi32(sums, _mm512_loadu_si512(offsets + first));
+  __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_loadu_ps(weight_scales + first));
+  value = _mm512_mul_ps(value, _mm512_set1_ps(input_scale));
+  const __mmask16 keep = width - first >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - first)) - 1);
+  if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(keep, bias + first));
+  _mm512_mask_storeu_ps(out + first, keep, value);
+}
+
 // Sums of `rows` (1..4) rounded input rows with one group of 64 weight rows, scaled into out[r * ld + 0..63]
 // (only the first `width` outputs written: the last group may hang over the weight's end).  The 16 sums are named
 // variables, not an array: GCC keeps an array of them in memory or copies it at every step.
@@ -115,19 +132,9 @@ void group_product(const uint8_t* inputs, int64_t in_padded, const int8_t* group
   }
   const __m512i sums[4][4] = {{s00, s01, s02, s03}, {s10, s11, s12, s13}, {s20, s21, s22, s23},
                               {s30, s31, s32, s33}};
-  for (int r = 0; r < kRows; ++r) {
-    const __m512 row_scale = _mm512_set1_ps(input_scales[r]);
-    for (int j = 0; j < 4; ++j) {
-      const int64_t first = j * 16;
-      if (first >= width) break;
-      __m512i exact = _mm512_sub_epi32(sums[r][j], _mm512_loadu_si512(offsets + first));
-      __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_loadu_ps(weight_scales + first));
-      value = _mm512_mul_ps(value, row_scale);
-      const __mmask16 keep = width - first >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - first)) - 1);
-      if (bias != nullptr) value = _mm512_add_ps(value, _mm512_maskz_loadu_ps(keep, bias + first));
-      _mm512_mask_storeu_ps(out + r * ld + first, keep, value);
-    }
-  }
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < 4 && j * 16 < width; ++j)
+      store_sixteen(sums[r][j], j * 16, width, offsets, weight_scales, input_scales[r], bias, out + r * ld);
 }
 
 using GroupProduct = void (*)(const uint8_t*, int64_t, const int8_t*, const int32_t*, const float*,
@@ -145,6 +152,95 @@ void group_rows(const uint8_t* inputs, int64_t rows, int64_t in_padded, const in
                               bias, out + r * ld, ld, width);
   }
 }
+
+#if defined(__AMX_INT8__)
+// AMX (the VNNI build with -mamx-tile -mamx-int8, where the processor has them), from kTileRowsAtLeast rows on and
+// where the inputs are whole tiles of 64: tdpbusd multiplies a tile of 16 input rows x 64 bytes (u8) with a tile of
+// 16 weight rows x 64 inputs, taken from the packed layout as it is (16 steps of 4 inputs, 256 bytes apart), into
+// 16 x 16 int32 sums: the same exact sums as vpdpbusd (no saturation), 1,024 multiply-adds a cycle against 128.
+// Eight tile registers: tmm0-3 the sums of 32 input rows x 32 outputs (a half group), tmm4-5 the two tiles of
+// input rows, tmm6-7 the two tiles of weight rows.
+constexpr int64_t kTileRowsAtLeast = 16;
+constexpr int64_t kTileRows = 16;   // input rows of one tile
+constexpr int64_t kTileInputs = 64;  // inputs (bytes) of one tile row
+constexpr int64_t kHalf = 32;        // outputs of one block of sums
+
+// Linux gives a thread the tile registers' state only once the process asks for it (arch_prctl
+// ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18); where it refuses, the products stay on vpdpbusd.
+bool tiles_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile this thread uses is 16 rows x 64 bytes (a thread's configuration lasts until _tile_release).
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&config);
+}
+
+// The sums of 16 or 32 input rows (kTwoTiles) with a half group's 32 weight rows over every input -> sums[32][32].
+template <bool kTwoTiles>
+void tile_block(const uint8_t* inputs, int64_t in_padded, const int8_t* half, int32_t* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwoTiles) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t k = 0; k < in_padded; k += kTileInputs) {
+    const int8_t* w = half + k * kGroup;  // step k/4 of the group: 64 rows x 4 bytes each
+    _tile_loadd(6, w, kGroup * 4);
+    _tile_loadd(7, w + 16 * 4, kGroup * 4);
+    _tile_loadd(4, inputs + k, in_padded);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    if constexpr (kTwoTiles) {
+      _tile_loadd(5, inputs + kTileRows * in_padded + k, in_padded);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, sums, kHalf * 4);
+  _tile_stored(1, sums + 16, kHalf * 4);
+  if constexpr (kTwoTiles) {
+    _tile_stored(2, sums + kTileRows * kHalf, kHalf * 4);
+    _tile_stored(3, sums + kTileRows * kHalf + 16, kHalf * 4);
+  }
+}
+
+// Every input row with one group, through the tiles: inputs holds whole tiles of 16 rows (the last one padded).
+void tile_group_rows(const uint8_t* inputs, int64_t rows, int64_t in_padded, const int8_t* group,
+                     const int32_t* offsets, const float* weight_scales, const float* input_scales, const float* bias,
+                     float* out, int64_t ld, int64_t width) {
+  alignas(64) int32_t sums[2 * kTileRows * kHalf];
+  for (int64_t half = 0; half < kGroup && half < width; half += kHalf) {
+    for (int64_t r = 0; r < rows; r += 2 * kTileRows) {
+      const int64_t block = std::min(2 * kTileRows, rows - r);
+      if (block > kTileRows) {
+        tile_block<true>(inputs + r * in_padded, in_padded, group + half * 4, sums);
+      } else {
+        tile_block<false>(inputs + r * in_padded, in_padded, group + half * 4, sums);
+      }
+      for (int64_t i = 0; i < block; ++i)
+        for (int64_t j = 0; j < kHalf && half + j < width; j += 16)
+          store_sixteen(_mm512_load_si512(sums + i * kHalf + j), half + j, width, offsets, weight_scales,
+                        input_scales[r + i], bias, out + (r + i) * ld);
+    }
+  }
+}
+#endif
 
 #else  // AVX2
 static_assert(FASTGEN_INPUT_LEVELS <= 63, "the AVX2 build takes inputs in [-63, 63]: larger ones saturate");
@@ -313,7 +409,13 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& packed, const
                 "int8_rows_linear: bias must be (out,) float32");
     bias_data = bias->data_ptr<float>();
   }
-  std::vector<uint8_t> rounded(rows * in_padded);
+#if defined(__AMX_INT8__)
+  const bool tiles = rows >= kTileRowsAtLeast && in_padded % kTileInputs == 0 && tiles_permitted();
+  const int64_t rows_padded = tiles ? (rows + kTileRows - 1) / kTileRows * kTileRows : rows;  // whole tiles
+#else
+  const int64_t rows_padded = rows;
+#endif
+  std::vector<uint8_t> rounded(rows_padded * in_padded, static_cast<uint8_t>(kOffset));
   std::vector<float> input_scales(rows);
   const float* x_data = input.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r)
@@ -325,14 +427,33 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& packed, const
   // a thread takes whole groups; below ~1 MiB of weight the product stays on one thread
   const int64_t grain = std::max<int64_t>(1, (1 << 20) / (kGroup * in_padded));
   at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
+    auto rows_of_group = group_rows;
+#if defined(__AMX_INT8__)
+    if (tiles) {
+      configure_tiles();
+      rows_of_group = tile_group_rows;
+    }
+#endif
     for (int64_t g = first; g < last; ++g) {
       const int64_t width = std::min(kGroup, out_features - g * kGroup);
-      group_rows(rounded.data(), rows, in_padded, weights + g * kGroup * in_padded, offset_data + g * kGroup,
-                 scales + g * kGroup, input_scales.data(), bias_data == nullptr ? nullptr : bias_data + g * kGroup,
-                 out_data + g * kGroup, out_features, width);
+      rows_of_group(rounded.data(), rows, in_padded, weights + g * kGroup * in_padded, offset_data + g * kGroup,
+                    scales + g * kGroup, input_scales.data(), bias_data == nullptr ? nullptr : bias_data + g * kGroup,
+                    out_data + g * kGroup, out_features, width);
     }
+#if defined(__AMX_INT8__)
+    if (tiles) _tile_release();
+#endif
   });
   return out;
+}
+
+// Whether products of kTileRowsAtLeast rows or more run on AMX's tiles in this build and process.
+bool int8_rows_tiles() {
+#if defined(__AMX_INT8__)
+  return tiles_permitted();
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -340,6 +461,7 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& packed, const
 TORCH_LIBRARY(fastgen, m) {
   m.def("int8_rows_linear(Tensor x, Tensor packed, Tensor weight_scales, Tensor offsets, int out_features, "
         "Tensor? bias) -> Tensor");
+  m.def("int8_rows_tiles() -> bool", &int8_rows_tiles);
 }
 
 TORCH_LIBRARY_IMPL(fastgen, CPU, m) { m.impl("int8_rows_linear", &int8_rows_linear); }

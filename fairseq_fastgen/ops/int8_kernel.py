@@ -5,7 +5,8 @@
 fixed costs, and the rounding around them is five torch calls; the kernel does the rounding, the product and the
 scaling in one call and gives the same bits (``tests/ops/test_int8_kernel.py``).  It is built for the processor:
 with AVX-512 VNNI (inputs in [-127, 127]) or with AVX2 (inputs in [-63, 63], fbgemm's 7-bit inputs there, which
-keep its int16 pair sums exact): ``INPUT_LEVELS``.
+keep its int16 pair sums exact): ``INPUT_LEVELS``.  Where the processor also has AMX, products of 16 rows or more
+run on its int8 tiles, with the same exact int32 sums (``AMX``).
 
 The C++ source is compiled by torch's extension builder (ninja, the system's C++ compiler) on first use into
 ``$FASTGEN_CACHE/int8-kernel-<key>`` (the key: the source, torch's version and the flags), then loaded from there;
@@ -17,6 +18,7 @@ warning line says why), ``available()`` is False and int8 products stay on fbgem
 
 import functools
 import logging
+import os
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -35,7 +37,11 @@ VNNI = torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
 # (this one and fbgemm's and oneDNN's, precision_linear.Int8Rows). Without VNNI the int8 kernels sum pairs of
 # products in int16 and need 7-bit inputs to stay clear of saturation.
 INPUT_LEVELS = 127 if VNNI else 63
-INSTRUCTIONS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"] if VNNI else ["-mavx2"]
+# AMX's int8 tiles (Intel Xeon from Sapphire Rapids on): the VNNI build also multiplies 16 or more rows in tiles
+# (FASTGEN_INT8_TILES=0 leaves them out, to measure what they bring)
+AMX = VNNI and torch.cpu._is_amx_tile_supported() and os.environ.get("FASTGEN_INT8_TILES", "1") != "0"
+INSTRUCTIONS = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+                + (["-mamx-tile", "-mamx-int8"] if AMX else [])) if VNNI else ["-mavx2"]
 FLAGS = ["-O3", *INSTRUCTIONS, f"-DFASTGEN_INPUT_LEVELS={INPUT_LEVELS}", "-ffp-contract=off", "-fopenmp"]
 GROUP = 64  # output rows per group of the packed layout (the kernel's kGroup)
 

@@ -30,12 +30,15 @@ def weight_bias_inputs(out_features, in_features, rows, seed=0):
 def test_the_kernel_builds_where_the_processor_has_the_instructions():
     assert int8_kernel.available()
     assert Int8Rows(torch.randn(64, 64)).kernel is not None  # --quantize int8 takes it by default
+    # where the processor has AMX (and FASTGEN_INT8_TILES does not leave it out), 16 rows or more run on its tiles
+    assert torch.ops.fastgen.int8_rows_tiles() == int8_kernel.AMX
 
 
 # (out, in): the base model's attention, FFN in and out; a toy model's; shapes that are not whole groups of 64
 # outputs nor of 4 inputs, nor of the kernel's 16-float loads
 @pytest.mark.parametrize("shape", [(512, 512), (2048, 512), (512, 2048), (256, 256), (1003, 90), (7, 3), (70, 33)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 64])
+# (on AMX: from 16 rows on, in blocks of 32 rows and tiles of 16: a block of one tile, two, one padded)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9, 16, 17, 40, 64])
 def test_the_kernel_gives_fbgemms_bits(shape, rows):
     weight, bias, x = weight_bias_inputs(*shape, rows)
     own, library = Int8Rows(weight, kernel=True), Int8Rows(weight, kernel=False)
