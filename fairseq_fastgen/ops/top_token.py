@@ -3,7 +3,8 @@
 torch's CPU ``topk``, ``max`` and ``argmax`` along a row walk it one element at a time, while ``amax`` is
 vectorized.  ``top_token`` takes the maxima of blocks of about a hundred scores with ``amax``, the first block
 holding the row's maximum, and the first position in that block holding it: the maximum and the first index of it,
-which is what ``topk(1)`` returns on ties.  Rows holding a NaN, CUDA tensors and few rows go to ``topk`` itself.
+which is what ``topk(1)`` returns on ties.  Where no block size divides the vocabulary the scores past the last
+whole block are a short block of their own (no padded copy of the scores).  Rows holding a NaN, CUDA tensors and few rows go to ``topk`` itself.
 """
 
 import functools
@@ -19,7 +20,7 @@ MIN_ROWS = 16  # below this topk is as fast
 
 @functools.lru_cache(maxsize=None)
 def block_size(vocab: int) -> int:
-    """A block of 64-160 scores that divides ``vocab`` (no padded copy of the scores), else ``BLOCK``."""
+    """A block of 64-160 scores that divides ``vocab`` (no short last block), else ``BLOCK``."""
     return next((size for size in range(160, 63, -1) if vocab % size == 0), BLOCK)
 
 
@@ -29,13 +30,17 @@ def top_token(scores: Tensor) -> Tuple[Tensor, Tensor]:
     if rows < MIN_ROWS or scores.is_cuda or not scores.is_contiguous():
         return tuple(scores.topk(1, dim=-1))
     size = block_size(vocab)
-    padded = F.pad(scores, (0, -vocab % size), value=-torch.inf) if vocab % size else scores
-    blocks = padded.view(rows, -1, size)  # (rows, blocks, size)
+    whole = vocab - vocab % size  # scores in whole blocks; the rest (fewer than `size`) is one block of its own
+    blocks = scores[:, :whole].view(rows, whole // size, size)  # (rows, blocks, size), a view
     block_max = blocks.amax(dim=2)  # (rows, blocks)
+    if whole < vocab:
+        block_max = torch.cat([block_max, scores[:, whole:].amax(dim=1, keepdim=True)], dim=1)  # (rows, blocks + 1)
     best = block_max.amax(dim=1, keepdim=True)  # (rows, 1)
     if bool(best.isnan().any()):  # topk ranks NaN first; the comparisons below never find it
         return tuple(scores.topk(1, dim=-1))
-    block = block_max.eq(best).byte().argmax(dim=1)  # (rows,) the first block holding the maximum
-    within = blocks[torch.arange(rows, device=scores.device), block]  # (rows, size)
-    offset = within.eq(best).byte().argmax(dim=1)  # (rows,) its first position there
-    return best, (block * size + offset).unsqueeze(1)
+    block = block_max.eq(best).byte().argmax(dim=1, keepdim=True)  # (rows, 1) the first block holding the maximum
+    # (rows, size) its positions; in the last, short block the ones past the vocabulary repeat its last score,
+    # after the first position holding the maximum
+    positions = (block * size + torch.arange(size, device=scores.device)).clamp_(max=vocab - 1)
+    offset = scores.gather(1, positions).eq(best).byte().argmax(dim=1, keepdim=True)  # (rows, 1) its first position
+    return best, block * size + offset
