@@ -79,6 +79,7 @@ says why it is needed.  They were written against fairseq 0.12.x (the
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 import pickle
@@ -242,6 +243,9 @@ def _install_build_generator():
             generate_in_inference_mode(generator)  # every decoder
         give_attributes(generator, fastgen_decoder=entry.name)
         generators_built.append(generator)
+        # the objects alive now (modules, weights, the imported libraries') live as long as the run: the cyclic
+        # collector stops walking them at each full collection (3-5% of a greedy batch-64 run at base size)
+        gc.freeze()
         if _generate_run is not None:
             _generate_run.watch(generator)  # each batch starts by writing the previous one, printed whole
         return generator
