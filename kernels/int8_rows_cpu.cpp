@@ -164,6 +164,7 @@ constexpr int64_t kTileRowsAtLeast = 16;
 constexpr int64_t kTileRows = 16;   // input rows of one tile
 constexpr int64_t kTileInputs = 64;  // inputs (bytes) of one tile row
 constexpr int64_t kHalf = 32;        // outputs of one block of sums
+constexpr int64_t kTileGroups = 16;   // groups a block of rows takes in one go (512 KiB of weights at 512 inputs)
 
 // Linux gives a thread the tile registers' state only once the process asks for it (arch_prctl
 // ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18); where it refuses, the products stay on vpdpbusd.
@@ -427,22 +428,27 @@ at::Tensor int8_rows_linear(const at::Tensor& x, const at::Tensor& packed, const
   // a thread takes whole groups; below ~1 MiB of weight the product stays on one thread
   const int64_t grain = std::max<int64_t>(1, (1 << 20) / (kGroup * in_padded));
   at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
-    auto rows_of_group = group_rows;
+    // rows r.. of group g: its output rows (all of them, through vpdpbusd, or a block of rows, through the tiles)
+    auto rows_of_group = [&](auto product, int64_t g, int64_t r, int64_t count) {
+      product(rounded.data() + r * in_padded, count, in_padded, weights + g * kGroup * in_padded,
+              offset_data + g * kGroup, scales + g * kGroup, input_scales.data() + r,
+              bias_data == nullptr ? nullptr : bias_data + g * kGroup, out_data + r * out_features + g * kGroup,
+              out_features, std::min(kGroup, out_features - g * kGroup));
+    };
 #if defined(__AMX_INT8__)
     if (tiles) {
+      // a few groups at a time (their weights stay in the core's cache) for each block of rows in turn: each row's
+      // outputs are written a few kB at once, not 256 bytes in each of many rows far apart
       configure_tiles();
-      rows_of_group = tile_group_rows;
+      for (int64_t g0 = first; g0 < last; g0 += kTileGroups)
+        for (int64_t r = 0; r < rows; r += 2 * kTileRows)
+          for (int64_t g = g0; g < std::min(last, g0 + kTileGroups); ++g)
+            rows_of_group(tile_group_rows, g, r, std::min(2 * kTileRows, rows - r));
+      _tile_release();
+      return;
     }
 #endif
-    for (int64_t g = first; g < last; ++g) {
-      const int64_t width = std::min(kGroup, out_features - g * kGroup);
-      rows_of_group(rounded.data(), rows, in_padded, weights + g * kGroup * in_padded, offset_data + g * kGroup,
-                    scales + g * kGroup, input_scales.data(), bias_data == nullptr ? nullptr : bias_data + g * kGroup,
-                    out_data + g * kGroup, out_features, width);
-    }
-#if defined(__AMX_INT8__)
-    if (tiles) _tile_release();
-#endif
+    for (int64_t g = first; g < last; ++g) rows_of_group(group_rows, g, 0, rows);
   });
   return out;
 }

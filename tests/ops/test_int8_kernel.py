@@ -51,8 +51,9 @@ def test_the_kernel_gives_fbgemms_bits(shape, rows):
     assert torch.equal(blocks.view(rows, shape[0]), int8_linear(x, library, bias))
 
 
-def test_the_vocabulary_projection_gives_the_same_bits_on_one_thread_and_two():
-    weight, bias, x = weight_bias_inputs(32003, 512, 6)  # 16 MiB of int8 rows: the kernel splits it over threads
+@pytest.mark.parametrize("rows", [6, 40])  # (on AMX: 40 rows run on its tiles)
+def test_the_vocabulary_projection_gives_the_same_bits_on_one_thread_and_two(rows):
+    weight, bias, x = weight_bias_inputs(32003, 512, rows)  # 16 MiB of int8 rows: the kernel splits it over threads
     own = Int8Rows(weight, kernel=True)
     threads = torch.get_num_threads()
     try:
