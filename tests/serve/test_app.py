@@ -64,7 +64,7 @@ def answers_then_stop(server, sources, first_seed, clients=8):
     return answers, status
 
 
-def assert_offline_answers(answers, offline):
+def assert_offline_answers(answers, offline, score_tolerance=1e-4):
     """Each 200 answer holds one translation per sentence, in order, fairseq-interactive's D- and H- text (the
     tokens: greedy's) and its score within float rounding (the sentences beside it differ)."""
     for sentences, status, body in answers:
@@ -74,7 +74,7 @@ def assert_offline_answers(answers, offline):
         for sentence, translation in zip(sentences, translations):
             text, tokens, score = offline[sentence]
             assert (translation["text"], translation["tokens"]) == (text, tokens), sentence
-            assert translation["score"] == pytest.approx(score, abs=1e-4)
+            assert translation["score"] == pytest.approx(score, abs=score_tolerance)
 
 
 async def metrics(url):
@@ -126,7 +126,16 @@ def test_reduced_precision_server_gives_interactive_answers(toy_model, plugin_di
     answers, status = answers_then_stop(server, sources, 300)
     assert status == 0, server.log()[-3000:]
     assert len(answers) == 8 * 3
-    assert_offline_answers(answers, reduced)
+    if precision == "bf16":
+        # a product's bfloat16 outputs can round a step apart where a sentence's batch-mates differ (on AMX oneDNN
+        # picks its kernel by the row count; seen 2e-3 in a score, as much as bf16 moves it off float32): the
+        # tokens stay interactive's, the scores within bf16's rounding, and off float32's (the option was taken)
+        assert_offline_answers(answers, reduced, 1e-2)
+        served = {sentence: translation["score"] for sentences, _, body in answers
+                  for sentence, translation in zip(sentences, json.loads(body)["translations"])}
+        assert max(abs(served[s] - offline[s][2]) for s in served) > 1e-3
+    else:
+        assert_offline_answers(answers, reduced)
 
 
 def test_a_compiled_engine_server_warms_up_before_it_listens(toy_model, plugin_dir, tmp_path, sources, offline):
