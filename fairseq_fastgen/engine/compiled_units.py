@@ -49,6 +49,8 @@ class CompiledUnits:
         self.compiled_now: set = set()  # keys of the units compiled in this process (the others were loaded)
         self.background = None  # (key, what, aot_step.BackgroundCompilation) of the unit being compiled, or None
         self.compiled_shapes: Dict[tuple, float] = {}  # (rows, positions, source) -> seconds of its first call
+        # shapes met after dynamo's recompile limit was reached (a long-running server meets many): they run eager
+        self.eager_shapes: set = set()
         self.compile_seconds = 0.0  # every first call of a shape, recompilations after a weight change included
         self._bucket_step = None  # made on first use: torch.compile loads dynamo and inductor (much memory)
         self.decoder_signature = None  # the decoder parameters (identity, version) frozen units hold
@@ -141,11 +143,20 @@ class CompiledUnits:
         self_keys, cross_keys = inputs[4][0], inputs[6][0]
         shape = (self_keys.size(0), self_keys.size(2), cross_keys.size(2))  # rows, target and source positions
         on_cuda = self_keys.device.type == "cuda"
+        if shape in self.eager_shapes:
+            return self.eager_padded(inputs, fused)
         start = time.perf_counter()
         with self.compile_settings(shape):
             if on_cuda:  # a new replay may overwrite the outputs of the last one: the runner has copied them
                 torch.compiler.cudagraph_mark_step_begin()
-            outputs = self.bucket_step(*inputs) if self.freezing else self.bucket_step(*inputs, fused)
+            try:
+                outputs = self.bucket_step(*inputs) if self.freezing else self.bucket_step(*inputs, fused)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:  # fullgraph: dynamo refuses one more compilation
+                if not self.eager_shapes:
+                    logger.warning(f"--step-engine compiled: {len(self.compiled_shapes)} step shapes compiled in "
+                                   f"this process, dynamo's limit; further shapes run uncompiled")
+                self.eager_shapes.add(shape)
+                return self.eager_padded(inputs, fused)
         if shape not in self.compiled_shapes:
             self.compiled_shapes[shape] = seconds = time.perf_counter() - start
             self.compile_seconds += seconds

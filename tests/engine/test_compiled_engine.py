@@ -218,6 +218,29 @@ def test_a_step_that_cannot_be_compiled_runs_eager_with_one_line(toy, tmp_path, 
     assert generator.runner.many_rows_step is None and not list(tmp_path.glob("step-*.pt2"))
 
 
+def test_shapes_beyond_dynamos_recompile_limit_run_eager_with_one_line(toy, monkeypatch, caplog):
+    """A process that meets more step shapes than dynamo compiles (a server running for days) runs the others
+    eager, named once, instead of failing the decode; fairseq's tokens all the same."""
+    from fairseq_fastgen.engine import compiled_units
+
+    monkeypatch.setattr(compiled_units, "MAX_BUCKETS", 2)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    torch._dynamo.reset()
+    ids = SENTENCES[:24]
+    _, expected = decode(toy, ids, 2, step_engine="fairseq", decoder="greedy", beam=1)
+    with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
+        generator, actual = decode(toy, ids, 2, step_engine="compiled", decoder="greedy", beam=1)
+    torch._dynamo.reset()
+    assert_same_tokens_close_scores(expected, actual)
+    units = generator.runner.units
+    assert 1 <= len(units.compiled_shapes) <= 2 and units.eager_shapes
+    assert not units.eager_shapes & units.compiled_shapes.keys()
+    ours = [r.getMessage() for r in caplog.records if r.name == "fairseq_fastgen.engine"]
+    assert [message for message in ours if "limit" in message] == [
+        f"--step-engine compiled: {len(units.compiled_shapes)} step shapes compiled in this process, dynamo's limit; "
+        "further shapes run uncompiled"]
+
+
 @pytest.mark.parametrize(
     "options", [dict(decoder="var-batch", beam=5), dict(decoder="var-stream", beam=5, stream_capacity=16)]
 )
