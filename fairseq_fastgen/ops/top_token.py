@@ -4,7 +4,8 @@ torch's CPU ``topk``, ``max`` and ``argmax`` along a row walk it one element at 
 vectorized.  ``top_token`` takes the maxima of blocks of about a hundred scores with ``amax``, the first block
 holding the row's maximum, and the first position in that block holding it: the maximum and the first index of it,
 which is what ``topk(1)`` returns on ties.  Where no block size divides the vocabulary the scores past the last
-whole block are a short block of their own (no padded copy of the scores).  Rows holding a NaN, CUDA tensors and few rows go to ``topk`` itself.
+whole block are a short block of their own (no padded copy of the scores).  Rows holding a NaN, CUDA tensors and
+few rows go to ``topk`` itself.
 """
 
 import functools

@@ -224,12 +224,13 @@ def test_shapes_beyond_dynamos_recompile_limit_run_eager_with_one_line(toy, monk
     from fairseq_fastgen.engine import compiled_units
 
     monkeypatch.setattr(compiled_units, "MAX_BUCKETS", 2)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     torch._dynamo.reset()
     ids = SENTENCES[:24]
     _, expected = decode(toy, ids, 2, step_engine="fairseq", decoder="greedy", beam=1)
-    with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
-        generator, actual = decode(toy, ids, 2, step_engine="compiled", decoder="greedy", beam=1)
+    # dynamo's own way to change its settings for a while (monkeypatch's undo leaves its config without the name)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
+            generator, actual = decode(toy, ids, 2, step_engine="compiled", decoder="greedy", beam=1)
     torch._dynamo.reset()
     assert_same_tokens_close_scores(expected, actual)
     units = generator.runner.units
