@@ -221,24 +221,22 @@ void tile_block(const uint8_t* inputs, int64_t in_padded, const int8_t* half, in
   }
 }
 
-// Every input row with one group, through the tiles: inputs holds whole tiles of 16 rows (the last one padded).
+// A block of up to 2 x 16 input rows with one group, through the tiles: inputs holds whole tiles of 16 rows (the
+// last one padded); the caller splits the rows into blocks (int8_rows_linear).
 void tile_group_rows(const uint8_t* inputs, int64_t rows, int64_t in_padded, const int8_t* group,
                      const int32_t* offsets, const float* weight_scales, const float* input_scales, const float* bias,
                      float* out, int64_t ld, int64_t width) {
   alignas(64) int32_t sums[2 * kTileRows * kHalf];
   for (int64_t half = 0; half < kGroup && half < width; half += kHalf) {
-    for (int64_t r = 0; r < rows; r += 2 * kTileRows) {
-      const int64_t block = std::min(2 * kTileRows, rows - r);
-      if (block > kTileRows) {
-        tile_block<true>(inputs + r * in_padded, in_padded, group + half * 4, sums);
-      } else {
-        tile_block<false>(inputs + r * in_padded, in_padded, group + half * 4, sums);
-      }
-      for (int64_t i = 0; i < block; ++i)
-        for (int64_t j = 0; j < kHalf && half + j < width; j += 16)
-          store_sixteen(_mm512_load_si512(sums + i * kHalf + j), half + j, width, offsets, weight_scales,
-                        input_scales[r + i], bias, out + (r + i) * ld);
+    if (rows > kTileRows) {
+      tile_block<true>(inputs, in_padded, group + half * 4, sums);
+    } else {
+      tile_block<false>(inputs, in_padded, group + half * 4, sums);
     }
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t j = 0; j < kHalf && half + j < width; j += 16)
+        store_sixteen(_mm512_load_si512(sums + i * kHalf + j), half + j, width, offsets, weight_scales,
+                      input_scales[i], bias, out + i * ld);
   }
 }
 #endif

@@ -12,7 +12,6 @@ import functools
 from typing import Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 BLOCK = 128  # scores per block where no divisor of the vocabulary suits: 64-160 cost about the same, less more
