@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Every base-size model the benchmarks read, one after another, unattended (not part of the product).
+#
+#   bash benchmarks/base_pipeline.sh [M] [BENCH]     # M: bench_out/multi30k-base, BENCH: bench/base-students
+#
+# Each step is skipped when its output exists and a stopped step resumes from its last checkpoint, so the same
+# command picks up wherever a previous run (or a lost machine) left off. On the 2-core CPU the whole chain takes
+# about 12 hours (the base about 6: 2,400 updates of ~9 s in bfloat16 on AMX); run it under `nice -n 19` so that
+# interactive work comes first, and stop it (kill -STOP, kill -CONT) while timing anything else.
+#
+# In order, each needing the ones before:
+#   1. the base transformer (benchmarks/multi30k.py --size base), BLEU of its checkpoint_best.pt in base/bleu.txt;
+#   2. the cluster files of model_sizes.sh's "clusters" rows (1,000 clusters, top 3 and top 20 tokens);
+#   3. the base's beam-5 translations of the training split (fastgen-distill, int8 teacher on the compiled engine);
+#   4. for k = 4, then 8: a frozen-base student on the distilled data, then the same student fine-tuned whole
+#      (the two stages of docs/benchmarks.md, "The students");
+#   5. the frozen-base k = 4 student on the regular data (model_sizes.sh's default KHEAD);
+#   6. multi30k_distill.py's "bench" stage: BLEU and the mean accepted block of every model (batch 64, not timed).
+set -euo pipefail
+M=${1:-bench_out/multi30k-base}
+BENCH=${2:-bench/base-students}
+PY=.venv/bin/python
+BASE=$M/base/checkpoint_best.pt
+STUDENTS=(--size base --out "$M" --bench-dir "$BENCH" --k 4,8 --frozen-lr 0.001 --student-updates 400
+          --finetune-subloss-mode mean --finetune-lr 0.0002 --finetune-updates 600)
+
+say() { echo "== $(date -u '+%F %T') $*"; }
+
+say "base transformer"
+"$PY" benchmarks/multi30k.py --size base --out "$M" --stop-after base
+if [ ! -f "$M/base/bleu.txt" ]; then
+  say "BLEU of the base (beam 5, test_2016_flickr)"
+  .venv/bin/fairseq-generate "$M/bin" --path "$BASE" --user-dir fairseq_fastgen --cpu --gen-subset test --beam 5 \
+    --batch-size 64 --post-process sentencepiece --scoring sacrebleu --quiet 2>&1 | tail -1 \
+    > "$M/base/bleu.txt"
+fi
+cat "$M/base/bleu.txt"
+for TOP in 3 20; do
+  FILE=$M/clusters1000k$TOP.pt
+  if [ ! -f "$FILE" ]; then
+    say "cluster file $FILE"
+    .venv/bin/fastgen-train-clusters "$M/bin" --path "$BASE" --output "$FILE" --num-clusters 1000 --top-k $TOP \
+      --max-states 100000 --cpu
+  fi
+done
+say "distilled training data"
+"$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages distill \
+  --teacher-args "--quantize int8 --step-engine compiled"
+for K in 4 8; do
+  say "k = $K students (frozen, then fine-tuned), distilled data"
+  "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages students --students "k$K-frozen-distilled" \
+    --two-stage "$K-distilled"
+done
+say "k = 4 frozen student, regular data"
+"$PY" benchmarks/multi30k.py --size base --out "$M" --stop-after khead --khead-k 4 --khead-updates 800
+say "BLEU and accepted blocks"
+"$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages bench --two-stage 4-distilled,8-distilled
+say "done"
