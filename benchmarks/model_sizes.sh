@@ -9,11 +9,11 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 bs64 beam5 clusters relaxed varbeam big". CTranslate2 joins when installed.
+# ROWS picks rows by name: "bs1 int8 iteration bs64 beam5 clusters relaxed varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
-ROWS=" ${3:-bs1 int8 bs64 beam5 clusters relaxed varbeam big} "
+ROWS=" ${3:-bs1 int8 iteration bs64 beam5 clusters relaxed varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of the same base
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
@@ -30,6 +30,16 @@ wanted int8 && row base-blockwise-int8-bs1 --path "$BASE" --khead-path "$KHEAD" 
   --variant "int8=--blockwise-int8-proposals" \
   --variant "frozen-int8=--step-engine compiled --compiled-freezing --blockwise-int8-proposals"
 # greedy at batch 64, every sentence of test_2016_flickr
+# the cost of a blockwise iteration at batch 1, in greedy steps, on an untrained k = 4 student of the base shapes:
+# its untrained heads repeat head 1's token, so it accepts about 3.7 tokens an iteration whatever it costs
+UNTRAINED_KHEAD=$M/untrained-khead4/checkpoint_last.pt
+if wanted iteration; then
+  untrained transformer_khead "$UNTRAINED_KHEAD" --user-dir fairseq_fastgen --block-size 4 --khead-identity-first \
+    --criterion random_subloss
+  row untrained-blockwise-bs1 --path "$UNTRAINED_KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 \
+    --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine static \
+    --no-ctranslate2 --blockwise-int8-proposals "${FROZEN[@]}"
+fi
 wanted bs64 && row base-greedy-bs64 --path "$BASE" --decoders greedy --beam 1 --batch-size 64 --repeat 3 \
   --reference greedy --step-engine static "${FROZEN[@]}"
 # stock beam 5 at batch 64: fairseq's own step, and the compiled engine (stock's hypotheses)

@@ -47,7 +47,7 @@ from fairseq_fastgen.engine.loaded_package import load_package
 
 COMPILED_DIR_ENV = "FASTGEN_COMPILED_DIR"
 ENGINE_SOURCES = ("decoder_step.py", "compiled_step.py", "fused_weights.py", "layer_weights.py", "int8_weights.py",
-                  "bf16_weights.py", "aot_step.py")
+                  "bf16_weights.py", "f32_rows_weights.py", "aot_step.py")
 
 
 def compiled_dir() -> Path:
@@ -140,12 +140,15 @@ class StepPackage:
         return torch.export.export(self.step.eval(), inputs, dynamic_shapes=dynamic, strict=False)
 
     def settings(self) -> dict:
-        """Frozen weights; for a fixed few rows also inductor's C++ GEMM template for the products (at 1-4 rows
-        it beats both libraries' matrix-vector products, whose calls cost more); a block's attention products
-        have no C++ template: ATen's where none serves."""
+        """Frozen weights; for a fixed few rows of one position also inductor's C++ GEMM template for the products
+        (at 1-4 rows it beats both libraries' matrix-vector products, whose calls cost more). A block of positions
+        keeps oneDNN's prepacked products: at batch 1 a block of 4 is 4 rows a product, where the template reads
+        the weights at about half the rate of one row (a sweep of the base decoder's products: 17.8 ms against
+        8.7 at one row; oneDNN's 12.1), and autotuning, which times each product with its weights in cache,
+        picked the template anyway."""
         settings = {"freezing": True}
-        if self.rows is not None:
-            settings.update(max_autotune=True, max_autotune_gemm_backends="CPP" if self.block == 1 else "CPP,ATEN")
+        if self.rows is not None and self.block == 1:
+            settings.update(max_autotune=True, max_autotune_gemm_backends="CPP")
         if self.shares_constants:
             settings["aot_inductor.package_constants_in_so"] = False
         return settings

@@ -70,9 +70,11 @@ class PaddedStep(nn.Module):
             logits = logits / self.temperature
         return F.log_softmax(logits.float(), dim=-1)
 
-    def shaped(self, beams: int, block: int) -> "PaddedStep":
-        """This step for sentences of ``beams`` beams or ``block`` positions per row (the same weights)."""
-        return PaddedStep(self.decoder_step, self.temperature, self.full_projection, self.scores_blocks, beams, block)
+    def shaped(self, beams: int, block: int, decoder_step: Optional[DecoderStep] = None) -> "PaddedStep":
+        """This step for sentences of ``beams`` beams or ``block`` positions per row (the same weights; through
+        ``decoder_step``'s products where given: ``DecoderStep.with_products``)."""
+        return PaddedStep(decoder_step or self.decoder_step, self.temperature, self.full_projection,
+                          self.scores_blocks, beams, block)
 
     def settings(self) -> tuple:
         """What, besides the weights, the unit's code depends on (for the name of a package on disk)."""

@@ -149,6 +149,14 @@ class DecoderStep(nn.Module):
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def with_products(self, reduced: nn.Module) -> "DecoderStep":
+        """A step of the same decoder and fused weights whose linear layers compute through ``reduced`` (a
+        ``layer_weights.LayerWeights``)."""
+        step = DecoderStep(self.decoder, self.blocks_by_position)
+        step.fused_buffers = self.fused_buffers
+        step.reduced = reduced
+        return step
+
     # ---- inputs -------------------------------------------------------------------------------
     def position_table(self, length: int) -> Optional[Tensor]:
         """Embedding of every target position up to ``length`` (bos included), (positions, dim)."""

@@ -1,4 +1,5 @@
-"""The plugin's own int8 product on the CPU (``kernels/int8_rows_cpu.cpp``), built once per machine.
+"""The plugin's own int8 product on the CPU (``kernels/int8_rows_cpu.cpp``), built once per machine, with its
+float32 product of a few rows (``kernels/f32_rows_cpu.cpp``) beside it.
 
 ``--quantize int8`` rounds each input row to int8 on a scale of its own and multiplies it with int8 weight rows
 (``precision_linear.Int8Rows``).  At one to a few rows fbgemm's and oneDNN's products spend most of their time in
@@ -11,7 +12,9 @@ run on its int8 tiles, with the same exact int32 sums (``AMX``).
 The C++ source is compiled by torch's extension builder (ninja, the system's C++ compiler) on first use into
 ``$FASTGEN_CACHE/int8-kernel-<key>`` (the key: the source, torch's version and the flags), then loaded from there;
 its op is ``torch.ops.fastgen.int8_rows_linear``, with its output's shape registered for tracing, so that the
-compiled engine's units call it (``engine/int8_weights.py``).  Where the processor lacks AVX2, or the build fails (one
+compiled engine's units call it (``engine/int8_weights.py``).  The AVX-512 build also holds
+``torch.ops.fastgen.f32_rows_linear`` (``f32_rows_available()``), which the compiled engine's float32 units of a
+block of positions call at batch 1 (``engine/f32_rows_weights.py``).  Where the processor lacks AVX2, or the build fails (one
 warning line says why), ``available()`` is False and int8 products stay on fbgemm's and oneDNN's kernels
 (``--int8-library-kernels`` asks for those anyway, for comparison).
 """
@@ -20,7 +23,7 @@ import functools
 import logging
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -29,7 +32,7 @@ from fairseq_fastgen.safe_files import cached_build
 
 logger = logging.getLogger("fairseq_fastgen.ops")
 
-SOURCE_NAME = "int8_rows_cpu.cpp"
+SOURCE_NAMES = ("int8_rows_cpu.cpp", "f32_rows_cpu.cpp")  # one library; the second only in the AVX-512 build
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = (_PACKAGE_DIR / "kernels", _PACKAGE_DIR.parent / "kernels")  # installed package, then checkout
 VNNI = torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
@@ -53,18 +56,18 @@ def processor_refusal() -> Optional[str]:
     return None
 
 
-def source_path() -> Path:
+def source_paths() -> List[Path]:
     for folder in SOURCE_DIRS:
-        if (folder / SOURCE_NAME).is_file():
-            return folder / SOURCE_NAME
-    raise FileNotFoundError(f"{SOURCE_NAME} is in none of {', '.join(map(str, SOURCE_DIRS))}")
+        if all((folder / name).is_file() for name in SOURCE_NAMES):
+            return [folder / name for name in SOURCE_NAMES]
+    raise FileNotFoundError(f"{', '.join(SOURCE_NAMES)} are in none of {', '.join(map(str, SOURCE_DIRS))}")
 
 
 def build(folder: Path) -> None:
     """Compile the kernel into ``folder`` (cached_build's fresh directory)."""
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name="fastgen_int8_rows", sources=[str(source_path())], extra_cflags=FLAGS,
+    cpp_extension.load(name="fastgen_int8_rows", sources=[str(path) for path in source_paths()], extra_cflags=FLAGS,
                        extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
                        verbose=False)
 
@@ -79,8 +82,7 @@ def available() -> bool:
     if hasattr(torch.ops.fastgen, "int8_rows_linear"):
         return True
     try:
-        source = source_path()
-        key = (source.read_bytes(), torch.__version__, " ".join(FLAGS))
+        key = (*(path.read_bytes() for path in source_paths()), torch.__version__, " ".join(FLAGS))
         folder = cached_build("int8-kernel", key, build)
         if not hasattr(torch.ops.fastgen, "int8_rows_linear"):  # built by another process: cpp_extension loads
             torch.ops.load_library(str(folder / "fastgen_int8_rows.so"))  # what it builds
@@ -93,13 +95,23 @@ def available() -> bool:
 
 
 def register_output_shape():
-    """The op's output for tracing (torch.export, inductor): x (rows, in) -> (rows, out_features) float32."""
-    if torch._C._dispatch_has_kernel_for_dispatch_key("fastgen::int8_rows_linear", "Meta"):
-        return
+    """The ops' outputs for tracing (torch.export, inductor): x (rows, in) -> (rows, out_features) float32."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("fastgen::int8_rows_linear", "Meta"):
+        @torch.library.register_fake("fastgen::int8_rows_linear")
+        def int8_rows_linear_output(x, packed, weight_scales, offsets, out_features, bias):
+            return x.new_empty(x.size(0), out_features)
 
-    @torch.library.register_fake("fastgen::int8_rows_linear")
-    def int8_rows_linear_output(x, packed, weight_scales, offsets, out_features, bias):
-        return x.new_empty(x.size(0), out_features)
+    if hasattr(torch.ops.fastgen, "f32_rows_linear") and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            "fastgen::f32_rows_linear", "Meta"):
+        @torch.library.register_fake("fastgen::f32_rows_linear")
+        def f32_rows_linear_output(x, weight, bias):
+            return x.new_empty(x.size(0), weight.size(0))
+
+
+def f32_rows_available() -> bool:
+    """Whether ``torch.ops.fastgen.f32_rows_linear`` runs here (the AVX-512 build of the kernels, built and loaded
+    on the first call)."""
+    return available() and hasattr(torch.ops.fastgen, "f32_rows_linear")
 
 
 def pack_rows(integers: Tensor) -> Tuple[Tensor, Tensor]:

@@ -122,7 +122,8 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, bl
     (above the row buckets; with --compiled-freezing each row bucket's too, 3 rows padded to 4), never the
     eager exact form; with an identity head 1 (k = 2) the unit also gives head 1's log-probabilities (no
     projection of a block outside it).  fairseq's tokens, scores within 1e-4."""
-    from fairseq_fastgen.engine import compiled
+    from fairseq_fastgen.engine import aot_step, compiled
+    from fairseq_fastgen.ops import int8_kernel
     from fairseq_fastgen.engine.decoder_step import DecoderStep
 
     model, task = loaded(block_size)
@@ -148,6 +149,13 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, bl
     projected, project = [], CompiledRunner.project
     monkeypatch.setattr(CompiledRunner, "project", lambda runner, features, *args: projected.append(
         features.size(1)) or project(runner, features, *args))
+    products, package = {}, aot_step.StepPackage.__init__  # (rows, positions) of each unit -> its products' kind
+
+    def recording(self, step, table, rows=None):
+        products[(rows, step.block)] = type(step.decoder_step.reduced).__name__
+        package(self, step, table, rows)
+
+    monkeypatch.setattr(aot_step.StepPackage, "__init__", recording)
     config = GenerationConfig(beam=1, decoder="blockwise", step_engine="compiled", compiled_freezing=freezing,
                               **SOURCE_LENGTH)
     generator = task.build_generator([model], config)
@@ -162,6 +170,12 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, bl
     if freezing:  # every block ran compiled: 7 rows down to 1, the cache's rows padded to the bucket
         assert eager_blocks == [] and units == {None, 1, 2, 4}
         assert {cache_rows for rows, cache_rows in block_rows if rows == 3} == {4}
+        # the buckets' blocks (up to 8 rows of products) through the plugin's float32 kernel where it runs, the
+        # others through oneDNN's products; the steps of one position through inductor's
+        kernel = "F32RowsWeights" if int8_kernel.f32_rows_available() else "NoneType"
+        assert {key: kind for key, kind in products.items() if key[1] == block_size} == {
+            (1, 2): kernel, (2, 2): kernel, (4, 2): kernel, (None, 2): "NoneType"}
+        assert {kind for (rows, block), kind in products.items() if block == 1} <= {"NoneType"}
     else:  # the row buckets' blocks run eager, the others compiled
         assert eager_blocks and units == {None}
         assert all(rows > max_rows for rows, _ in block_rows)

@@ -1,0 +1,51 @@
+"""The float32 products of the compiled engine's units of a block of positions at batch 1 (blockwise verification).
+
+Such a unit multiplies a few rows (rows x positions per row, 4 at batch 1 with k = 4) with every weight of the
+decoder, and its time is that of reading them.  oneDNN's prepacked products and inductor's C++ GEMM template read
+the weights more slowly at 4 rows than at one; the plugin's kernel of a few rows (``kernels/f32_rows_cpu.cpp``,
+``torch.ops.fastgen.f32_rows_linear``) reads each weight once for all of them.  The units call it on the decoder's
+own weights, read in place (``shares_constants``): no copy of the weights per unit.
+
+A unit of more than ``MAX_ROWS`` rows keeps oneDNN's products (the kernel holds 4 input rows per pass over a weight).
+The kernel's sums are not oneDNN's, so a block's scores may differ from one-position steps' in the last bits, as
+oneDNN's products at 4 rows already did from inductor's at one.
+"""
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor, nn
+
+from fairseq_fastgen.engine.layer_weights import LayerWeights
+from fairseq_fastgen.ops import int8_kernel
+
+MAX_ROWS = 8  # rows of a unit's products (rows x positions) up to which the kernel beats oneDNN's
+
+
+class F32RowsLayer(nn.Module):
+    """A linear layer's own weight and bias (not copies): ``self(x)`` is its product, x (..., in) -> (..., out)."""
+
+    def __init__(self, weight: Tensor, bias: Optional[Tensor]):
+        super().__init__()
+        self.out_features = weight.size(0)
+        self.register_buffer("weight", weight)  # (out, in) float32
+        self.register_buffer("bias", None if bias is None else bias.detach())  # (out,)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.ops.fastgen.f32_rows_linear(x.reshape(-1, x.size(-1)), self.weight, self.bias)  # (rows, out)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class F32RowsWeights(LayerWeights):
+    """Every linear layer of ``decoder`` (a fairseq decoder) and each layer's fused query/key/value rows
+    (``qkv_weights``/``qkv_biases``: ``fused_weights.FusedWeights``'s) through the kernel of a few rows."""
+
+    shares_constants = True
+
+    def __init__(self, decoder: nn.Module, qkv_weights: List[Tensor], qkv_biases: List[Optional[Tensor]]):
+        super().__init__(decoder, qkv_weights, qkv_biases, F32RowsLayer, takes=lambda linear: True)
+
+
+def serves(rows: Optional[int], block: int) -> bool:
+    """Whether a unit of ``block`` positions for ``rows`` rows (None: any count) computes through the kernel."""
+    return rows is not None and rows * block <= MAX_ROWS and int8_kernel.f32_rows_available()

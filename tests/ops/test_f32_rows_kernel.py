@@ -1,0 +1,74 @@
+"""The plugin's float32 kernel of a few rows (``kernels/f32_rows_cpu.cpp``, ``torch.ops.fastgen.f32_rows_linear``):
+F.linear's result within float32 rounding at every row count and shape, with and without bias; each row's outputs
+bitwise the same whatever rows are multiplied beside it and on one thread or two (blockwise's verification of a
+block and a one-position step read the same products); misuse is a one-line error.  Where the processor has
+AVX-512 the kernel must be there."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fairseq_fastgen.ops import int8_kernel
+
+pytestmark = pytest.mark.skipif(not int8_kernel.VNNI, reason="the float32 kernel is in the AVX-512 build")
+
+
+def weight_bias_inputs(out_features, in_features, rows, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
+    bias = torch.randn(out_features, generator=generator)
+    x = torch.randn(rows, in_features, generator=generator) * torch.logspace(-2, 2, rows).unsqueeze(1)
+    return weight, bias, x
+
+
+def test_the_kernel_is_in_the_avx512_build():
+    assert int8_kernel.f32_rows_available()
+
+
+# (out, in): the base model's attention and fused query/key/value, FFN in and out, its 32k vocabulary (a prime);
+# shapes that are not whole groups of 4 outputs nor whole 16-float loads of inputs
+@pytest.mark.parametrize("shape", [(512, 512), (1536, 512), (2048, 512), (512, 2048), (32003, 512), (7, 3), (70, 33)])
+# one pass of up to 4 rows, two, and a pass of 1 to 3 rows after whole ones
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+def test_the_kernel_gives_linears_products_and_each_rows_bits_alone(shape, rows):
+    weight, bias, x = weight_bias_inputs(*shape, rows)
+    for with_bias in (bias, None):
+        got = torch.ops.fastgen.f32_rows_linear(x, weight, with_bias)
+        assert got.shape == (rows, shape[0]) and got.dtype == torch.float32
+        exact = F.linear(x.double(), weight.double(), None if with_bias is None else with_bias.double())
+        scale = x.double().abs() @ weight.double().abs().t() + (0 if with_bias is None else with_bias.double().abs())
+        assert bool(((got.double() - exact).abs() <= 1e-5 * scale + 1e-30).all())  # float32's rounding of the sums
+        alone = torch.cat([torch.ops.fastgen.f32_rows_linear(x[r: r + 1], weight, with_bias) for r in range(rows)])
+        assert torch.equal(got, alone)
+        reversed_rows = torch.ops.fastgen.f32_rows_linear(x.flip(0), weight, with_bias).flip(0)
+        assert torch.equal(got, reversed_rows)
+
+
+def test_two_threads_give_one_threads_bits():
+    weight, bias, x = weight_bias_inputs(32003, 512, 4)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.fastgen.f32_rows_linear(x, weight, bias)
+        torch.set_num_threads(2)
+        two = torch.ops.fastgen.f32_rows_linear(x, weight, bias)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)
+
+
+def test_strided_inputs_are_read_as_their_values():
+    weight, bias, x = weight_bias_inputs(64, 48, 6)
+    transposed = x.t().contiguous().t()  # the same values, column-major
+    assert torch.equal(torch.ops.fastgen.f32_rows_linear(transposed, weight, bias),
+                       torch.ops.fastgen.f32_rows_linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("x,weight,message", [
+    (torch.randn(2, 8), torch.randn(4, 9), "x \\(rows, in\\) and weight \\(out, in\\)"),
+    (torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64), "float32 only"),
+])
+def test_misuse_is_one_line(x, weight, message):
+    with pytest.raises(RuntimeError, match=message) as error:
+        torch.ops.fastgen.f32_rows_linear(x, weight, None)
+    assert str(error.value).strip().splitlines()[0].startswith("f32_rows_linear")
