@@ -27,7 +27,7 @@ namespace {
 
 constexpr int64_t kGroup = 4;        // weight rows read together: kGroup x kPassRows sums in registers
 constexpr int64_t kPassRows = 4;     // input rows per pass over the weight
-constexpr int64_t kAhead = 2;        // groups ahead of the one being summed that are prefetched
+constexpr int64_t kAhead = 1;        // the group after the one being summed is prefetched (2 or more: slower)
 constexpr int64_t kGrainGroups = 64; // groups per thread's share at least (a 512 x 512 weight: 128 groups)
 
 // Sums of ``R`` input rows (``x`` row-major, ``in`` wide) with the ``G`` weight rows at ``w``; out[r * out_stride + g].

@@ -110,7 +110,7 @@ class CompiledUnits:
             what = what.replace("the step", f"the step of {block} positions per row")
         if beams > 1:
             what += f" ({beams} beams a sentence, sharing its encoder-decoder keys)"
-        uses_kernel = block > 1 and self.block_products is not None and f32_rows_weights.serves(rows, block)
+        uses_kernel = self.block_products is not None and f32_rows_weights.serves(rows, block)
         decoder_step = self.block_products if uses_kernel else None
         step, table = self.step.shaped(beams, block, decoder_step), self.step.decoder_step.position_table(capacity)
         return self.built(key, what, lambda: aot_step.StepPackage(step, table, rows))

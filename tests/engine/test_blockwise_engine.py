@@ -170,12 +170,11 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, bl
     if freezing:  # every block ran compiled: 7 rows down to 1, the cache's rows padded to the bucket
         assert eager_blocks == [] and units == {None, 1, 2, 4}
         assert {cache_rows for rows, cache_rows in block_rows if rows == 3} == {4}
-        # the buckets' blocks (up to 8 rows of products) through the plugin's float32 kernel where it runs, the
-        # others through oneDNN's products; the steps of one position through inductor's
+        # the buckets' units (up to 8 rows of products: rows x positions) through the plugin's float32 kernel
+        # where it runs, the unit for more rows through oneDNN's products
         kernel = "F32RowsWeights" if int8_kernel.f32_rows_available() else "NoneType"
         assert {key: kind for key, kind in products.items() if key[1] == block_size} == {
             (1, 2): kernel, (2, 2): kernel, (4, 2): kernel, (None, 2): "NoneType"}
-        assert {kind for (rows, block), kind in products.items() if block == 1} <= {"NoneType"}
     else:  # the row buckets' blocks run eager, the others compiled
         assert eager_blocks and units == {None}
         assert all(rows > max_rows for rows, _ in block_rows)

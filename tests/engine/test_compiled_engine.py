@@ -293,10 +293,17 @@ def test_unsupported_decoder_falls_back_with_its_reason(toy, monkeypatch, caplog
 
 
 @pytest.mark.parametrize("freezing,batch_size", [(False, 8), (True, 1)])
-def test_frozen_weights_follow_a_weight_change(toy, freezing, batch_size):
+def test_frozen_weights_follow_a_weight_change(toy, monkeypatch, freezing, batch_size):
     """The compiled steps that hold the weights as constants (the step above the row buckets, at batch 8; with
-    --compiled-freezing the 1-row bucket, at batch 1) give fairseq's tokens, and after an in-place update of a
-    decoder weight another step is compiled and gives the updated model's tokens."""
+    --compiled-freezing the 1-row bucket, at batch 1, whose float32 products the plugin's kernel of a few rows
+    computes on the decoder's weights in place where it runs) give fairseq's tokens, and after an in-place update of
+    a decoder weight another step is compiled and gives the updated model's tokens."""
+    from fairseq_fastgen.engine import aot_step
+    from fairseq_fastgen.ops import int8_kernel
+
+    products, package = [], aot_step.StepPackage.__init__  # (rows, the products' kind) of each unit described
+    monkeypatch.setattr(aot_step.StepPackage, "__init__", lambda self, step, table, rows=None: products.append(
+        (rows, type(step.decoder_step.reduced).__name__)) or package(self, step, table, rows))
     ids = SENTENCES[:24]
     generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_freezing=freezing)
     runner = generator.runner
@@ -319,6 +326,8 @@ def test_frozen_weights_follow_a_weight_change(toy, freezing, batch_size):
         assert any(not torch.equal(changed[s][0]["tokens"], expected[s][0]["tokens"]) for s in ids)
         assert_same_tokens_close_scores(changed, translate_batches(toy, generator, ids, batch_size))
         assert runner.units.packaged.get(key) not in (None, first_step)  # compiled again, for the new weights
+        kernel = "F32RowsWeights" if freezing and int8_kernel.f32_rows_available() else "NoneType"
+        assert products == [(key, kernel)] * 2  # the unit before the change and after it
     finally:
         with torch.no_grad():
             weight.copy_(original)
