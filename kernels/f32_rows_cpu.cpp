@@ -1,7 +1,7 @@
 // float32 products of a few rows on the CPU (AVX-512): x (rows, in) times the transpose of a weight (out, in) in
 // torch's own layout, plus a bias.  The torch reference is F.linear; the compiled engine's units of a block of
 // positions call it (fairseq_fastgen/engine/f32_rows_weights.py), built beside the int8 kernel
-// (fairseq_fastgen/ops/int8_kernel.py).
+// (fairseq_fastgen/ops/int8_kernel.py); the frozen units of one position at 1 to 4 rows call it too.
 //
 // Why a kernel of our own: blockwise verification at batch 1 multiplies 4 rows (a block of 4 positions) with every
 // weight of the decoder.  The products are bound by reading the weights (165 MB at base size), so 4 rows should cost

@@ -1,14 +1,15 @@
-"""The float32 products of the compiled engine's units of a block of positions at batch 1 (blockwise verification).
+"""The float32 products of the compiled engine's frozen units of a few rows: the row buckets (greedy at batch 1 to 4)
+and blockwise's verification at batch 1 and 2 (rows x positions per row: 4 at batch 1 with k = 4).
 
-Such a unit multiplies a few rows (rows x positions per row, 4 at batch 1 with k = 4) with every weight of the
-decoder, and its time is that of reading them.  oneDNN's prepacked products and inductor's C++ GEMM template read
-the weights more slowly at 4 rows than at one; the plugin's kernel of a few rows (``kernels/f32_rows_cpu.cpp``,
-``torch.ops.fastgen.f32_rows_linear``) reads each weight once for all of them.  The units call it on the decoder's
-own weights, read in place (``shares_constants``): no copy of the weights per unit.
+Such a unit multiplies a few rows with every weight of the decoder, and its time is that of reading them.
+oneDNN's prepacked products and inductor's C++ GEMM template read the weights more slowly at 4 rows than at one
+(and the template's unit holds its own packed copy of them); the plugin's kernel of a few rows
+(``kernels/f32_rows_cpu.cpp``, ``torch.ops.fastgen.f32_rows_linear``) reads each weight once for all of them.  The
+units call it on the decoder's own weights, read in place (``shares_constants``): no copy of the weights per unit.
 
-A unit of more than ``MAX_ROWS`` rows keeps oneDNN's products (the kernel holds 4 input rows per pass over a weight).
-The kernel's sums are not oneDNN's, so a block's scores may differ from one-position steps' in the last bits, as
-oneDNN's products at 4 rows already did from inductor's at one.
+A unit of more than ``MAX_ROWS`` rows of products keeps oneDNN's (the kernel holds 4 input rows per pass over a
+weight).  A row's products are the same bits alone or among others, so a block's verification and a one-position
+step read the same products; their attention is computed apart.
 """
 
 from typing import List, Optional
