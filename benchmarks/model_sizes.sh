@@ -29,7 +29,6 @@ wanted int8 && row base-blockwise-int8-bs1 --path "$BASE" --khead-path "$KHEAD" 
   --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy --step-engine static --no-ctranslate2 \
   --variant "int8=--blockwise-int8-proposals" \
   --variant "frozen-int8=--step-engine compiled --compiled-freezing --blockwise-int8-proposals"
-# greedy at batch 64, every sentence of test_2016_flickr
 # the cost of a blockwise iteration at batch 1, in greedy steps, on an untrained k = 4 student of the base shapes:
 # its untrained heads repeat head 1's token, so it accepts about 3.7 tokens an iteration whatever it costs
 UNTRAINED_KHEAD=$M/untrained-khead4/checkpoint_last.pt
@@ -40,6 +39,7 @@ if wanted iteration; then
     --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine static \
     --no-ctranslate2 --blockwise-int8-proposals "${FROZEN[@]}"
 fi
+# greedy at batch 64, every sentence of test_2016_flickr
 wanted bs64 && row base-greedy-bs64 --path "$BASE" --decoders greedy --beam 1 --batch-size 64 --repeat 3 \
   --reference greedy --step-engine static "${FROZEN[@]}"
 # stock beam 5 at batch 64: fairseq's own step, and the compiled engine (stock's hypotheses)

@@ -6,8 +6,8 @@
 // Why a kernel of our own: blockwise verification at batch 1 multiplies 4 rows (a block of 4 positions) with every
 // weight of the decoder.  The products are bound by reading the weights (165 MB at base size), so 4 rows should cost
 // what one costs; inductor's C++ GEMM template reads them at about half that rate at 4 rows, and oneDNN's prepacked
-// product at about two thirds.  Here each group of 4 weight rows is read once for every input row, and the groups
-// ahead are prefetched, so that the loads stay in flight while the sums are formed.
+// product at about two thirds.  Here each group of 4 weight rows is read once for every input row, and the next
+// group is prefetched, so that the loads stay in flight while the sums are formed.
 //
 // Each output is the same sum in the same order whatever the number of rows and threads: 16 lanes accumulate
 // in[k] * w[k] over k = lane, lane + 16, ... (masked past the last whole 16), then the lanes are added by

@@ -141,11 +141,11 @@ class StepPackage:
 
     def settings(self) -> dict:
         """Frozen weights; for a fixed few rows of one position also inductor's C++ GEMM template for the products
-        (at 1-4 rows it beats both libraries' matrix-vector products, whose calls cost more). A block of positions
-        keeps oneDNN's prepacked products: at batch 1 a block of 4 is 4 rows a product, where the template reads
-        the weights at about half the rate of one row (a sweep of the base decoder's products: 17.8 ms against
-        8.7 at one row; oneDNN's 12.1), and autotuning, which times each product with its weights in cache,
-        picked the template anyway."""
+        inductor computes (at 1-4 rows it beats both libraries' matrix-vector products, whose calls cost more; where
+        the plugin's float32 kernel of a few rows serves, f32_rows_weights.py, it computes the linear layers). A block
+        of positions keeps oneDNN's prepacked products, not autotuned: at 4 rows the template reads the weights at
+        about half the rate of one row (a sweep of the base decoder's products: 17.8 ms against 8.7 at one row;
+        oneDNN's 12.1), and autotuning, which times each product with its weights in cache, picked it anyway."""
         settings = {"freezing": True}
         if self.rows is not None and self.block == 1:
             settings.update(max_autotune=True, max_autotune_gemm_backends="CPP")

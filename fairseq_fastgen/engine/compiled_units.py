@@ -26,6 +26,7 @@ import torch
 from fairseq_fastgen.engine import aot_step, f32_rows_weights
 from fairseq_fastgen.engine.compiled_step import PaddedStep
 from fairseq_fastgen.engine.fused_weights import FusedBuffers, FusedWeights, tensors_signature
+from fairseq_fastgen.ops import int8_kernel
 
 MAX_BUCKETS = 64  # compiled shapes kept per process
 logger = logging.getLogger("fairseq_fastgen.engine")
@@ -45,9 +46,9 @@ class CompiledUnits:
         # --quantize: fused weights -> the decoder's layers in int8 or bfloat16 (layer_weights.LayerWeights), which
         # every unit holds as constants; a bucket whose unit cannot be built runs eager (not through torch.compile)
         self.reduced_weights = reduced_weights
-        # float32 and frozen: the decoder step whose products the units of a block of positions at batch 1 compute
-        # through (f32_rows_weights.py), made with the weights it reads
-        self.block_products = None
+        # float32 and frozen, where the plugin's float32 kernel runs: the decoder step whose products the units of a
+        # few rows compute through (f32_rows_weights.py), made with the weights it reads
+        self.few_rows_step = None
         self.packaged: Dict[object, object] = {}  # key -> unit compiled ahead of time, or None (eager)
         self.compiled_now: set = set()  # keys of the units compiled in this process (the others were loaded)
         self.background = None  # (key, what, aot_step.BackgroundCompilation) of the unit being compiled, or None
@@ -110,8 +111,7 @@ class CompiledUnits:
             what = what.replace("the step", f"the step of {block} positions per row")
         if beams > 1:
             what += f" ({beams} beams a sentence, sharing its encoder-decoder keys)"
-        uses_kernel = self.block_products is not None and f32_rows_weights.serves(rows, block)
-        decoder_step = self.block_products if uses_kernel else None
+        decoder_step = self.few_rows_step if f32_rows_weights.serves(rows, block) else None
         step, table = self.step.shaped(beams, block, decoder_step), self.step.decoder_step.position_table(capacity)
         return self.built(key, what, lambda: aot_step.StepPackage(step, table, rows))
 
@@ -125,9 +125,9 @@ class CompiledUnits:
         self.step.decoder_step.fused_buffers = FusedBuffers(fused)  # a submodule: its buffers freeze
         if self.reduced_weights is not None:
             self.step.decoder_step.reduced = self.reduced_weights(fused)  # a submodule too
-        elif self.freezing and self.packages:  # float32 blocks at batch 1: the kernel of a few rows
+        elif self.freezing and self.packages and int8_kernel.f32_rows_available():  # float32: the kernel of a few rows
             decoder_step = self.step.decoder_step
-            self.block_products = decoder_step.with_products(
+            self.few_rows_step = decoder_step.with_products(
                 f32_rows_weights.F32RowsWeights(decoder_step.decoder, fused.qkv_weights, fused.qkv_biases))
         if self.freezing:
             self._bucket_step, self.compiled_shapes = None, {}

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 from fairseq_fastgen.engine.layer_weights import LayerWeights
-from fairseq_fastgen.ops import int8_kernel
 
 MAX_ROWS = 8  # rows of a unit's products (rows x positions) up to which the kernel beats oneDNN's
 
@@ -48,5 +47,6 @@ class F32RowsWeights(LayerWeights):
 
 
 def serves(rows: Optional[int], block: int) -> bool:
-    """Whether a unit of ``block`` positions for ``rows`` rows (None: any count) computes through the kernel."""
-    return rows is not None and rows * block <= MAX_ROWS and int8_kernel.f32_rows_available()
+    """Whether a unit of ``block`` positions for ``rows`` rows (None: any count) computes through the kernel, where
+    it runs (``int8_kernel.f32_rows_available()``)."""
+    return rows is not None and rows * block <= MAX_ROWS

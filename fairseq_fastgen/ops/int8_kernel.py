@@ -13,8 +13,8 @@ The C++ source is compiled by torch's extension builder (ninja, the system's C++
 ``$FASTGEN_CACHE/int8-kernel-<key>`` (the key: the source, torch's version and the flags), then loaded from there;
 its op is ``torch.ops.fastgen.int8_rows_linear``, with its output's shape registered for tracing, so that the
 compiled engine's units call it (``engine/int8_weights.py``).  The AVX-512 build also holds
-``torch.ops.fastgen.f32_rows_linear`` (``f32_rows_available()``), which the compiled engine's float32 units of a
-block of positions call at batch 1 (``engine/f32_rows_weights.py``).  Where the processor lacks AVX2, or the build fails (one
+``torch.ops.fastgen.f32_rows_linear`` (``f32_rows_available()``), which the compiled engine's frozen float32 units
+of a few rows call (``engine/f32_rows_weights.py``).  Where the processor lacks AVX2, or the build fails (one
 warning line says why), ``available()`` is False and int8 products stay on fbgemm's and oneDNN's kernels
 (``--int8-library-kernels`` asks for those anyway, for comparison).
 """

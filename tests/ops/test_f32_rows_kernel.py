@@ -13,6 +13,12 @@ from fairseq_fastgen.ops import int8_kernel
 pytestmark = pytest.mark.skipif(not int8_kernel.VNNI, reason="the float32 kernel is in the AVX-512 build")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def loaded_kernel():
+    """The kernels built and loaded in this process (each test may run alone, in any worker)."""
+    int8_kernel.available()
+
+
 def weight_bias_inputs(out_features, in_features, rows, seed=0):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
