@@ -5,7 +5,7 @@
 #
 # Each step is skipped when its output exists and a stopped step resumes from its last checkpoint, so the same
 # command picks up wherever a previous run (or a lost machine) left off. On the 2-core CPU the whole chain takes
-# about 12 hours (the base about 6: 2,400 updates of ~9 s in bfloat16 on AMX); run it under `nice -n 19` so that
+# about 9 hours (the base about 3: 1,200 updates of ~9.5 s in bfloat16 on AMX); run it under `nice -n 19` so that
 # interactive work comes first, and stop it (kill -STOP, kill -CONT) while timing anything else.
 #
 # In order, each needing the ones before:

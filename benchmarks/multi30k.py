@@ -116,7 +116,7 @@ SIZES = {
     "toy": dict(layers=3, dim=256, ffn=1024, heads=4, spm_vocab=8000, spm_type="unigram", dict_from_spm=False,
                 dropout=0.2, max_update=1200, max_tokens=4096, lr=0.002, warmup=400, validate_interval=3),
     "base": dict(layers=6, dim=512, ffn=2048, heads=8, spm_vocab=32000, spm_type="bpe", dict_from_spm=True,
-                 dropout=0.3, max_update=2400, max_tokens=8192, lr=0.0007, warmup=800, validate_interval=5),
+                 dropout=0.3, max_update=1200, max_tokens=8192, lr=0.0007, warmup=800, validate_interval=5),
     "big": dict(layers=6, dim=1024, ffn=4096, heads=16, spm_vocab=32000, spm_type="bpe", dict_from_spm=True,
                 dropout=0.3, max_update=2400, max_tokens=8192, lr=0.0005, warmup=800, validate_interval=10),
 }
