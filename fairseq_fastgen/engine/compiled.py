@@ -344,9 +344,10 @@ class CompiledRunner(StaticRunner):
         """Several positions per row (blockwise verification): base features (rows, n, dim) and attention
         (rows, n, src_len) from the padded step of a block of positions, a unit compiled ahead of time on
         the CPU (above ``max_rows`` rows, and with --compiled-freezing each row bucket's); elsewhere the exact
-        form, eager with oneDNN's products.  A shorter block (the bos, a row near its length limit) runs in
-        the widest block's unit, padded at its end: its positions attend none of the padding's, whose keys
-        and values are dropped after the call."""
+        form, eager with oneDNN's products.  A shorter block (a row near its length limit) runs in the widest
+        block's unit, padded at its end: its positions attend none of the padding's, whose keys and values are
+        dropped after the call; one position (the bos) runs a unit of its own where head 1's scores come with
+        the features (frozen, an identity-first k-head decoder), else the same way."""
         return self.block_pass(tokens, positions, encoder_out, cache)[:2]
 
     def step_block_scored(self, tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
@@ -361,6 +362,11 @@ class CompiledRunner(StaticRunner):
         if not cache.started:
             self.start_cache(cache, encoder_out)
         (rows, n), src_len = tokens.shape, encoder_out["encoder_out"][0].size(0)
+        if n == 1:  # one position (the bos): its own unit, where one serves, rather than a block's padded
+            unit = self.block_unit(rows, 1, cache)
+            if unit is not None:
+                (features, lprobs), attn = self.run_padded(unit, tokens, positions[:, 0], cache)
+                return features, attn[:, :src_len].unsqueeze(1), lprobs
         width = max(self.block_width, n)
         unit = self.block_unit(rows, width, cache)
         if unit is not None:

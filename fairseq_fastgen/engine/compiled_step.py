@@ -30,14 +30,18 @@ class PaddedStep(nn.Module):
     the features (rows, 1, dim) where a cluster projection scores them after the unit (``full_projection``
     False).  A block: the base features (rows, n, dim) (blockwise applies its heads to them) and, with
     ``scores_blocks`` (an identity-first k-head decoder: head 1 is the base output), their log-probabilities
-    (rows, n, vocab) beside them."""
+    (rows, n, vocab) beside them.  ``one_position_block``: one position per row returned as a block of one,
+    features (rows, 1, dim) and their log-probabilities (rows, 1, vocab) (blockwise's bos position, whose
+    heads propose the first block)."""
 
     def __init__(self, decoder_step: DecoderStep, temperature: float, full_projection: bool, scores_blocks: bool,
-                 beams: int = 1, block: int = 1):
+                 beams: int = 1, block: int = 1, one_position_block: bool = False):
         super().__init__()
         self.decoder_step = decoder_step  # its parameters and, once set, the fused weights' buffers
         self.temperature, self.full_projection, self.scores_blocks = temperature, full_projection, scores_blocks
         self.beams, self.block = beams, block
+        self.one_position_block = one_position_block and block == 1
+        self.block_form = block > 1 or self.one_position_block  # outputs shaped (rows, n, ...)
 
     def forward(self, last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys,
                 cross_values, cross_mask, tokens_table, fused: Optional[FusedWeights] = None):
@@ -46,10 +50,10 @@ class PaddedStep(nn.Module):
         fused = self.decoder_step.fused_buffers.weights() if fused is None else fused
         features, attn, new_keys, new_values = self.decoder_step.padded(
             last_tokens, positions, attended, position_table, self_keys, self_values, cross_keys, cross_values,
-            cross_mask, fused.qkv_weights, fused.qkv_biases, self.beams, first_head=self.block == 1,
+            cross_mask, fused.qkv_weights, fused.qkv_biases, self.beams, first_head=not self.block_form,
             tokens_table=tokens_table,
         )
-        if self.block > 1:
+        if self.block_form:
             outputs = [features, self.log_softmax(features, fused)] if self.scores_blocks else features
         else:
             outputs = self.log_softmax(features, fused)[:, -1, :] if self.full_projection else features
@@ -70,14 +74,15 @@ class PaddedStep(nn.Module):
             logits = logits / self.temperature
         return F.log_softmax(logits.float(), dim=-1)
 
-    def shaped(self, beams: int, block: int, decoder_step: Optional[DecoderStep] = None) -> "PaddedStep":
-        """This step for sentences of ``beams`` beams or ``block`` positions per row (the same weights; through
-        ``decoder_step``'s products where given: ``DecoderStep.with_products``)."""
+    def shaped(self, beams: int, block: int, decoder_step: Optional[DecoderStep] = None,
+               one_position_block: bool = False) -> "PaddedStep":
+        """This step for sentences of ``beams`` beams or ``block`` positions per row, or one position returned as
+        a block (the same weights; through ``decoder_step``'s products where given: ``DecoderStep.with_products``)."""
         return PaddedStep(decoder_step or self.decoder_step, self.temperature, self.full_projection,
-                          self.scores_blocks, beams, block)
+                          self.scores_blocks, beams, block, one_position_block)
 
     def settings(self) -> tuple:
         """What, besides the weights, the unit's code depends on (for the name of a package on disk)."""
         step = self.decoder_step
         return (self.beams, self.block, type(step.decoder).__qualname__, self.temperature, self.full_projection,
-                step.heads, step.head_dim, self.scores_blocks)
+                step.heads, step.head_dim, self.scores_blocks, self.one_position_block)

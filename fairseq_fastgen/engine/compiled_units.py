@@ -83,9 +83,13 @@ class CompiledUnits:
         return self.reduced_weights is None
 
     def block_unit(self, rows: int, bucket: int, block: int, beams: int, capacity: int):
-        """The unit of ``block`` positions per row for ``rows`` rows, or None (eager)."""
-        if block == 1 or not self.packages or beams > 1:
+        """The unit of ``block`` positions per row for ``rows`` rows, or None (eager).  One position (blockwise's
+        bos, a row's last token): a frozen unit where head 1's scores come with the features (``scores_blocks``)."""
+        if not self.packages or beams > 1:
             return None
+        if block == 1:
+            one_position = self.freezing and self.step.scores_blocks and rows <= self.max_rows
+            return self.package_unit(bucket, 1, 1, capacity, one_position_block=True) if one_position else None
         if rows > self.max_rows:
             return self.package_unit(None, 1, block, capacity)
         return self.package_unit(bucket, 1, block, capacity) if self.freezing else None
@@ -94,11 +98,13 @@ class CompiledUnits:
         """The step for every row count above ``max_rows`` (None until built, or where it could not be)."""
         return self.packaged.get(None) or self.packaged.get(("beams", beams))
 
-    def package_unit(self, rows: Optional[int], beams: int, block: int, capacity: int):
+    def package_unit(self, rows: Optional[int], beams: int, block: int, capacity: int,
+                     one_position_block: bool = False):
         """The padded step compiled ahead of time for ``rows`` rows (None: every row count above ``max_rows``;
-        ``beams`` > 1: sentences of that many beams; ``block`` > 1: that many positions per row), built for
-        buffers of ``capacity`` target positions when it is not built yet."""
-        key = ("block", block, rows) if block > 1 else rows if beams == 1 else ("beams", beams)
+        ``beams`` > 1: sentences of that many beams; ``block`` > 1 or ``one_position_block``: that many positions
+        per row, as a block), built for buffers of ``capacity`` target positions when it is not built yet."""
+        as_block = block > 1 or one_position_block
+        key = ("block", block, rows) if as_block else rows if beams == 1 else ("beams", beams)
         if key in self.packaged:
             return self.packaged[key]
         if self.compile_in_background:
@@ -107,12 +113,13 @@ class CompiledUnits:
             if key is None and beams > self.max_rows:
                 return None  # beam search: only its sentences' unit is compiled; rows not laid out so run eager
         what = f"the step above {self.max_rows} rows" if rows is None else f"the step of {rows} rows"
-        if block > 1:
-            what = what.replace("the step", f"the step of {block} positions per row")
+        if as_block:
+            what = what.replace("the step", f"the step of {block} position{'s' if block > 1 else ''} per row")
         if beams > 1:
             what += f" ({beams} beams a sentence, sharing its encoder-decoder keys)"
         decoder_step = self.few_rows_step if f32_rows_weights.serves(rows, block) else None
-        step, table = self.step.shaped(beams, block, decoder_step), self.step.decoder_step.position_table(capacity)
+        step = self.step.shaped(beams, block, decoder_step, one_position_block)
+        table = self.step.decoder_step.position_table(capacity)
         return self.built(key, what, lambda: aot_step.StepPackage(step, table, rows))
 
     def follow_decoder_weights(self, fused: FusedWeights):

@@ -121,7 +121,8 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, bl
     """--step-engine compiled: every verification of k positions per row runs a unit compiled ahead of time
     (above the row buckets; with --compiled-freezing each row bucket's too, 3 rows padded to 4), never the
     eager exact form; with an identity head 1 (k = 2) the unit also gives head 1's log-probabilities (no
-    projection of a block outside it).  fairseq's tokens, scores within 1e-4."""
+    projection of a block outside it), and a bos of a bucket's rows its own frozen unit of one position, scored
+    with its features.  fairseq's tokens, scores within 1e-4."""
     from fairseq_fastgen.engine import aot_step, compiled
     from fairseq_fastgen.ops import int8_kernel
     from fairseq_fastgen.engine.decoder_step import DecoderStep
@@ -152,7 +153,7 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, bl
     products, package = {}, aot_step.StepPackage.__init__  # (rows, positions) of each unit -> its products' kind
 
     def recording(self, step, table, rows=None):
-        products[(rows, step.block)] = type(step.decoder_step.reduced).__name__
+        products[(rows, step.block, step.one_position_block)] = type(step.decoder_step.reduced).__name__
         package(self, step, table, rows)
 
     monkeypatch.setattr(aot_step.StepPackage, "__init__", recording)
@@ -174,9 +175,15 @@ def test_blockwise_verifies_its_blocks_in_compiled_units(loaded, monkeypatch, bl
         # where it runs, the unit for more rows through oneDNN's products
         kernel = "F32RowsWeights" if int8_kernel.f32_rows_available() else "NoneType"
         assert {key: kind for key, kind in products.items() if key[1] == block_size} == {
-            (1, 2): kernel, (2, 2): kernel, (4, 2): kernel, (None, 2): "NoneType"}
-    else:  # the row buckets' blocks run eager, the others compiled
+            (1, 2, False): kernel, (2, 2, False): kernel, (4, 2, False): kernel, (None, 2, False): "NoneType"}
+        # the bos of the last batch (4 rows, a bucket; and the last token of rows at their length limit): a unit of
+        # one position scored as a block, through the kernel
+        one_position = {key[0]: kind for key, kind in products.items() if key[1] == 1}
+        assert 4 in one_position and set(one_position.values()) == {kernel}
+        assert all(key[2] for key in products if key[1] == 1) and runner.units.packaged[("block", 1, 4)] is not None
+    else:  # the row buckets' blocks run eager, the others compiled; a bos, eager
         assert eager_blocks and units == {None}
+        assert all(key[1] > 1 for key in products)
         assert all(rows > max_rows for rows, _ in block_rows)
     assert {rows for rows, _ in block_rows} >= set(range(max_rows + 1, 8)) - {5, 6} | {7}
     identity_first = model.decoder.heads.identity_first

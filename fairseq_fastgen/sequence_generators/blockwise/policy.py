@@ -81,11 +81,14 @@ class BlockwisePolicy(OneRowPath):
         state.source_extras = SOURCE_EXTRAS
         state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)  # at most max_len tokens and eos
         positions = bos.new_zeros((state.rows, 1))
-        features, attn = self.run_block(state, bos, positions, ctx)  # (rows, 1, dim)
-        base = features[:, 0]  # (rows, dim)
-        # (rows, block, dim)
-        heads = None if ctx.runner.identity_first_head else ctx.runner.heads(base, self.block_size)
-        first_lprobs = self.log_probs(base if heads is None else heads[:, 0], ctx)  # (rows, vocab)
+        if ctx.runner.identity_first_head:  # head 1 is the base output: scored with the pass, by the runner
+            features, attn, _, lprobs = self.scored_pass(state, bos, positions, ctx)
+            base, heads, first_lprobs = features[:, 0], None, lprobs[:, 0]  # (rows, dim), -, (rows, vocab)
+        else:
+            features, attn = self.run_block(state, bos, positions, ctx)  # (rows, 1, dim)
+            base = features[:, 0]  # (rows, dim)
+            heads = ctx.runner.heads(base, self.block_size)  # (rows, block, dim)
+            first_lprobs = self.log_probs(heads[:, 0], ctx)  # (rows, vocab)
         ctx.process(first_lprobs, StepRows(state.lengths, state.max_len, state.sentence, state.tokens))
         self.propose(state, ctx, first_lprobs, None if attn is None else attn[:, 0],
                      self.later_scores(base, heads, ctx))
@@ -154,10 +157,8 @@ class BlockwisePolicy(OneRowPath):
         where computed in full precision (None with an identity head 1: the k-head layer then runs
         only where proposals are read) and head 1's lprobs (rows, n, vocab), not yet processed."""
         ctx.counters.add("row_iterations", state.rows)
-        if ctx.runner.identity_first_head:  # head 1 is the base output: scored with the pass, by the runner
-            features, attn, lprobs = state.runner.step_block_scored(block, positions, state.encoder_out, state.cache)
-            ctx.counters.add("model_calls")
-            return features, attn, None, lprobs
+        if ctx.runner.identity_first_head:
+            return self.scored_pass(state, block, positions, ctx)
         features, attn = self.run_block(state, block, positions, ctx)
         all_heads = ctx.runner.heads(features, self.block_size)
         return features, attn, all_heads, self.log_probs(all_heads[:, :, 0], ctx)
@@ -225,6 +226,14 @@ class BlockwisePolicy(OneRowPath):
         return history[rows.unsqueeze(1), columns]  # (rows, block)
 
     # ---- the model, through the runner ----------------------------------------------------------
+    def scored_pass(self, state, tokens, positions, ctx):
+        """Where head 1 is the base output (identity-first): the decoder pass over ``tokens`` (rows, n) and head 1's
+        lprobs, scored by the runner in the same call. Returns features (rows, n, dim), attention (rows, n,
+        src_len) or None, None (no other head computed) and the lprobs (rows, n, vocab), not yet processed."""
+        features, attn, lprobs = state.runner.step_block_scored(tokens, positions, state.encoder_out, state.cache)
+        ctx.counters.add("model_calls")
+        return features, attn, None, lprobs
+
     def run_block(self, state, tokens, positions, ctx):
         features, attn = state.runner.step_block(tokens, positions, state.encoder_out, state.cache)
         ctx.counters.add("model_calls")
