@@ -125,7 +125,7 @@ class StepPackage:
     @functools.cached_property  # its key hashes every weight: once
     def path(self) -> Path:
         what = f"beams{self.beams}" if self.beams > 1 else f"{'any' if self.rows is None else self.rows}-rows"
-        if self.block > 1 or self.step.one_position_block:
+        if self.step.block_form:
             what = f"block{self.block}-{what}"
         return package_file(f"step-{what}-{self.key()}")
 

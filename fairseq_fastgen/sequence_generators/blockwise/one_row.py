@@ -25,6 +25,7 @@ class OneRowPath:
         block = state.extra["proposals"][:, :n]  # (1, n)
         positions = torch.arange(length + 1, length + 1 + n, device=block.device)
         positions = positions.clamp_(max=ctx.runner.max_target_positions - 1).unsqueeze(0)  # (1, n)
+        ctx.counters.add("row_iterations", 1)
         features, attn, all_heads, lprobs = self.score_block(state, block, positions, ctx)
         ctx.process(lprobs[0], StepRows(range(length + 1, length + 1 + n), max_len))  # steps in Python
         top_lprobs, top = lprobs[0].topk(1, dim=-1)  # (n, 1) each: greedy's choice after each block token

@@ -81,14 +81,9 @@ class BlockwisePolicy(OneRowPath):
         state.source_extras = SOURCE_EXTRAS
         state.use_row_lengths(int(state.max_len.max()) + 1, self.pad)  # at most max_len tokens and eos
         positions = bos.new_zeros((state.rows, 1))
-        if ctx.runner.identity_first_head:  # head 1 is the base output: scored with the pass, by the runner
-            features, attn, _, lprobs = self.scored_pass(state, bos, positions, ctx)
-            base, heads, first_lprobs = features[:, 0], None, lprobs[:, 0]  # (rows, dim), -, (rows, vocab)
-        else:
-            features, attn = self.run_block(state, bos, positions, ctx)  # (rows, 1, dim)
-            base = features[:, 0]  # (rows, dim)
-            heads = ctx.runner.heads(base, self.block_size)  # (rows, block, dim)
-            first_lprobs = self.log_probs(heads[:, 0], ctx)  # (rows, vocab)
+        features, attn, all_heads, lprobs = self.score_block(state, bos, positions, ctx)  # a block of one position
+        base, first_lprobs = features[:, 0], lprobs[:, 0]  # (rows, dim), (rows, vocab)
+        heads = None if all_heads is None else all_heads[:, 0]  # (rows, block, dim)
         ctx.process(first_lprobs, StepRows(state.lengths, state.max_len, state.sentence, state.tokens))
         self.propose(state, ctx, first_lprobs, None if attn is None else attn[:, 0],
                      self.later_scores(base, heads, ctx))
@@ -107,6 +102,7 @@ class BlockwisePolicy(OneRowPath):
         n = block.size(1)
         offsets = torch.arange(n, device=block.device)
         positions = (lengths.unsqueeze(1) + 1 + offsets).clamp(max=ctx.runner.max_target_positions - 1)
+        ctx.counters.add("row_iterations", state.rows)
         features, attn, all_heads, lprobs = self.score_block(state, block, positions, ctx)
         steps = (lengths.unsqueeze(1) + 1 + offsets).view(-1)  # (rows * n,)
         flat = lprobs.view(-1, lprobs.size(-1))
@@ -156,9 +152,10 @@ class BlockwisePolicy(OneRowPath):
         features (rows, n, dim), attention (rows, n, src_len) or None, every head (rows, n, block, dim)
         where computed in full precision (None with an identity head 1: the k-head layer then runs
         only where proposals are read) and head 1's lprobs (rows, n, vocab), not yet processed."""
-        ctx.counters.add("row_iterations", state.rows)
-        if ctx.runner.identity_first_head:
-            return self.scored_pass(state, block, positions, ctx)
+        if ctx.runner.identity_first_head:  # head 1 is the base output: scored with the pass, by the runner
+            features, attn, lprobs = state.runner.step_block_scored(block, positions, state.encoder_out, state.cache)
+            ctx.counters.add("model_calls")
+            return features, attn, None, lprobs
         features, attn = self.run_block(state, block, positions, ctx)
         all_heads = ctx.runner.heads(features, self.block_size)
         return features, attn, all_heads, self.log_probs(all_heads[:, :, 0], ctx)
@@ -226,14 +223,6 @@ class BlockwisePolicy(OneRowPath):
         return history[rows.unsqueeze(1), columns]  # (rows, block)
 
     # ---- the model, through the runner ----------------------------------------------------------
-    def scored_pass(self, state, tokens, positions, ctx):
-        """Where head 1 is the base output (identity-first): the decoder pass over ``tokens`` (rows, n) and head 1's
-        lprobs, scored by the runner in the same call. Returns features (rows, n, dim), attention (rows, n,
-        src_len) or None, None (no other head computed) and the lprobs (rows, n, vocab), not yet processed."""
-        features, attn, lprobs = state.runner.step_block_scored(tokens, positions, state.encoder_out, state.cache)
-        ctx.counters.add("model_calls")
-        return features, attn, None, lprobs
-
     def run_block(self, state, tokens, positions, ctx):
         features, attn = state.runner.step_block(tokens, positions, state.encoder_out, state.cache)
         ctx.counters.add("model_calls")
