@@ -9,11 +9,11 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 iteration bs64 beam5 clusters relaxed varbeam big". CTranslate2 joins when installed.
+# ROWS picks rows by name: "bs1 int8 iteration bs64 beam5 screen clusters relaxed varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
-ROWS=" ${3:-bs1 int8 iteration bs64 beam5 clusters relaxed varbeam big} "
+ROWS=" ${3:-bs1 int8 iteration bs64 beam5 screen clusters relaxed varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of the same base
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
@@ -50,6 +50,16 @@ wanted relaxed && row base-blockwise-relaxed --path "$BASE" --khead-path "$KHEAD
   --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy --step-engine static \
   --no-ctranslate2 --blockwise-int8-proposals --variant "top2=--blockwise-top-k 2" \
   --variant "top3=--blockwise-top-k 3" --variant "minblock2=--blockwise-min-block 2"
+# the vocabulary projection screened in int8 (float32's best tokens; greedy's are float32's), beside the same engines
+# without it and CTranslate2 float32: greedy at batch 1 and 64, stock beam 5 at batch 64
+SCREEN="--screened-projection"
+wanted screen && row base-screen-bs1 --path "$BASE" --decoders greedy --beam 1 --batch-size 1 --max-sentences 300 \
+  --repeat 2 --reference greedy --step-engine static --variant "screen=$SCREEN" "${FROZEN[@]}" \
+  --variant "frozen-screen=--step-engine compiled --compiled-freezing $SCREEN"
+wanted screen && row base-screen-bs64 --path "$BASE" --decoders greedy --beam 1 --batch-size 64 --repeat 3 \
+  --reference greedy --step-engine compiled --compiled-freezing --variant "screen=$SCREEN"
+wanted screen && row base-screen-beam5 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 300 \
+  --repeat 3 --step-engine compiled --variant "screen=$SCREEN"
 # the cluster-projected vocabulary: 1,000 clusters of 100,000 decoder states of train, teacher-forced, each cluster's
 # active set the top 3 (fastgen-train-clusters' default) and the top 20 tokens of its member states; each row beside
 # the same decoder without it (--reference self)

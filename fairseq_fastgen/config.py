@@ -84,6 +84,15 @@ class PluginOptions(FairseqDataclass):
                           "decoder's statistics (projection_*), as --cluster-projection reports its own; the "
                           "output is unchanged"},
     )
+    screened_projection: bool = field(
+        default=False,
+        metadata={"help": "CPU: screen the vocabulary projection in int8 (a quarter of its float32 bytes) with a "
+                          "proven error bound and recompute in float32 only the tokens that could be a state's "
+                          "best: greedy and blockwise keep float32's tokens, beam search float32's candidates; "
+                          "log-probabilities differ a little (the normaliser sums the other tokens' int8 "
+                          "estimates); faster where the projection is a large share of a step (large "
+                          "vocabularies, few rows); every decoder but with --no-repeat-ngram-size"},
+    )
     onednn_linear: bool = field(
         default=False,
         metadata={"help": "CPU: compute the model's linear layers (vocabulary projection included) with oneDNN's "

@@ -105,6 +105,7 @@ from fairseq_fastgen.cli.generate_run import GenerateRun
 from fairseq_fastgen.cli.live_lines import LiveLines
 from fairseq_fastgen.cli.oversized_lines import OversizedLines, TokenLimit, token_limit
 from fairseq_fastgen.cluster.directory import run_direction
+from fairseq_fastgen.cluster.screened import check_screen_options
 from fairseq_fastgen.config import build_generation_config
 from fairseq_fastgen.engine import serve_stock_search
 from fairseq_fastgen.fastseq import optimize_stock_generator
@@ -216,6 +217,7 @@ def _install_build_generator():
         entry = selected_decoder(options)
         check_fairseq_generation_options(args)  # --beam 0: fairseq's search ends in a RuntimeError
         check_generation_options(options)  # every numeric plugin option finite and in range (hub interface too)
+        check_screen_options(options.common, args)  # --no-repeat-ngram-size could pick a token it did not recompute
         warn_options_not_read(entry, options)  # another decoder's option set here: named once, not silently dropped
         common = options.common
         direction = run_direction(self)  # the run's (source, target) languages: the file --cluster-projection DIR gives

@@ -29,6 +29,8 @@ MISUSES = {
                      "--blockwise-block-size must be an integer >= 1, got 0"),
     "cluster file": (["--decoder", "greedy", "--beam", "1", "--cluster-projection", "/nonexistent/clusters.pt"],
                      "/nonexistent/clusters.pt"),
+    "screened projection": (["--decoder", "greedy", "--beam", "1", "--screened-projection",
+                             "--no-repeat-ngram-size", "2"], "--no-repeat-ngram-size bans tokens"),
     # fairseq's search ended in a RuntimeError traceback
     "beam 0": (["--decoder", "beam", "--beam", "0"], "--beam must be an integer >= 1, got 0"),
 }

@@ -18,6 +18,7 @@ from fairseq_fastgen.cluster.clusterfile import output_projection_of
 from fairseq_fastgen.cluster.directory import Direction
 from fairseq_fastgen.cluster.projection import (ProjectionCounters, TimedFullProjection, projection_from_options,
                                                 projection_requested)
+from fairseq_fastgen.cluster.screened import certified_top
 from fairseq_fastgen.config import PluginOptions
 
 
@@ -74,7 +75,8 @@ def attach_to_stock_generator(generator, models, options: PluginOptions, tempera
         return None
     if len(models) != 1:
         raise ValueError(f"--cluster-projection holds the clusters of one model; got an ensemble of {len(models)}")
-    projection = projection_from_options(options, temperature, models[0], direction)
+    projection = projection_from_options(options, temperature, models[0], direction,
+                                         certified_top(getattr(generator, "beam_size", 1)))
     decoder = models[0].decoder
     generate_within(generator, lambda: attached(decoder, projection))
     give_attributes(generator, projection=projection, counters=ProjectionCounters(decoder_name, projection.statistics))

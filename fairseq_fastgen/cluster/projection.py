@@ -203,8 +203,16 @@ def project_onto_columns(features: Tensor, linear: torch.nn.Linear, mask: Tensor
         # adding a (vocab,) row of 0 / -inf is several times faster than a broadcast masked_fill_
         outside = torch.zeros_like(mask, dtype=features.dtype).masked_fill_(~mask, -math.inf)  # (vocab,)
         return linear(features).add_(outside)
+    reduced = columns_product(features, linear, columns)  # (rows, n, active)
+    logits = features.new_full((*features.shape[:-1], vocab_size), -math.inf)  # (rows, n, vocab)
+    return logits.index_copy_(-1, columns, reduced)
+
+
+def columns_product(features: Tensor, linear: torch.nn.Linear, columns: Tensor) -> Tensor:
+    """``linear``'s logits (rows, n, active) on ``columns`` (active,) only, from their weight rows (through
+    oneDNN where ``--onednn-linear`` attached it): features (rows, n, hidden)."""
     active = columns.numel()
-    padded = padded_width(active, vocab_size)
+    padded = padded_width(active, linear.weight.size(0))
     computed = columns if padded == active else torch.cat([columns, columns[:1].expand(padded - active)])
     weight = linear.weight.index_select(0, computed)  # (padded, hidden)
     bias = None if linear.bias is None else linear.bias.index_select(0, computed)  # (padded,)
@@ -212,9 +220,7 @@ def project_onto_columns(features: Tensor, linear: torch.nn.Linear, mask: Tensor
     # that needs no grad (this one) runs unfolded, much slower on CPU at many rows
     states = features.reshape(-1, features.size(-1))  # (rows * n, hidden)
     reduced = linear_like(linear, states, weight, bias)[:, :active]  # (rows * n, active)
-    reduced = reduced.view(*features.shape[:-1], active)  # (rows, n, active)
-    logits = features.new_full((*features.shape[:-1], vocab_size), -math.inf)  # (rows, n, vocab)
-    return logits.index_copy_(-1, columns, reduced)
+    return reduced.view(*features.shape[:-1], active)
 
 
 def padded_width(active: int, vocab_size: int) -> int:
@@ -226,17 +232,24 @@ def padded_width(active: int, vocab_size: int) -> int:
 def projection_requested(options: PluginOptions) -> bool:
     """Whether the generation options replace the decoder's projection (``--cluster-projection``,
     ``--time-projection``; ``--cluster-full-normalizer`` too, so that without a file it is refused)."""
-    return any((options.cluster_projection, options.time_projection, options.cluster_full_normalizer))
+    return any((options.cluster_projection, options.time_projection, options.cluster_full_normalizer,
+                options.screened_projection))
 
 
 def projection_from_options(options: PluginOptions, temperature: Optional[float], model,
-                            direction: Optional[Direction] = None) -> Optional[TimedFullProjection]:
+                            direction: Optional[Direction] = None, certified_top: int = 1
+                            ) -> Optional[TimedFullProjection]:
     """The projection the generation options ask for: ``--cluster-projection FILE`` or ``DIR`` (checked
     against ``model`` and the run's ``direction``, its (source, target) languages or None), else
+    ``--screened-projection``'s (float32's ``certified_top`` best tokens of each state), else
     ``--time-projection``'s timed full projection, else None (the decoder's own).  ``temperature``:
     fairseq's ``--temperature``, which ``--cluster-full-normalizer`` divides by too."""
     if not projection_requested(options):
         return None
+    if options.screened_projection:
+        from fairseq_fastgen.cluster.screened import screened_projection  # it builds on this module's classes
+
+        return screened_projection(model, certified_top, options)
     path = options.cluster_projection
     full_normalizer = options.cluster_full_normalizer
     if path:

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 import types
+import weakref
 from typing import Dict, Optional
 
 import torch
@@ -147,9 +148,15 @@ class CompiledUnits:
         if self._bucket_step is None:
             # one compiled graph per bucket: room for every bucket of a long decode (dynamo's default is 8)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_BUCKETS)
-            # frozen weights: a copy of the method with its own code object, since torch.compile keeps compiled
-            # code per code object and code compiled for older weights (as constants) must not be reused
-            step = own_code(self.step.forward) if self.freezing else self.step.forward
+            # torch.compile keeps compiled code per code object, and the guards that would tell steps apart are
+            # dropped (inductor_options): frozen weights get a copy of the method with a code object of its own
+            # (code compiled for older weights, as constants, must not be reused); unfrozen, the runners of one
+            # decoder with the same settings share one (a second generator reuses the first one's compilations),
+            # and a step of other settings (one that returns features for a projection) gets another
+            if self.freezing:
+                step = own_code(self.step.forward)
+            else:
+                step = shared_code(self.step.forward, self.step.decoder_step.decoder, self.step.settings())
             options = inductor_options(self.step, self.symbolic)
             self._bucket_step = torch.compile(step, dynamic=self.symbolic, fullgraph=True, options=options)
         return self._bucket_step
@@ -295,12 +302,23 @@ def is_encoder(key) -> bool:
     return isinstance(key, tuple) and key[0] == "encoder"
 
 
-def own_code(method):
-    """``method`` bound again to a copy of its function with a code object of its own."""
+def own_code(method, code=None):
+    """``method`` bound again to a copy of its function with a code object of its own (or ``code``)."""
     function = method.__func__
-    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+    copy = types.FunctionType(code or function.__code__.replace(), function.__globals__, function.__name__,
                               function.__defaults__, function.__closure__)
     return types.MethodType(copy, method.__self__)
+
+
+# decoder -> step settings (PaddedStep.settings) -> the code object its unfrozen steps are compiled under
+SHARED_CODE: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[tuple, types.CodeType]]" = weakref.WeakKeyDictionary()
+
+
+def shared_code(method, decoder: torch.nn.Module, settings: tuple):
+    """``method`` bound again to a copy of its function whose code object is shared by the steps of ``decoder``
+    with the same ``settings``, and by no other."""
+    codes = SHARED_CODE.setdefault(decoder, {})
+    return own_code(method, codes.setdefault(settings, method.__func__.__code__.replace()))
 
 
 def inductor_options(module, symbolic: bool) -> dict:
@@ -308,7 +326,7 @@ def inductor_options(module, symbolic: bool) -> dict:
     options = {"cpp_wrapper": True} if on_cpu else {"triton.cudagraphs": True}
     # only the inputs' shapes, dtypes and strides choose a compiled bucket: the model, the temperature and the
     # projection of a runner never change, and checking their guards is a visible share of a one-row step
-    # (each torch.compile call keeps its own compiled code, so another runner's model is never mistaken for it)
+    # (each decoder and settings compile under a code object of their own: CompiledUnits.bucket_step)
     # (with symbolic shapes the guards relating them to each other stay)
     if not symbolic:
         options["guard_filter_fn"] = torch.compiler.keep_tensor_guards_unsafe

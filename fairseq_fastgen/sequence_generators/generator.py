@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fairseq_fastgen.cluster.projection import projection_from_options
+from fairseq_fastgen.cluster.screened import certified_top
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.option_checks import UsageError
 from fairseq_fastgen.options import FastgenOptions, parse_options
@@ -197,7 +198,8 @@ class FastgenGenerator(nn.Module):
             options = parse_options(gen_cfg)
         model = single_model(cls.name, models)
         reject_unsupported(cls.name, gen_cfg, extra)
-        projection = build_projection(options.common, gen_cfg.temperature, model, extra.get("direction"))
+        top = certified_top(gen_cfg.beam, options.by_name().get("blockwise_top_k"))
+        projection = build_projection(options.common, gen_cfg.temperature, model, extra.get("direction"), top)
         generator = cls.build(model, tgt_dict, gen_cfg, options, projection=projection)
         generator.symbols_to_strip_from_output |= set(extra.get("symbols_to_strip_from_output") or ())
         return generator
@@ -256,8 +258,8 @@ def reject_unsupported(name, gen_cfg, extra):
             raise ValueError(f"--decoder {name} does not support --{option.replace('_', '-')}; use --decoder beam")
 
 
-def build_projection(options: PluginOptions, temperature, model, direction=None):
-    return projection_from_options(options, temperature, model, direction)
+def build_projection(options: PluginOptions, temperature, model, direction=None, top: int = 1):
+    return projection_from_options(options, temperature, model, direction, top)
 
 
 def one_hypothesis_per_sentence(name, gen_cfg):

@@ -109,6 +109,13 @@ def test_time_projection_times_the_full_projection_and_changes_nothing(toy, mode
     assert stats["projection_ms_per_step"] == pytest.approx(1000 * stats["projection_seconds"] / stats["projection_steps"])
 
 
+def test_whole_vocabulary_file_changes_nothing_on_the_compiled_engine(toy, model, full_coverage_path):
+    """The compiled engine's step for a projection returns features, its step without one log-probabilities: a
+    generator without the file decodes first, so the one with it must not run the first one's compiled code."""
+    assert_unchanged_by_projection(toy.task, model, "greedy", 1, common_options={"step_engine": "compiled"},
+                                   cluster_projection=str(full_coverage_path))
+
+
 @pytest.mark.parametrize("decoder", ["greedy", "beam"])
 def test_whole_vocabulary_file_changes_nothing_with_onednn_products(toy, model, full_coverage_path, decoder):
     """--onednn-linear composes with --cluster-projection: the full projection the file leaves in place

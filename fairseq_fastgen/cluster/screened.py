@@ -1,0 +1,124 @@
+"""The vocabulary projection screened in int8 (``--screened-projection``): float32's best tokens, a quarter of
+its bytes.
+
+At a few rows a decoder step reads its weights once, and the vocabulary projection is the largest of them
+(32k x 512 float32 at base size: 65 MB of a step's ~150 MB).  The screen reads an int8 copy instead (one scale
+per token row, each state rounded on a scale of its own: ``precision_linear.Int8Rows``, the plugin's kernel) and
+bounds its error: for a weight row w (scale s, integers q) and a state h (scale s_h, integers p),
+
+    |w.h - s q . s_h p|  <=  s/2 ||h||_1  +  s ||q||_1 s_h/2,
+
+so each estimate lies within ``B(h)`` of the float32 logit, with B from the largest s and s ||q||_1 of the
+vocabulary (computed once) and ||h||_1, s_h of the state (computed per state), plus a margin for float32's own
+rounding.  A token whose estimate is more than 2B below the m-th best estimate cannot be among the m best logits,
+so only the tokens within 2B of it (and the special symbols, which decoders ban or force) are recomputed in
+float32 from their weight rows; the others keep their estimates.  The m best tokens of every state are then
+float32's (``certified_top``: 1 for greedy and blockwise, the top-k of ``--blockwise-top-k``, 2 x beam for beam
+search's candidates), each with float32's logit.
+
+What changes: the softmax's normaliser sums the estimates of the tokens not recomputed, so log-probabilities
+differ from float32's by a little (the tokens not recomputed carry little mass); greedy and blockwise keep
+float32's tokens, beam search can reorder hypotheses whose scores are that close.  A decoder that bans ordinary
+tokens (``--no-repeat-ngram-size``) could pick one that was not recomputed, so that option is refused with it.
+"""
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from fairseq_fastgen.cluster.projection import TimedFullProjection, columns_product, DENSE_FRACTION
+from fairseq_fastgen.cluster.clusterfile import output_projection_of
+from fairseq_fastgen.ops.int8_kernel import INPUT_LEVELS
+from fairseq_fastgen.ops.precision_linear import Int8Rows
+
+# float32's rounding in the reference logit and in the estimate's scaling: a few units in the last place of the
+# largest terms, taken generously (the bound is far above it anyway)
+ROUNDING_MARGIN = 1e-4
+
+
+class ScreenedProjection(TimedFullProjection):
+    """``projection(features (rows, n, dim), decoder) -> logits (rows, n, vocab)``: int8 estimates, float32 on the
+    tokens that could be among the ``certified_top`` best of a state."""
+
+    def __init__(self, special_tokens: Sequence[int], certified_top: int = 1):
+        super().__init__()
+        self.special = torch.tensor(sorted(set(special_tokens)), dtype=torch.long)  # (specials,)
+        self.certified_top = max(1, int(certified_top))
+        self.screen = None  # ScreenWeights of the linear it copies, made on the first call
+
+    def project(self, features: Tensor, linear: torch.nn.Linear):
+        screen = self.screen_of(linear)
+        states = features.reshape(-1, features.size(-1)).float()  # (states, dim)
+        estimates = screen.rows(states, linear.bias)  # (states, vocab)
+        vocab = estimates.size(1)
+        magnitudes = states.abs()
+        bound = (screen.half_scale * magnitudes.sum(dim=1) + screen.half_l1 * magnitudes.amax(dim=1) / INPUT_LEVELS
+                 + screen.rounding * magnitudes.sum(dim=1) + ROUNDING_MARGIN)  # (states,)
+        best = estimates.topk(self.certified_top + self.special.numel(), dim=1)  # (states, m + specials)
+        ordinary = best.values.masked_fill(torch.isin(best.indices, self.special), float("-inf"))
+        mth_best = ordinary.topk(self.certified_top, dim=1).values[:, -1]  # (states,)
+        mask = estimates.ge((mth_best - 2 * bound).unsqueeze(1)).any(dim=0)  # (vocab,) who could be among them
+        mask[self.special] = True
+        columns = mask.nonzero().squeeze(1)  # (recomputed,)
+        if columns.numel() > DENSE_FRACTION * vocab:
+            return linear(features), vocab
+        exact = columns_product(features, linear, columns)  # (rows, n, recomputed)
+        logits = estimates.view(*features.shape[:-1], vocab)
+        return logits.index_copy_(-1, columns, exact.to(logits.dtype)), columns.numel()
+
+    def screen_of(self, linear: torch.nn.Linear) -> "ScreenWeights":
+        if self.screen is None or not self.screen.copies(linear.weight):
+            self.screen = ScreenWeights(linear.weight)
+        return self.screen
+
+
+class ScreenWeights:
+    """The int8 rows of a vocabulary projection's weight (vocab, dim) and the constants of their error bound."""
+
+    def __init__(self, weight: Tensor):
+        self.source, self.version = weight, weight._version
+        self.rows = Int8Rows(weight)
+        weight = weight.detach().float()
+        scales = self.rows.scales  # (vocab,) the largest magnitude of each row over 127
+        # s/2, and s ||q||_1 / 2 <= (||w||_1 + dim s/2) / 2: the state's two terms of the bound, their largest
+        self.half_scale = float(scales.max()) / 2
+        self.half_l1 = float((weight.abs().sum(dim=1) + weight.size(1) * scales / 2).max()) / 2
+        # float32 sums of dim products (the reference's and the kernel's scaling): dim * 2^-23 of max|w| ||h||_1
+        self.rounding = weight.size(1) * 2.0 ** -23 * float(weight.abs().max())
+
+    def copies(self, weight: Tensor) -> bool:
+        return weight is self.source and weight._version == self.version
+
+
+def certified_top(beam: int, blockwise_top_k: int = 0) -> int:
+    """How many best tokens of each state the screen gives float32's logits: greedy's and exact blockwise's one,
+    ``--blockwise-top-k``'s k, beam search's 2 x beam candidates."""
+    return max(2 * beam if beam > 1 else 1, blockwise_top_k or 0)
+
+
+def check_screen_options(options, gen_cfg):
+    """Refuse what ``--screened-projection`` cannot serve among fairseq's generation options (``ValueError``)."""
+    if options.screened_projection and (getattr(gen_cfg, "no_repeat_ngram_size", 0) or 0) > 0:
+        raise ValueError("--screened-projection keeps float32's best tokens, but --no-repeat-ngram-size bans tokens "
+                         "after the projection and could pick one it did not recompute: give one of them")
+
+
+def screened_projection(model, certified_top: int, options) -> Optional[ScreenedProjection]:
+    """``--screened-projection``'s projection for ``model`` (None without the option); ``ValueError`` where it
+    cannot serve."""
+    if not options.screened_projection:
+        return None
+    if options.cluster_projection:
+        raise ValueError("--screened-projection and --cluster-projection both replace the vocabulary projection; "
+                         "give one of them")
+    if options.quantize == "int8" and not options.float32_vocabulary_projection:
+        raise ValueError("--screened-projection keeps float32's best tokens; with --quantize int8 the vocabulary "
+                         "projection is int8 already (add --float32-vocabulary-projection to screen it)")
+    linear = output_projection_of(model.decoder)
+    if linear.weight.device.type != "cpu":
+        raise ValueError(f"--screened-projection runs on the CPU (int8 products); the model is on "
+                         f"{linear.weight.device}: leave the option out")
+    dictionary = model.decoder.dictionary
+    special = [dictionary.bos(), dictionary.pad(), dictionary.eos(), dictionary.unk()]
+    return ScreenedProjection([t for t in special if 0 <= t < linear.weight.size(0)], certified_top)
