@@ -55,10 +55,12 @@ class ScreenedProjection(TimedFullProjection):
         magnitudes = states.abs()
         bound = (screen.half_scale * magnitudes.sum(dim=1) + screen.half_l1 * magnitudes.amax(dim=1) / INPUT_LEVELS
                  + screen.rounding * magnitudes.sum(dim=1) + ROUNDING_MARGIN)  # (states,)
-        best = estimates.topk(self.certified_top + self.special.numel(), dim=1)  # (states, m + specials)
-        ordinary = best.values.masked_fill(torch.isin(best.indices, self.special), float("-inf"))
-        mth_best = ordinary.topk(self.certified_top, dim=1).values[:, -1]  # (states,)
-        mask = estimates.ge((mth_best - 2 * bound).unsqueeze(1)).any(dim=0)  # (vocab,) who could be among them
+        threshold = self.mth_best_ordinary(estimates) - 2 * bound  # (states,) below it: not among the m best
+        # (vocab,) whether a token could be among the m best of any state: the largest margin over the states,
+        # taken in place (a subtraction and an addition of the thresholds leave estimates, not exact values)
+        margins = estimates.sub_(threshold.unsqueeze(1))
+        mask = margins.amax(dim=0).ge(0)
+        estimates = margins.add_(threshold.unsqueeze(1))
         mask[self.special] = True
         columns = mask.nonzero().squeeze(1)  # (recomputed,)
         if columns.numel() > DENSE_FRACTION * vocab:
@@ -66,6 +68,17 @@ class ScreenedProjection(TimedFullProjection):
         exact = columns_product(features, linear, columns)  # (rows, n, recomputed)
         logits = estimates.view(*features.shape[:-1], vocab)
         return logits.index_copy_(-1, columns, exact.to(logits.dtype)), columns.numel()
+
+    def mth_best_ordinary(self, estimates: Tensor) -> Tensor:
+        """The m-th best estimate (states,) of each state among the tokens that are not special."""
+        if self.certified_top == 1:  # a maximum, with the special columns set aside: much cheaper than topk
+            special = estimates.index_select(1, self.special)  # (states, specials)
+            best = estimates.index_fill_(1, self.special, float("-inf")).amax(dim=1)
+            estimates.index_copy_(1, self.special, special)
+            return best
+        best = estimates.topk(self.certified_top + self.special.numel(), dim=1)  # (states, m + specials)
+        ordinary = best.values.masked_fill(torch.isin(best.indices, self.special), float("-inf"))
+        return ordinary.topk(self.certified_top, dim=1).values[:, -1]
 
     def screen_of(self, linear: torch.nn.Linear) -> "ScreenWeights":
         if self.screen is None or not self.screen.copies(linear.weight):
