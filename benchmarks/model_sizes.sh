@@ -9,11 +9,11 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 iteration bs64 beam5 screen clusters relaxed varbeam big". CTranslate2 joins when installed.
+# ROWS picks rows by name: "bs1 int8 students iteration bs64 beam5 screen clusters relaxed varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
-ROWS=" ${3:-bs1 int8 iteration bs64 beam5 screen clusters relaxed varbeam big} "
+ROWS=" ${3:-bs1 int8 students iteration bs64 beam5 screen clusters relaxed varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of the same base
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
@@ -29,6 +29,19 @@ wanted int8 && row base-blockwise-int8-bs1 --path "$BASE" --khead-path "$KHEAD" 
   --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy --step-engine static --no-ctranslate2 \
   --variant "int8=--blockwise-int8-proposals" \
   --variant "frozen-int8=--step-engine compiled --compiled-freezing --blockwise-int8-proposals"
+# each finished student of benchmarks/base_pipeline.sh (train.done beside it) at batch 1 beside greedy on its base, on
+# the frozen engine with int8 proposals, with and without the screened projection (float32 greedy's tokens), and with
+# --quantize int8 (int8 greedy's tokens)
+STUDENTS=${STUDENTS:-k4-frozen-distilled k4-frozen-then-finetuned-distilled-mean k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean}
+if wanted students; then
+  for STUDENT in $STUDENTS; do
+    [ -f "$M/table1/$STUDENT/train.done" ] || { echo "== student $STUDENT: not trained yet"; continue; }
+    row "student-$STUDENT-bs1" --path "$BASE" --khead-path "$M/table1/$STUDENT/checkpoint_last.pt" \
+      --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 100 --repeat 2 --reference greedy \
+      --step-engine compiled --compiled-freezing --blockwise-int8-proposals --no-ctranslate2 \
+      --variant "screen=--screened-projection" --variant "int8=--quantize int8"
+  done
+fi
 # the cost of a blockwise iteration at batch 1, in greedy steps, on an untrained k = 4 student of the base shapes:
 # its untrained heads repeat head 1's token, so it accepts about 3.7 tokens an iteration whatever it costs
 UNTRAINED_KHEAD=$M/untrained-khead4/checkpoint_last.pt
