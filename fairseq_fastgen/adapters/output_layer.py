@@ -16,8 +16,8 @@ from torch import Tensor
 from fairseq_fastgen.adapters.generate import generate_within, give_attributes
 from fairseq_fastgen.cluster.clusterfile import output_projection_of
 from fairseq_fastgen.cluster.directory import Direction
-from fairseq_fastgen.cluster.projection import (ProjectionCounters, TimedFullProjection, projection_from_options,
-                                                projection_requested)
+from fairseq_fastgen.cluster.choice import projection_from_options, projection_requested
+from fairseq_fastgen.cluster.projection import ProjectionCounters, TimedFullProjection
 from fairseq_fastgen.cluster.screened import certified_top
 from fairseq_fastgen.config import PluginOptions
 

@@ -46,7 +46,6 @@ from torch import Tensor
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, output_projection_of
 from fairseq_fastgen.cluster.directory import Direction, load_for_direction
-from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
 from fairseq_fastgen.ops.onednn_linear import attached_to, linear_like
 from fairseq_fastgen.counters import GenerationCounters
@@ -227,40 +226,6 @@ def padded_width(active: int, vocab_size: int) -> int:
     """``active`` rounded up to the next of WIDTH_SIZES_PER_OCTAVE sizes per power of two (at most vocab_size)."""
     step = 1 << max(0, active.bit_length() - 1 - int(math.log2(WIDTH_SIZES_PER_OCTAVE)))
     return min(vocab_size, -(-active // step) * step)
-
-
-def projection_requested(options: PluginOptions) -> bool:
-    """Whether the generation options replace the decoder's projection (``--cluster-projection``,
-    ``--time-projection``; ``--cluster-full-normalizer`` too, so that without a file it is refused)."""
-    return any((options.cluster_projection, options.time_projection, options.cluster_full_normalizer,
-                options.screened_projection))
-
-
-def projection_from_options(options: PluginOptions, temperature: Optional[float], model,
-                            direction: Optional[Direction] = None, certified_top: int = 1
-                            ) -> Optional[TimedFullProjection]:
-    """The projection the generation options ask for: ``--cluster-projection FILE`` or ``DIR`` (checked
-    against ``model`` and the run's ``direction``, its (source, target) languages or None), else
-    ``--screened-projection``'s (float32's ``certified_top`` best tokens of each state), else
-    ``--time-projection``'s timed full projection, else None (the decoder's own).  ``temperature``:
-    fairseq's ``--temperature``, which ``--cluster-full-normalizer`` divides by too."""
-    if not projection_requested(options):
-        return None
-    if options.screened_projection:
-        from fairseq_fastgen.cluster.screened import screened_projection  # it builds on this module's classes
-
-        return screened_projection(model, certified_top, options)
-    path = options.cluster_projection
-    full_normalizer = options.cluster_full_normalizer
-    if path:
-        temperature = temperature or 1.0
-        return load_projection(path, model, FullNormalizer(model.decoder.dictionary.pad(), temperature)
-                               if full_normalizer else None, direction)
-    if full_normalizer:
-        raise ValueError("--cluster-full-normalizer changes how --cluster-projection normalises; "
-                         "give it a cluster file with --cluster-projection FILE")
-    output_projection_of(model.decoder)  # refuses decoders whose output_layer is not a plain projection
-    return TimedFullProjection()
 
 
 def load_projection(path, model, full_normalizer: Optional[FullNormalizer] = None,

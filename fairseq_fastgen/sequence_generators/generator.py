@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from fairseq_fastgen.cluster.projection import projection_from_options
+from fairseq_fastgen.cluster.choice import projection_from_options
 from fairseq_fastgen.cluster.screened import certified_top
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.option_checks import UsageError
