@@ -74,7 +74,8 @@ def attach_to_stock_generator(generator, models, options: PluginOptions, tempera
     if not projection_requested(options):
         return None
     if len(models) != 1:
-        raise ValueError(f"--cluster-projection holds the clusters of one model; got an ensemble of {len(models)}")
+        raise ValueError(f"--cluster-projection and --screened-projection replace one model's projection; got an "
+                         f"ensemble of {len(models)}")
     projection = projection_from_options(options, temperature, models[0], direction,
                                          certified_top(getattr(generator, "beam_size", 1)))
     decoder = models[0].decoder

@@ -22,7 +22,7 @@ float32's tokens, beam search can reorder hypotheses whose scores are that close
 tokens (``--no-repeat-ngram-size``) could pick one that was not recomputed, so that option is refused with it.
 """
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -52,10 +52,7 @@ class ScreenedProjection(TimedFullProjection):
         states = features.reshape(-1, features.size(-1)).float()  # (states, dim)
         estimates = screen.rows(states, linear.bias)  # (states, vocab)
         vocab = estimates.size(1)
-        magnitudes = states.abs()
-        bound = (screen.half_scale * magnitudes.sum(dim=1) + screen.half_l1 * magnitudes.amax(dim=1) / INPUT_LEVELS
-                 + screen.rounding * magnitudes.sum(dim=1) + ROUNDING_MARGIN)  # (states,)
-        threshold = self.mth_best_ordinary(estimates) - 2 * bound  # (states,) below it: not among the m best
+        threshold = self.mth_best_ordinary(estimates) - 2 * screen.bound(states)  # (states,) below it: not a best
         # (vocab,) whether a token could be among the m best of any state: the largest margin over the states,
         # taken in place (a subtraction and an addition of the thresholds leave estimates, not exact values)
         margins = estimates.sub_(threshold.unsqueeze(1))
@@ -100,6 +97,12 @@ class ScreenWeights:
         # float32 sums of dim products (the reference's and the kernel's scaling): dim * 2^-23 of max|w| ||h||_1
         self.rounding = weight.size(1) * 2.0 ** -23 * float(weight.abs().max())
 
+    def bound(self, states: Tensor) -> Tensor:
+        """The largest error (states,) of any estimate of states (states, dim), the rounding margin included."""
+        magnitudes = states.abs()
+        per_l1 = self.half_scale + self.rounding  # both terms grow with ||h||_1
+        return per_l1 * magnitudes.sum(dim=1) + self.half_l1 * magnitudes.amax(dim=1) / INPUT_LEVELS + ROUNDING_MARGIN
+
     def copies(self, weight: Tensor) -> bool:
         return weight is self.source and weight._version == self.version
 
@@ -117,11 +120,8 @@ def check_screen_options(options, gen_cfg):
                          "after the projection and could pick one it did not recompute: give one of them")
 
 
-def screened_projection(model, certified_top: int, options) -> Optional[ScreenedProjection]:
-    """``--screened-projection``'s projection for ``model`` (None without the option); ``ValueError`` where it
-    cannot serve."""
-    if not options.screened_projection:
-        return None
+def screened_projection(model, certified_top: int, options) -> ScreenedProjection:
+    """``--screened-projection``'s projection for ``model``; ``ValueError`` where it cannot serve."""
     if options.cluster_projection:
         raise ValueError("--screened-projection and --cluster-projection both replace the vocabulary projection; "
                          "give one of them")
