@@ -173,6 +173,17 @@ class CompiledRunner(StaticRunner):
         # rows); zeroed before its first compiled step (zero_unwritten)
         return StaticCache(POSITION_STEP)
 
+    @staticmethod
+    def surviving_rows(finished: Tensor) -> Tensor:
+        """The rows kept when rows ``finished`` (rows,) leave (rows - finished,): the last kept rows take the
+        places of finished ones before them and the others stay in place, so the cache copies only the rows
+        that move (``StaticCache.select``), not every kept row at every sentence's end.  A row's numbers do not
+        depend on its place among the rows of a compiled step."""
+        kept = (~finished).nonzero().squeeze(1)  # (kept,) in order
+        places = torch.arange(kept.numel(), device=finished.device)
+        holes = finished[: kept.numel()].nonzero().squeeze(1)  # finished rows among the first kept-count rows
+        return places.index_copy_(0, holes, kept[kept.numel() - holes.numel():])  # the kept rows past them fill them
+
     def reorder_cache(self, cache: StaticCache, index: Tensor):
         if cache.started:
             cache.select(padded_index(index, self.max_rows))

@@ -145,6 +145,12 @@ class ModelRunner:
         return dict(encoder_out, encoder_out=[states], encoder_padding_mask=[mask])
 
     # ---- incremental cache -----------------------------------------------------
+    @staticmethod
+    def surviving_rows(finished: Tensor) -> Tensor:
+        """The rows a state keeps when rows ``finished`` (rows,) bool leave, in the order this engine keeps
+        them: here their own (rows - finished,)."""
+        return (~finished).nonzero().squeeze(1)
+
     def new_cache(self, capacity: int = 0) -> Dict[str, Dict[str, Optional[Tensor]]]:
         """An empty cache; ``capacity`` (the longest target, with bos) lets a static engine preallocate."""
         if self.beams > 1:

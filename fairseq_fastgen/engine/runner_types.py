@@ -28,6 +28,7 @@ class Runner(Protocol):
     # the cache
     def new_cache(self, capacity: int = 0): ...  # capacity: target positions, bos included
     def reorder_cache(self, cache, index: Tensor) -> None: ...  # index (rows,)
+    def surviving_rows(self, finished: Tensor) -> Tensor: ...  # finished (rows,) bool -> kept rows, engine's order
     def copied_cache(self, cache): ...  # one that reorders without touching ``cache``
     def concat_caches(self, caches): ...
     def widen_cache(self, cache, src_len: int, extra: int) -> None: ...  # ``extra`` masked source positions

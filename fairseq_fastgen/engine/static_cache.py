@@ -12,6 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+IN_PLACE_SHARE = 4  # select in place while at most a quarter of the kept rows move
+
+
 class StaticCache:
     def __init__(self, capacity: int, zeroed: bool = False):
         self.capacity = capacity  # target positions each row's buffers hold
@@ -35,6 +38,8 @@ class StaticCache:
         # beams > 1: the rows are sentences x beams (each sentence's beams together, as fairseq's beam search
         # keeps them) and the encoder-decoder keys/values and mask hold one entry per sentence
         self.beams = 1
+        # False while another cache holds these buffers (``copy``): a reorder then replaces them, never writes
+        self.owns_buffers = True
 
     @property
     def started(self) -> bool:
@@ -73,6 +78,7 @@ class StaticCache:
         copied = copy.copy(self)
         for name in ("self_keys", "self_values", "cross_keys", "cross_values"):
             setattr(copied, name, list(getattr(self, name)))
+        self.owns_buffers = copied.owns_buffers = False
         return copied
 
     def ensure_room(self, positions: int, doubling: bool = True):
@@ -187,6 +193,8 @@ class StaticCache:
         capacity = self.capacity
         if room is not None:
             capacity = self.length + room if capacity <= self.length else min(capacity, self.length + room)
+        if self._select_in_place(index, capacity):
+            return
         for buffers in (self.self_keys, self.self_values):
             for layer, buffer in enumerate(buffers):
                 buffers[layer] = self._select_written(buffer, index, capacity)
@@ -211,6 +219,32 @@ class StaticCache:
         self.cross_values = [b.index_select(0, index) for b in self.cross_values]
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, index)
+
+    def _select_in_place(self, index: Tensor, capacity: int) -> bool:
+        """``select`` where most rows keep their places (a runner's ``surviving_rows`` moves rows from the end
+        into the places of finished ones): only the moved rows are copied, within the buffers, which then
+        narrow to the kept rows.  Whether it applied: not with shared keys (beams), shared buffers (``copy``),
+        more rows, another capacity, or more than a quarter of the rows moved (one gather copies them as fast)."""
+        rows = index.numel()
+        if (self.beams > 1 or not self.owns_buffers or not self.started or rows > self.self_keys[0].size(0)
+                or not capacity == self.capacity == self.self_keys[0].size(2)):
+            return False
+        moved = index.ne(torch.arange(rows, device=index.device)).nonzero().squeeze(1)  # (moved,) rows to fill
+        if IN_PLACE_SHARE * moved.numel() > rows:
+            return False
+        sources = index.index_select(0, moved)  # (moved,) the rows that fill them
+        for buffers in (self.self_keys, self.self_values, self.cross_keys, self.cross_values):
+            for layer, buffer in enumerate(buffers):  # (rows, heads, positions, head_dim)
+                if moved.numel():  # gathered first: a source may be another row's destination
+                    buffer.index_copy_(0, moved, buffer.index_select(0, sources))
+                buffers[layer] = buffer[:rows]
+        if self.self_padding is not None:
+            self.self_padding = self.self_padding.index_select(0, index)
+        if self.cross_mask is not None:
+            self.cross_mask = self.cross_mask.index_select(0, index)
+        self.cross_origin = self.cross_origin.index_select(0, index)
+        self.real_rows = rows
+        return True
 
     def _select_written(self, buffer: Tensor, index: Tensor, capacity: int) -> Tensor:
         """Rows ``index`` of ``buffer`` (rows, heads, positions, head_dim) in a buffer of ``capacity`` positions:

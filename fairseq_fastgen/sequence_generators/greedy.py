@@ -49,7 +49,7 @@ class GreedyPolicy:
         if real is not None:
             select_padded(state, (real & ~finished).nonzero().squeeze(1))
         elif finished.any():
-            state.select((~finished).nonzero().squeeze(1))
+            state.select(state.runner.surviving_rows(finished))
 
 
 OWN_FIRST_STEP_ROWS = 8  # JoinedGreedyPolicy: a group of fewer sources takes its first step with the running rows

@@ -490,7 +490,7 @@ def finished_rows_wait(state, finished, streaming: bool = True) -> torch.Tensor:
         if waiting.numel():  # no longer attended; the positions only finished rows attended dropped
             state.encoder_out = state.runner.carry_out(ReleaseRows(waiting), state.encoder_out, state.cache)
         return torch.arange(state.rows, device=finished.device)
-    kept = (~finished).nonzero().squeeze(1)
+    kept = state.runner.surviving_rows(finished)  # (kept,) in the engine's order
     if kept.numel() < state.rows:
         state.select(kept)
     return kept

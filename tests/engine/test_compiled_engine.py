@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from fairseq_fastgen.engine import compiled
 from fairseq_fastgen.engine.compiled import CompiledRunner
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
+from fairseq_fastgen.engine.static_cache import StaticCache
 from tests.engine.test_static_engine import CASES, SENTENCES, decode
 
 onednn_linear_module = importlib.import_module("fairseq_fastgen.ops.onednn_linear")  # ops/ re-exports its function under that name
@@ -338,3 +339,68 @@ def test_freezing_without_the_compiled_engine_is_refused(toy, decoder, beam):
     refusal = "--compiled-freezing applies to --step-engine compiled; got --step-engine static"
     with pytest.raises(ValueError, match=refusal):
         toy.generator(decoder=decoder, beam=beam, step_engine="static", compiled_freezing=True)
+
+
+@pytest.mark.parametrize("finished", [[0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 0, 0], [1] + [0] * 11, [0] * 11 + [1],
+                                      [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1]])
+def test_finished_rows_leave_by_moving_only_the_rows_behind_them(finished):
+    """The compiled engine's surviving rows: every kept row once, in place but for the last ones, which fill the
+    finished rows' places; the cache then copies those rows only, within its buffers, and holds what an ordered
+    gather of the same rows holds."""
+    finished = torch.tensor(finished, dtype=torch.bool)
+    index = CompiledRunner.surviving_rows(finished)  # (kept,)
+    kept = (~finished).nonzero().squeeze(1)
+    assert sorted(index.tolist()) == kept.tolist()
+    moved = index.ne(torch.arange(index.numel())).nonzero().squeeze(1)
+    assert moved.tolist() == [row for row in finished.nonzero().squeeze(1).tolist() if row < kept.numel()]
+
+    rows, heads, capacity, head_dim, src_len = finished.numel(), 4, 16, 8, 9
+    cache = StaticCache(capacity)
+    cache.start([torch.randn(rows, heads, src_len, head_dim) for _ in range(2)],
+                [torch.randn(rows, heads, src_len, head_dim) for _ in range(2)],
+                torch.rand(rows, src_len) < 0.2, heads, head_dim)
+    for buffer in cache.self_keys + cache.self_values:
+        buffer.normal_()
+    cache.length = 5
+    before = {name: [b.clone() for b in getattr(cache, name)]
+              for name in ("self_keys", "self_values", "cross_keys", "cross_values")}
+    mask, pointers = cache.cross_mask.clone(), [b.data_ptr() for b in cache.self_keys + cache.cross_values]
+    cache.select(index)
+    for name, buffers in before.items():
+        for want, got in zip(buffers, getattr(cache, name)):
+            assert torch.equal(got, want.index_select(0, index)), name
+    assert torch.equal(cache.cross_mask, mask.index_select(0, index))
+    assert [b.data_ptr() for b in cache.self_keys + cache.cross_values] == pointers  # no new buffers
+    assert cache.real_rows == index.numel()
+
+
+def test_a_cache_sharing_its_buffers_is_not_written_by_a_select():
+    """A copy (streaming's rows taken from a group started ahead) shares the buffers: neither selects in place."""
+    rows, heads, capacity, head_dim = 6, 2, 8, 4
+    cache = StaticCache(capacity)
+    cache.start([torch.randn(rows, heads, 5, head_dim)], [torch.randn(rows, heads, 5, head_dim)], None, heads, head_dim)
+    for buffer in cache.self_keys + cache.self_values:
+        buffer.normal_()
+    cache.length = 5
+    copied = cache.copy()
+    original = [b.clone() for b in cache.self_keys + cache.cross_keys]
+    copied.select(CompiledRunner.surviving_rows(torch.tensor([1, 0, 0, 0, 0, 0], dtype=torch.bool)))
+    assert all(torch.equal(b, o) for b, o in zip(cache.self_keys + cache.cross_keys, original))
+    assert torch.equal(copied.self_keys[0][:, :, :5], original[0][[5, 1, 2, 3, 4], :, :5])  # the written positions
+
+
+def test_greedy_on_the_compiled_engine_moves_few_rows_and_keeps_fairseqs_tokens(toy, monkeypatch):
+    """Above the row buckets, sentences ending one by one leave through the in-place select, with fairseq's
+    tokens for every sentence."""
+    applied = []
+    select_in_place = StaticCache._select_in_place
+
+    def counted(cache, index, capacity):
+        applied.append(select_in_place(cache, index, capacity))
+        return applied[-1]
+
+    monkeypatch.setattr(StaticCache, "_select_in_place", counted)
+    _, expected = decode(toy, SENTENCES[:40], 20, step_engine="fairseq", decoder="greedy", beam=1)
+    _, actual = decode(toy, SENTENCES[:40], 20, step_engine="compiled", decoder="greedy", beam=1)
+    assert_same_tokens_close_scores(expected, actual)
+    assert any(applied)
