@@ -11,14 +11,10 @@ that the three outputs are the same tokens.
 """
 
 import argparse
-import statistics
-import time
 
-import torch
-
-import fairseq_fastgen  # noqa: F401  (plugin: --decoder, models)
-from fairseq import checkpoint_utils
-from fairseq.dataclass.configs import GenerationConfig
+# first: it loads the plugin, whose options fairseq's GenerationConfig then has
+from interleaved import load_test_split, print_medians, timed_rounds  # (benchmarks/, the A/B scripts' own)
+from fairseq.dataclass.configs import GenerationConfig  # noqa: E402
 
 
 def main():
@@ -28,11 +24,7 @@ def main():
     parser.add_argument("--sentences", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    models, _, task = checkpoint_utils.load_model_ensemble_and_task([args.checkpoint],
-                                                                    arg_overrides={"data": args.data_bin})
-    model = models[0].eval()
-    task.load_dataset("test")
+    model, task = load_test_split(args.data_bin, args.checkpoint)
     batches = task.get_batch_iterator(dataset=task.dataset("test"), max_sentences=1, disable_iterator_cache=True)
     samples = list(batches.next_epoch_itr(shuffle=False))  # sorted by length: take every n-th for all lengths
     samples = samples[:: max(1, len(samples) // args.sentences)][: args.sentences]
@@ -45,19 +37,13 @@ def main():
         if one_row is not None:
             generator.policy.one_row_path = one_row
         generators[name] = generator
-    seconds = {name: [] for name in generators}
-    outputs = {}
-    for round_ in range(args.rounds + 1):  # round 0 warms up
-        for name, generator in generators.items():
-            start = time.perf_counter()
-            outputs[name] = [generator.generate([model], sample)[0][0]["tokens"].tolist() for sample in samples]
-            if round_:
-                seconds[name].append(time.perf_counter() - start)
+
+    def decode_with(generator):
+        return lambda: [generator.generate([model], sample)[0][0]["tokens"].tolist() for sample in samples]
+
+    seconds, outputs = timed_rounds({name: decode_with(g) for name, g in generators.items()}, args.rounds)
     same = outputs["greedy"] == outputs["one-row path"] == outputs["general path"]
-    median = {name: statistics.median(values) for name, values in seconds.items()}
-    for name, values in seconds.items():
-        print(f"{name:13s} median {median[name]:.3f} s ({len(samples) / median[name]:.1f} sentences/s); rounds: "
-              + ", ".join(f"{value:.3f}" for value in values))
+    median = print_medians(seconds, len(samples))
     print(f"blockwise / greedy: one-row path {median['greedy'] / median['one-row path']:.3f}x, general path "
           f"{median['greedy'] / median['general path']:.3f}x; one-row path against general path "
           f"{median['general path'] / median['one-row path']:.3f}x; same tokens: {same}")

@@ -13,14 +13,10 @@ both alike. Prints the medians, their ratio, and whether every sentence got the 
 
 import argparse
 import random
-import statistics
-import time
 
-import torch
-
-import fairseq_fastgen  # noqa: F401  (plugin: --decoder, --step-engine)
-from fairseq import checkpoint_utils, tasks  # noqa: F401
-from fairseq.dataclass.configs import GenerationConfig
+# first: it loads the plugin, whose options fairseq's GenerationConfig then has
+from interleaved import load_test_split, print_medians, timed_rounds  # (benchmarks/, the A/B scripts' own)
+from fairseq.dataclass.configs import GenerationConfig  # noqa: E402
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 
 
@@ -33,12 +29,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quantize", default=None, choices=["int8", "bf16"])
     args = parser.parse_args()
-    torch.set_num_threads(1)
-
-    models, _, task = checkpoint_utils.load_model_ensemble_and_task([args.checkpoint],
-                                                                   arg_overrides={"data": args.data_bin})
-    model = models[0].eval()
-    task.load_dataset("test")
+    model, task = load_test_split(args.data_bin, args.checkpoint)
     dataset = task.dataset("test")
     if args.random_batches:
         order = list(range(len(dataset)))
@@ -51,26 +42,23 @@ def main():
     generator = task.build_generator([model], GenerationConfig(beam=1, decoder="greedy", step_engine="compiled",
                                                                quantize=args.quantize))
     runner = generator.runner
-    ways = {"moves": None, "in order": ModelRunner.surviving_rows}
-    seconds = {name: [] for name in ways}
-    tokens = {}
-    with torch.no_grad():
-        for round_ in range(args.rounds + 1):
-            for name, surviving_rows in ways.items():
-                runner.__dict__.pop("surviving_rows", None)  # the engine's own
-                if surviving_rows is not None:
-                    runner.surviving_rows = surviving_rows  # this runner only
-                start = time.perf_counter()
-                tokens[name] = sorted((int(i), h[0]["tokens"].tolist()) for sample in batches
-                                      for i, h in zip(sample["id"], generator.generate([model], sample)))
-                if round_:  # the first round is the warm-up
-                    seconds[name].append(time.perf_counter() - start)
-    for name, values in seconds.items():
-        print(f"{name}: {', '.join(f'{v:.2f}' for v in values)} s, median {statistics.median(values):.2f} s")
-    ratio = statistics.median(seconds["in order"]) / statistics.median(seconds["moves"])
+
+    def decode_with(surviving_rows):
+        def decode():
+            runner.__dict__.pop("surviving_rows", None)  # the engine's own
+            if surviving_rows is not None:
+                runner.surviving_rows = surviving_rows  # this runner only
+            return sorted((int(i), h[0]["tokens"].tolist()) for sample in batches
+                          for i, h in zip(sample["id"], generator.generate([model], sample)))
+        return decode
+
+    seconds, tokens = timed_rounds({"moves": decode_with(None), "in order": decode_with(ModelRunner.surviving_rows)},
+                                   args.rounds)
+    median = print_medians(seconds, len(dataset))
     same = sum(a == b for a, b in zip(*tokens.values()))
-    print(f"batch {args.batch_size}{', random batches' if args.random_batches else ''}: moves {ratio:.3f}x in order; "
-          f"the same tokens for {same} of {len(tokens['moves'])} sentences")
+    print(f"batch {args.batch_size}{', random batches' if args.random_batches else ''}: moves "
+          f"{median['in order'] / median['moves']:.3f}x in order; the same tokens for {same} of {len(dataset)} "
+          f"sentences")
 
 
 if __name__ == "__main__":
