@@ -5,7 +5,7 @@ Only the engine's runners read or write it; decoders hold it in their
 """
 
 import copy
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -193,11 +193,11 @@ class StaticCache:
         capacity = self.capacity
         if room is not None:
             capacity = self.length + room if capacity <= self.length else min(capacity, self.length + room)
-        if self._select_in_place(index, capacity):
-            return
+        moves = self._moves_in_place(index, capacity)  # (rows to fill, rows filling them), or None: a gather
         for buffers in (self.self_keys, self.self_values):
             for layer, buffer in enumerate(buffers):
-                buffers[layer] = self._select_written(buffer, index, capacity)
+                buffers[layer] = (self._select_written(buffer, index, capacity) if moves is None
+                                  else self._move_rows(buffer, index.numel(), *moves))
         if self.self_padding is not None:
             padding = F.pad(self.self_padding, (0, max(capacity - self.capacity, 0)))
             self.self_padding = padding[:, :capacity].index_select(0, index)
@@ -215,36 +215,33 @@ class StaticCache:
         if torch.equal(origin, self.cross_origin):  # the same shape and origins: the same values in place
             return
         self.cross_origin = origin
-        self.cross_keys = [b.index_select(0, index) for b in self.cross_keys]
-        self.cross_values = [b.index_select(0, index) for b in self.cross_values]
+        for buffers in (self.cross_keys, self.cross_values):
+            for layer, buffer in enumerate(buffers):
+                buffers[layer] = (buffer.index_select(0, index) if moves is None
+                                  else self._move_rows(buffer, index.numel(), *moves))
         if self.cross_mask is not None:
             self.cross_mask = self.cross_mask.index_select(0, index)
 
-    def _select_in_place(self, index: Tensor, capacity: int) -> bool:
-        """``select`` where most rows keep their places (a runner's ``surviving_rows`` moves rows from the end
-        into the places of finished ones): only the moved rows are copied, within the buffers, which then
-        narrow to the kept rows.  Whether it applied: not with shared keys (beams), shared buffers (``copy``),
-        more rows, another capacity, or more than a quarter of the rows moved (one gather copies them as fast)."""
-        rows = index.numel()
-        if (self.beams > 1 or not self.owns_buffers or not self.started or rows > self.self_keys[0].size(0)
+    def _moves_in_place(self, index: Tensor, capacity: int) -> Optional[Tuple[Tensor, Tensor]]:
+        """Where most rows of ``index`` keep their places (a runner's ``surviving_rows`` moves rows from the end
+        into the places of finished ones), the rows to fill (moved,) and the rows filling them (moved,): only
+        those are copied, within the buffers, which then narrow to the kept rows.  None (a gather of every row)
+        with shared keys (beams), shared buffers (``copy``), more rows, another capacity, or more than a
+        quarter of the rows moving (one gather copies them as fast)."""
+        if (self.beams > 1 or not self.owns_buffers or not self.started or index.numel() > self.self_keys[0].size(0)
                 or not capacity == self.capacity == self.self_keys[0].size(2)):
-            return False
-        moved = index.ne(torch.arange(rows, device=index.device)).nonzero().squeeze(1)  # (moved,) rows to fill
-        if IN_PLACE_SHARE * moved.numel() > rows:
-            return False
-        sources = index.index_select(0, moved)  # (moved,) the rows that fill them
-        for buffers in (self.self_keys, self.self_values, self.cross_keys, self.cross_values):
-            for layer, buffer in enumerate(buffers):  # (rows, heads, positions, head_dim)
-                if moved.numel():  # gathered first: a source may be another row's destination
-                    buffer.index_copy_(0, moved, buffer.index_select(0, sources))
-                buffers[layer] = buffer[:rows]
-        if self.self_padding is not None:
-            self.self_padding = self.self_padding.index_select(0, index)
-        if self.cross_mask is not None:
-            self.cross_mask = self.cross_mask.index_select(0, index)
-        self.cross_origin = self.cross_origin.index_select(0, index)
-        self.real_rows = rows
-        return True
+            return None
+        moved = index.ne(torch.arange(index.numel(), device=index.device)).nonzero().squeeze(1)  # (moved,)
+        if IN_PLACE_SHARE * moved.numel() > index.numel():
+            return None
+        return moved, index.index_select(0, moved)
+
+    @staticmethod
+    def _move_rows(buffer: Tensor, rows: int, moved: Tensor, sources: Tensor) -> Tensor:
+        """``buffer`` (rows', ...) with rows ``sources`` copied into rows ``moved``, narrowed to its first ``rows``."""
+        if moved.numel():  # gathered first: a source may be another row's destination
+            buffer.index_copy_(0, moved, buffer.index_select(0, sources))
+        return buffer[:rows]
 
     def _select_written(self, buffer: Tensor, index: Tensor, capacity: int) -> Tensor:
         """Rows ``index`` of ``buffer`` (rows, heads, positions, head_dim) in a buffer of ``capacity`` positions:
