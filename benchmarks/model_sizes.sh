@@ -72,7 +72,7 @@ wanted screen && row base-screen-bs1 --path "$BASE" --decoders greedy --beam 1 -
 wanted screen && row base-screen-bs64 --path "$BASE" --decoders greedy --beam 1 --batch-size 64 --repeat 3 \
   --reference greedy --step-engine compiled --compiled-freezing --variant "screen=$SCREEN"
 wanted screen && row base-screen-beam5 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 300 \
-  --repeat 3 --step-engine compiled --variant "screen=$SCREEN"
+  --repeat 3 --step-engine compiled --variant "screen=$SCREEN" --variant "frozen-screen=--compiled-freezing $SCREEN"
 # the cluster-projected vocabulary: 1,000 clusters of 100,000 decoder states of train, teacher-forced, each cluster's
 # active set the top 3 (fastgen-train-clusters' default) and the top 20 tokens of its member states; each row beside
 # the same decoder without it (--reference self)

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from fairseq_fastgen.cluster.screened import ScreenedProjection, ScreenWeights, certified_top
+from fairseq_fastgen.cluster.screened import CHUNK, ROUNDING_MARGIN, ScreenedProjection, ScreenWeights, certified_top
 from fairseq_fastgen.ops.int8_kernel import INPUT_LEVELS
 from tests.cluster.test_cluster_decoding import SENTENCES, decode
 
@@ -46,6 +46,47 @@ def test_every_estimate_lies_within_the_bound():
     error = (exact - estimates).abs().amax(dim=1)
     assert (error <= bound).all()
     assert (error > 0).all()  # the estimates are int8's, not float32's
+    # the screen's bound: the smaller of that one and the norms' (Cauchy-Schwarz), which is smaller here
+    assert (error <= screen.bound(states)).all()
+    assert (screen.bound(states) < bound).all()
+
+
+def test_the_norms_bound_holds_for_states_along_a_rows_rounding_error():
+    """A state along the rounding error of the token rounded worst meets Cauchy-Schwarz's worst case for that
+    token's first term: its estimate stays within the bound at every magnitude."""
+    decoder = Projection(vocab=3000, dim=96, seed=6)
+    linear = decoder.output_projection
+    screen = ScreenWeights(linear.weight)
+    weight = linear.weight.detach()
+    scales = screen.rows.scales.unsqueeze(1)  # (vocab, 1)
+    residual = weight - torch.round(weight / scales) * scales  # (vocab, dim)
+    worst = residual.norm(dim=1).argmax()
+    direction = residual[worst] / residual[worst].norm()  # (dim,)
+    states = torch.stack([direction * magnitude for magnitude in (0.5, 4.0, 30.0, 200.0)])  # (4, dim)
+    error = (linear(states) - screen.rows(states, linear.bias)).abs()  # (4, vocab)
+    assert (error.amax(dim=1) <= screen.bound(states)).all()
+    # the worst token's error is a large share of the bound: the bound is not loose by orders of magnitude there
+    assert (error[:, worst] > 0.3 * (screen.bound(states) - ROUNDING_MARGIN)).all()
+
+
+@pytest.mark.parametrize("top", [3, 8])
+def test_the_mth_best_threshold_is_reached_by_m_ordinary_tokens(top):
+    """The screen's threshold for m > 1 (the m-th largest of the chunk maxima) is at most each state's m-th best
+    ordinary estimate, with the specials far ahead and a vocabulary that ends in a shorter chunk; the estimates
+    come back unchanged."""
+    vocab = 100 * CHUNK + 7
+    generator = torch.Generator().manual_seed(7)
+    estimates = torch.randn(12, vocab, generator=generator)
+    estimates[:5, 40:40 + 8 * 100:100] += 6.0  # some states' best tokens all in one chunk (every 100th token)
+    estimates[5:8, 40:48] += 6.0  # others' side by side
+    estimates[:, SPECIAL] = 50.0
+    before = estimates.clone()
+    threshold = ScreenedProjection(SPECIAL, top).mth_best_ordinary(estimates)
+    assert torch.equal(estimates, before)
+    ordinary = estimates[:, len(SPECIAL):]
+    assert (threshold <= ordinary.topk(top, dim=1).values[:, -1]).all()
+    # where the best tokens spread over chunks, no lower than the (3 m)-th best: 3 m tokens fill m chunks
+    assert (threshold[5:] >= ordinary[5:].topk(3 * top, dim=1).values[:, -1]).all()
 
 
 @pytest.mark.parametrize("top", [1, 3, 8])
