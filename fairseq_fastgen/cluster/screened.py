@@ -10,10 +10,10 @@ bounds its error: for a weight row w (scale s, integers q) and a state h (scale 
 
 so |w.h - s q . s_h p| is at most s/2 ||h||_1 + s ||q||_1 s_h/2 (each coordinate's rounding at most half a step)
 and at most ||w - s q||_2 ||h||_2 + ||s q||_2 ||h - s_h p||_2 (Cauchy-Schwarz, with the state's own rounding
-error, computed as the kernel rounds it); the second is usually the smaller (by about a quarter at base size).  Each estimate
-lies within ``B(h)``, the smaller of the two, of the float32 logit: the weights' constants are the largest over the
-vocabulary (computed once), the state's are computed per state, plus a margin for float32's own rounding.  A token
-whose estimate is more than 2B below the m-th best estimate cannot be among the m best logits,
+error, computed as the kernel rounds it); the second is usually the smaller (by about a quarter at base size).
+Each estimate lies within ``B(h)``, the smaller of the two, of the float32 logit: the weights' constants are the
+largest over the vocabulary (computed once), the state's are computed per state, plus a margin for float32's own
+rounding.  A token whose estimate is more than 2B below the m-th best estimate cannot be among the m best logits,
 so only the tokens within 2B of it (and the special symbols, which decoders ban or force) are recomputed in
 float32 from their weight rows; the others keep their estimates.  The m best tokens of every state are then
 float32's (``certified_top``: 1 for greedy and blockwise, the top-k of ``--blockwise-top-k``, 2 x beam for beam
