@@ -33,7 +33,7 @@ from torch import Tensor
 from fairseq_fastgen.cluster.projection import TimedFullProjection, columns_product, DENSE_FRACTION
 from fairseq_fastgen.cluster.clusterfile import output_projection_of
 from fairseq_fastgen.ops.int8_kernel import INPUT_LEVELS
-from fairseq_fastgen.ops.precision_linear import Int8Rows
+from fairseq_fastgen.ops.precision_linear import Int8Rows, rounded_inputs, rounded_weight
 
 # float32's rounding in the reference logit and in the estimate's scaling: a few units in the last place of the
 # largest terms, taken generously (the bound is far above it anyway)
@@ -118,7 +118,8 @@ class ScreenWeights:
         self.half_scale = float(scales.max()) / 2
         self.half_l1 = float((weight.abs().sum(dim=1) + weight.size(1) * scales / 2).max()) / 2
         # ||w - s q||_2 and ||s q||_2, their largest, in float64 (the integers as Int8Rows rounds them)
-        rounded = torch.round(weight / scales.unsqueeze(1)).double() * scales.double().unsqueeze(1)  # (vocab, dim)
+        integers, _ = rounded_weight(weight)  # (vocab, dim)
+        rounded = integers.double() * scales.double().unsqueeze(1)  # (vocab, dim)
         self.residual_l2 = float((weight.double() - rounded).norm(dim=1).max())
         self.rounded_l2 = float(rounded.norm(dim=1).max())
         # float32 sums of dim products (the reference's and the kernel's scaling): dim * 2^-23 of max|w| ||h||_1
@@ -129,10 +130,10 @@ class ScreenWeights:
         magnitudes = states.abs()
         l1, largest = magnitudes.sum(dim=1), magnitudes.amax(dim=1)  # (states,) each
         by_coordinates = self.half_scale * l1 + self.half_l1 * largest / INPUT_LEVELS
-        # the state rounded as the kernel rounds it: on max|h| / INPUT_LEVELS, half to even
+        # the state rounded as the kernel rounds it
         exact = states.double()
-        step = (largest.clamp(min=1e-30) / INPUT_LEVELS).double().unsqueeze(1)  # (states, 1)
-        state_error = (exact - torch.round(states / step.float()).double() * step).norm(dim=1)
+        integers, steps = rounded_inputs(states)  # (states, dim), (states, 1)
+        state_error = (exact - integers.double() * steps.double()).norm(dim=1)  # (states,)
         by_norms = (self.residual_l2 * exact.norm(dim=1) + self.rounded_l2 * state_error).float()
         return torch.minimum(by_coordinates, by_norms) + self.rounding * l1 + ROUNDING_MARGIN
 

@@ -28,7 +28,7 @@ difference.
 
 import functools
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +92,22 @@ def processor_vendor() -> str:
     return ""
 
 
+def rounded_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """weight (out, in) float32 -> its integers (out, in) (whole numbers in [-127, 127], float32) and scales (out,):
+    each row on its largest magnitude over 127, half to even, as ``Int8Rows`` holds it."""
+    scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
+    return torch.round(weight / scales.unsqueeze(1)), scales
+
+
+def rounded_inputs(rows: Tensor) -> Tuple[Tensor, Tensor]:
+    """rows (rows, in) float32 -> their integers (rows, in) (whole numbers in [-INPUT_LEVELS, INPUT_LEVELS], float32)
+    and scales (rows, 1): each row on its largest magnitude over INPUT_LEVELS, half to even, as every int8 kernel
+    rounds its inputs."""
+    # abs().amax: torch's infinity norm over rows is much slower at many rows
+    scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30).div_(INPUT_LEVELS)  # (rows, 1)
+    return torch.round(rows / scales), scales
+
+
 class Int8Rows:
     """A weight (out, in) as int8 rows with one float32 scale each, and its product with float32 input rows.
 
@@ -111,8 +127,8 @@ class Int8Rows:
     def __init__(self, weight: Tensor, kernel: Optional[bool] = None):
         weight = weight.detach().float().contiguous()
         self.out_features = weight.size(0)
-        self.scales = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)  # (out,)
-        integers = torch.round(weight / self.scales.unsqueeze(1)).to(torch.int8)  # (out, in)
+        integers, self.scales = rounded_weight(weight)  # (out, in), (out,)
+        integers = integers.to(torch.int8)
         if kernel is None:
             kernel = int8_kernel.available()
         self.kernel = int8_kernel.KernelRows(integers, self.scales) if kernel else None
@@ -137,9 +153,7 @@ class Int8Rows:
         if self.kernel is not None:
             out = self.kernel(rows, None if bias is None else bias.detach())
             return out.view(*x.shape[:-1], self.out_features)
-        # (rows, 1); abs().amax: torch's infinity norm over rows is much slower at many rows
-        input_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30).div_(INPUT_LEVELS)
-        integers = torch.round(rows / input_scales)  # (rows, in) whole numbers in [-INPUT_LEVELS, INPUT_LEVELS]
+        integers, input_scales = rounded_inputs(rows)  # (rows, in), (rows, 1)
         if self.has_onednn and rows.size(0) >= ONEDNN_MIN_ROWS:
             if self.onednn is None:  # a run that never has this many rows never packs it
                 self.onednn, self.integers = torch.ops.onednn.qlinear_prepack(self.integers, None), None
