@@ -46,8 +46,8 @@ from fairseq_fastgen.engine.encoder_pass import EncoderPass
 from fairseq_fastgen.engine.loaded_package import load_package
 
 COMPILED_DIR_ENV = "FASTGEN_COMPILED_DIR"
-ENGINE_SOURCES = ("decoder_step.py", "compiled_step.py", "fused_weights.py", "layer_weights.py", "int8_weights.py",
-                  "bf16_weights.py", "f32_rows_weights.py", "aot_step.py")
+ENGINE_SOURCES = ("decoder_step.py", "block_rows.py", "compiled_step.py", "fused_weights.py", "layer_weights.py",
+                  "int8_weights.py", "bf16_weights.py", "f32_rows_weights.py", "aot_step.py")
 
 
 def compiled_dir() -> Path:
@@ -145,8 +145,11 @@ class StepPackage:
         the plugin's float32 kernel of a few rows serves, f32_rows_weights.py, it computes the linear layers). A block
         of positions keeps oneDNN's prepacked products, not autotuned: at 4 rows the template reads the weights at
         about half the rate of one row (a sweep of the base decoder's products: 17.8 ms against 8.7 at one row;
-        oneDNN's 12.1), and autotuning, which times each product with its weights in cache, picked it anyway."""
-        settings = {"freezing": True}
+        oneDNN's 12.1), and autotuning, which times each product with its weights in cache, picked it anyway.
+        Every unit's layer norms take Welford's mean and variance: inductor would take it for one row and a two-pass
+        sum for a few, so a row's norm, and in int8 the integers of the next product's input, would depend on the
+        rows beside it (blockwise's block unit against greedy's one-row unit: block_rows.py)."""
+        settings = {"freezing": True, "cpp.use_two_step_variance_threshold": 0}
         if self.rows is not None and self.block == 1:
             settings.update(max_autotune=True, max_autotune_gemm_backends="CPP")
         if self.shares_constants:

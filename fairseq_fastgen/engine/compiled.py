@@ -92,7 +92,9 @@ class CompiledRunner(StaticRunner):
     def __init__(self, model, temperature: float = 1.0, projection=None, freezing: bool = False, beams: int = 1,
                  background: bool = False, precision: Optional[str] = None):
         # beams: above max_rows, on the CPU, the step for many rows reads keys/values held once per sentence
-        super().__init__(model, temperature, projection, beams=beams)
+        # int8: a block's positions run as rows of one position (block_rows.py), so blockwise's exact mode is greedy
+        by_position = precision in ("int8", "int8-layers")
+        super().__init__(model, temperature, projection, blocks_by_position=by_position, beams=beams)
         on_cpu = next(model.parameters()).device.type == "cpu"
         self.on_cuda = next(model.parameters()).device.type == "cuda"
         # --quantize: "int8", "int8-layers" (the vocabulary projection float32) or "bf16": the units compute the

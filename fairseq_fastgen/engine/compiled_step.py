@@ -85,4 +85,4 @@ class PaddedStep(nn.Module):
         """What, besides the weights, the unit's code depends on (for the name of a package on disk)."""
         step = self.decoder_step
         return (self.beams, self.block, type(step.decoder).__qualname__, self.temperature, self.full_projection,
-                step.heads, step.head_dim, self.scores_blocks, self.one_position_block)
+                step.heads, step.head_dim, self.scores_blocks, self.one_position_block, step.blocks_by_position)

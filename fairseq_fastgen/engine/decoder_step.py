@@ -46,6 +46,8 @@ from fairseq import utils
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq.modules import LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 
+from fairseq_fastgen.engine.block_rows import BlockRows
+
 
 def unsupported_reason(decoder) -> Optional[str]:
     """None when :class:`DecoderStep` computes exactly what ``decoder`` does, else why not."""
@@ -426,6 +428,12 @@ class DecoderStep(nn.Module):
         attention (rows, n, src_width) and new keys/values (rows, heads, n, head_dim).  ``first_head``: a
         k-head decoder's output through head 1 (False: the base output, as ``step_block`` returns it).
         """
+        block_rows = None  # blocks_by_position: the block's positions as rows of one position (block_rows.py)
+        if last_tokens.size(1) > 1 and self.blocks_by_position:
+            block_rows = BlockRows(attended, last_tokens.size(1))
+            last_tokens, positions, attended = last_tokens.reshape(-1, 1), positions.reshape(-1), block_rows.attended
+            cross_keys, cross_values = block_rows.repeated_all(cross_keys), block_rows.repeated_all(cross_values)
+            cross_mask = block_rows.repeated(cross_mask)
         rows, n = last_tokens.size(0), last_tokens.size(1)
         position_rows = None
         if position_table is not None:
@@ -441,7 +449,11 @@ class DecoderStep(nn.Module):
                 k, v = k.view(rows, self.heads, 1, self.head_dim), v.view(rows, self.heads, 1, self.head_dim)
                 new_keys.append(k.view(rows, self.heads, self.head_dim))
                 new_values.append(v.view(rows, self.heads, self.head_dim))
-                return self.attention_with_new_position(q, self_keys[index], self_values[index], attended, k, v)
+                keys, values = self_keys[index], self_values[index]
+                if block_rows is not None:  # each position's row: the block's keys/values before it in their slots
+                    keys, values = (block_rows.buffer_with_block(buffer, new[-1])
+                                    for buffer, new in ((keys, new_keys), (values, new_values)))
+                return self.attention_with_new_position(q, keys, values, attended, k, v)
             q, k, v = (self.heads_first(t) for t in (q * attention.scaling, k, v))  # (rows, heads, n, hd)
             new_keys.append(k)
             new_values.append(v)
@@ -453,7 +465,12 @@ class DecoderStep(nn.Module):
 
         x, weights = self.layer_loop(x, self_attention, encoder_attention)
         attn = weights[:, 0] if n == 1 else weights  # (rows, src_width) / (rows, n, src_width)
-        return self.finish(x, first_head), attn, new_keys, new_values
+        features = self.finish(x, first_head)
+        if block_rows is not None:  # back to the block's shapes
+            features = features.view(block_rows.rows, block_rows.n, -1)  # (rows, n, dim)
+            attn = attn.view(block_rows.rows, block_rows.n, -1)  # (rows, n, src_width)
+            new_keys, new_values = ([block_rows.per_row(new) for new in news] for news in (new_keys, new_values))
+        return features, attn, new_keys, new_values
 
     def heads_first(self, x: Tensor) -> Tensor:
         """(n, rows, dim) -> (rows, heads, n, head_dim)."""

@@ -23,7 +23,9 @@ from fairseq_fastgen.engine.fused_weights import FusedWeightsCache
 from fairseq_fastgen.ops import int8_kernel, precision_linear
 from fairseq_fastgen.ops.onednn_linear import onednn_available
 from fairseq_fastgen.ops.precision_linear import Int8Rows
+from tests.fastseq.conftest import LoadedToy, load
 from tests.fastseq.test_precision_decoding import best_tokens, decode
+from tests.models.khead_toy import khead_k2  # noqa: F401  (fixture)
 
 pytestmark = [
     pytest.mark.skipif(not int8_kernel.available(), reason="the plugin's int8 kernel does not run here"),
@@ -167,3 +169,62 @@ def test_the_library_kernels_fall_back_to_static_with_one_line(loaded_toy, trans
     fallback = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, step_engine="compiled", **options)
     static = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, **options)
     assert best_tokens(fallback) == best_tokens(static)
+
+
+@pytest.fixture(scope="module")
+def loaded_khead_k2(khead_k2) -> LoadedToy:
+    return load(khead_k2.checkpoint, khead_k2.data_bin)
+
+
+def test_a_blocks_unit_gives_each_position_the_one_position_units_bits(loaded_khead_k2):
+    """Blockwise verification in int8 runs a block's positions as rows of one position (engine/block_rows.py), in
+    units whose layer norms sum alike at every row count: with head 1 the base output (its log-probabilities
+    computed in the block's unit), they are at each position bitwise those the one-row unit gives greedy's step
+    there, after rollbacks too.  (With the block's own attention, one softmax over the buffer and the block, or
+    with inductor's two-pass norm for a few rows and Welford's for one, several positions differ in the last bits,
+    which int8 can turn into another token.)"""
+    loaded = loaded_khead_k2
+    generator = loaded.task.build_generator(loaded.models, GenerationConfig(
+        decoder="blockwise", beam=1, quantize="int8", step_engine="compiled"))
+    runner = runner_of(generator)
+    assert runner.scores_blocks and runner.decoder_step.blocks_by_position
+    sample = loaded.dataset[3]
+    eos = loaded.task.target_dictionary.eos()
+    prefix = torch.cat([torch.tensor([eos]), sample["target"][:7]]).unsqueeze(0)  # (1, 8): bos and 7 tokens
+    assert prefix.size(1) == 8 and eos not in prefix[0, 1:].tolist()
+    with torch.inference_mode():
+        encoder_out = runner.encode({"src_tokens": sample["source"].unsqueeze(0),
+                                     "src_lengths": torch.tensor([sample["source"].numel()])})
+        greedy_cache, block_cache = runner.new_cache(), runner.new_cache()
+        greedy = [runner.step(prefix[:, :length], encoder_out, greedy_cache)[0][0].clone() for length in range(1, 8)]
+
+        def block(start: int, n: int):  # (n, vocab): positions start .. start + n - 1
+            positions = torch.arange(start, start + n).unsqueeze(0)
+            return list(runner.step_block_scored(prefix[:, start:start + n], positions, encoder_out, block_cache)[2][0])
+
+        first_only = torch.tensor([[True, False]])
+        verified = block(0, 1) + block(1, 2)  # bos, positions 1-2
+        runner.keep_accepted(block_cache, first_only)  # 2 rejected
+        verified += block(2, 2) + block(4, 2)  # 2-3, 4-5
+        runner.keep_accepted(block_cache, first_only)
+        verified += block(5, 2)
+    units = runner.units.packaged
+    assert units.get(("block", 2, 1)) is not None and units.get(1) is not None
+    expected = greedy[:3] + greedy[2:6] + greedy[5:7]
+    same = [torch.equal(got, want) for got, want in zip(verified, expected)]
+    assert len(same) == 9 and all(same), same
+
+
+def test_blockwise_one_sentence_at_a_time_is_int8_greedy_bit_for_bit(loaded_khead_k2, translate):
+    """One sentence a batch (blockwise's use), compiled int8: blockwise's exact mode gives greedy's tokens and
+    its scores, bit for bit, for every sentence of the test split.  (In larger batches rows that kept different
+    numbers of positions are left-padded, which moves a row's positions in the softmax's vectorized sum:
+    test_blockwise_exact_mode_is_greedy_on_compiled_int8 allows near-ties there.)"""
+    options = dict(beam=1, quantize="int8", step_engine="compiled")
+    greedy = decode(loaded_khead_k2, translate, 1, decoder="greedy", **options)
+    blockwise = decode(loaded_khead_k2, translate, 1, decoder="blockwise", **options)
+    assert sorted(blockwise) == sorted(greedy) and len(greedy) >= 100
+    for sentence, hypotheses in greedy.items():
+        got, expected = blockwise[sentence][0], hypotheses[0]
+        assert torch.equal(got["tokens"], expected["tokens"]), sentence
+        assert torch.equal(got["positional_scores"], expected["positional_scores"]), sentence
