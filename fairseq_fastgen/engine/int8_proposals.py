@@ -45,7 +45,11 @@ class Int8Proposer:
     them) and ``logits(h)``, the vocabulary projection (..., vocab) of head features h (..., dim).
     """
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, layers=None):
+        """``layers``: the int8 layers the compiled engine's units read under --quantize int8
+        (``int8_weights.Int8Weights``), whose rows it uses where they hold them instead of copies of its own: the
+        same bits (a row's int8 product does not depend on the kernel), and one copy of the vocabulary's rows
+        read per iteration instead of two."""
         heads = decoder.heads
         if decoder.output_projection is None or getattr(decoder, "adaptive_softmax", None) is not None:
             raise ValueError("--blockwise-int8-proposals needs a decoder with a plain output projection "
@@ -54,15 +58,20 @@ class Int8Proposer:
         if device.type != "cpu":
             raise ValueError(f"--blockwise-int8-proposals runs on the CPU (fbgemm's int8 linear); the model is on "
                              f"{device}: leave the option out")
-        self.decoder = decoder
+        self.decoder, self.layers = decoder, layers
         self.sources = self.copied_weights(decoder)
         self.versions = [weight._version for weight in self.sources]
+
+        def int8_layer(name: str, linear):  # the units' layer where they hold it, else a copy of its own
+            shared = None if layers is None else layers.layer(name)
+            return Int8Linear(linear.weight, linear.bias) if shared is None else shared
+
         try:
-            self.output = Int8Linear(decoder.output_projection.weight, decoder.output_projection.bias)
+            self.output = int8_layer("output_projection", decoder.output_projection)
             self.fc1 = self.fc2 = None  # without identity-first, every head is computed in full precision anyway
             if heads.identity_first and heads.fc1 is not None:
-                self.fc1 = Int8Linear(heads.fc1.weight, heads.fc1.bias)
-                self.fc2 = Int8Linear(heads.fc2.weight, heads.fc2.bias)
+                self.fc1 = int8_layer("heads.fc1", heads.fc1)
+                self.fc2 = int8_layer("heads.fc2", heads.fc2)
         except (RuntimeError, AttributeError) as error:  # no int8 engine for this CPU, or a torch without them
             raise ValueError(f"--blockwise-int8-proposals: torch cannot make an int8 linear here ({error})") from error
 

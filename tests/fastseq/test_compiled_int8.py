@@ -228,3 +228,19 @@ def test_blockwise_one_sentence_at_a_time_is_int8_greedy_bit_for_bit(loaded_khea
         got, expected = blockwise[sentence][0], hypotheses[0]
         assert torch.equal(got["tokens"], expected["tokens"]), sentence
         assert torch.equal(got["positional_scores"], expected["positional_scores"]), sentence
+
+
+def test_int8_proposals_read_the_units_own_int8_rows(loaded_khead_k2, translate):
+    """--blockwise-int8-proposals on compiled int8: the proposals' vocabulary projection and k-head layer are the
+    units' own int8 layers (one copy of the rows), and blockwise still gives greedy's tokens one sentence at a
+    time."""
+    options = dict(beam=1, quantize="int8", step_engine="compiled")
+    greedy = best_tokens(decode(loaded_khead_k2, translate, 1, decoder="greedy", **options))
+    generator = loaded_khead_k2.task.build_generator(loaded_khead_k2.models, GenerationConfig(
+        decoder="blockwise", blockwise_int8_proposals=True, **options))
+    assert best_tokens(translate(loaded_khead_k2, generator, 1)) == greedy
+    runner = runner_of(generator)
+    layers = runner.decoder_step.reduced
+    assert runner.proposer.layers is layers and runner.proposer.output is layers.layer("output_projection")
+    assert runner.proposer.fc1 is not None and runner.proposer.fc1 is layers.layer("heads.fc1")
+    assert runner.proposer.fc2 is layers.layer("heads.fc2")
