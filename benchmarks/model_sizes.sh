@@ -29,14 +29,17 @@ wanted int8 && row base-blockwise-int8-bs1 --path "$BASE" --khead-path "$KHEAD" 
   --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy --step-engine static --no-ctranslate2 \
   --variant "int8=--blockwise-int8-proposals" \
   --variant "frozen-int8=--step-engine compiled --compiled-freezing --blockwise-int8-proposals"
-# each finished student of benchmarks/base_pipeline.sh (train.done beside it) at batch 1 beside greedy on its base, on
-# the frozen engine with int8 proposals, with and without the screened projection (float32 greedy's tokens), and with
-# --quantize int8 (int8 greedy's tokens)
+# each finished student of benchmarks/base_pipeline.sh (train.done beside it) at batch 1 beside greedy on its base (a
+# fine-tuned student: on its own fine-tuned base, whose greedy tokens blockwise gives), on the frozen engine with int8
+# proposals, with and without the screened projection (float32 greedy's tokens), and with --quantize int8 (int8
+# greedy's tokens)
 STUDENTS=${STUDENTS:-k4-frozen-distilled k4-frozen-then-finetuned-distilled-mean k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean}
 if wanted students; then
   for STUDENT in $STUDENTS; do
     [ -f "$M/table1/$STUDENT/train.done" ] || { echo "== student $STUDENT: not trained yet"; continue; }
-    row "student-$STUDENT-bs1" --path "$BASE" --khead-path "$M/table1/$STUDENT/checkpoint_last.pt" \
+    GREEDY_ON=$BASE
+    [[ $STUDENT == *finetuned* ]] && GREEDY_ON=$M/table1/$STUDENT/checkpoint_last.pt
+    row "student-$STUDENT-bs1" --path "$GREEDY_ON" --khead-path "$M/table1/$STUDENT/checkpoint_last.pt" \
       --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 100 --repeat 2 --reference greedy \
       --step-engine compiled --compiled-freezing --blockwise-int8-proposals --no-ctranslate2 \
       --variant "screen=--screened-projection" --variant "int8=--quantize int8"
@@ -59,7 +62,10 @@ wanted bs64 && row base-greedy-bs64 --path "$BASE" --decoders greedy --beam 1 --
 wanted beam5 && row base-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 300 \
   --repeat 3 --step-engine fairseq --variant "compiled=--step-engine compiled"
 # blockwise's relaxations (the paper's Table 1 / Figure 3 trade-off), int8 proposals: top-k acceptance, a minimum block
-wanted relaxed && row base-blockwise-relaxed --path "$BASE" --khead-path "$KHEAD" --decoders greedy,blockwise \
+# (beside greedy on the student's base: its own where it was fine-tuned)
+RELAXED_GREEDY=$BASE
+[[ $KHEAD == *finetuned* ]] && RELAXED_GREEDY=$KHEAD
+wanted relaxed && row base-blockwise-relaxed --path "$RELAXED_GREEDY" --khead-path "$KHEAD" --decoders greedy,blockwise \
   --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy --step-engine static \
   --no-ctranslate2 --blockwise-int8-proposals --variant "top2=--blockwise-top-k 2" \
   --variant "top3=--blockwise-top-k 3" --variant "minblock2=--blockwise-min-block 2"
