@@ -19,6 +19,8 @@ KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of th
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
 source "$(dirname "$0")/bench_rows.sh"  # wanted, row, untrained
 FROZEN=(--variant "frozen=--step-engine compiled --compiled-freezing")
+# the model greedy runs beside a student: the base, or the student itself where its base was fine-tuned with it
+greedy_beside() { if [[ $1 == *finetuned* ]]; then echo "$1"; else echo "$BASE"; fi; }
 
 # greedy and blockwise (the frozen-base k = 4 student) at batch 1 on static and on the frozen compiled engine
 wanted bs1 && row base-bs1 --path "$BASE" --khead-path "$KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 \
@@ -37,9 +39,8 @@ STUDENTS=${STUDENTS:-k4-frozen-distilled k4-frozen-then-finetuned-distilled-mean
 if wanted students; then
   for STUDENT in $STUDENTS; do
     [ -f "$M/table1/$STUDENT/train.done" ] || { echo "== student $STUDENT: not trained yet"; continue; }
-    GREEDY_ON=$BASE
-    [[ $STUDENT == *finetuned* ]] && GREEDY_ON=$M/table1/$STUDENT/checkpoint_last.pt
-    row "student-$STUDENT-bs1" --path "$GREEDY_ON" --khead-path "$M/table1/$STUDENT/checkpoint_last.pt" \
+    STUDENT_PATH=$M/table1/$STUDENT/checkpoint_last.pt
+    row "student-$STUDENT-bs1" --path "$(greedy_beside "$STUDENT_PATH")" --khead-path "$STUDENT_PATH" \
       --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 100 --repeat 2 --reference greedy \
       --step-engine compiled --compiled-freezing --blockwise-int8-proposals --no-ctranslate2 \
       --variant "screen=--screened-projection" --variant "int8=--quantize int8"
@@ -63,11 +64,9 @@ wanted beam5 && row base-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --ba
   --repeat 3 --step-engine fairseq --variant "compiled=--step-engine compiled"
 # blockwise's relaxations (the paper's Table 1 / Figure 3 trade-off), int8 proposals: top-k acceptance, a minimum block
 # (beside greedy on the student's base: its own where it was fine-tuned)
-RELAXED_GREEDY=$BASE
-[[ $KHEAD == *finetuned* ]] && RELAXED_GREEDY=$KHEAD
-wanted relaxed && row base-blockwise-relaxed --path "$RELAXED_GREEDY" --khead-path "$KHEAD" --decoders greedy,blockwise \
-  --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy --step-engine static \
-  --no-ctranslate2 --blockwise-int8-proposals --variant "top2=--blockwise-top-k 2" \
+wanted relaxed && row base-blockwise-relaxed --path "$(greedy_beside "$KHEAD")" --khead-path "$KHEAD" \
+  --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy \
+  --step-engine static --no-ctranslate2 --blockwise-int8-proposals --variant "top2=--blockwise-top-k 2" \
   --variant "top3=--blockwise-top-k 3" --variant "minblock2=--blockwise-min-block 2"
 # the vocabulary projection screened in int8 (float32's best tokens; greedy's are float32's), beside the same engines
 # without it and CTranslate2 float32: greedy at batch 1 and 64, stock beam 5 at batch 64

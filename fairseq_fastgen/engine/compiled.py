@@ -401,7 +401,8 @@ class CompiledRunner(StaticRunner):
     def int8_proposals(self) -> Int8Proposer:
         """As ``ModelRunner.int8_proposals``; under --quantize int8 the proposer reads the units' own int8 rows
         (the vocabulary's, the k-head layer's): one copy of them in memory and in the processor's caches."""
-        int8_layers = self.decoder_step.reduced if self.precision in ("int8", "int8-layers") else None
+        reduced = self.decoder_step.reduced
+        int8_layers = reduced if isinstance(reduced, Int8Weights) else None
         if self.proposer is None or self.proposer.layers is not int8_layers \
                 or not self.proposer.is_current(self.model.decoder):
             self.proposer = Int8Proposer(self.model.decoder, int8_layers)

@@ -451,8 +451,8 @@ class DecoderStep(nn.Module):
                 new_values.append(v.view(rows, self.heads, self.head_dim))
                 keys, values = self_keys[index], self_values[index]
                 if block_rows is not None:  # each position's row: the block's keys/values before it in their slots
-                    keys, values = (block_rows.buffer_with_block(buffer, new[-1])
-                                    for buffer, new in ((keys, new_keys), (values, new_values)))
+                    keys = block_rows.buffer_with_block(keys, new_keys[-1])
+                    values = block_rows.buffer_with_block(values, new_values[-1])
                 return self.attention_with_new_position(q, keys, values, attended, k, v)
             q, k, v = (self.heads_first(t) for t in (q * attention.scaling, k, v))  # (rows, heads, n, hd)
             new_keys.append(k)
