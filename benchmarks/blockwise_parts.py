@@ -20,15 +20,17 @@ from fairseq_fastgen.bench import main as bench_main
 from fairseq_fastgen.models.transformer_khead import KHeadTransformerDecoder
 from fairseq_fastgen.sequence_generators.blockwise.policy import BlockwisePolicy
 from fairseq_fastgen.sequence_generators.greedy import GreedyPolicy
-from fairseq_fastgen.sequence_generators.processors import RowStepProcessors
+from fairseq_fastgen.sequence_generators.blockwise.one_row import OneRowPath
+from fairseq_fastgen.sequence_generators.generator import DecodeContext
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
 PARTS = [
     (GreedyPolicy, "advance"), (ModelRunner, "step"),
-    (BlockwisePolicy, "start"), (BlockwisePolicy, "advance"), (BlockwisePolicy, "run_block"),
+    (BlockwisePolicy, "start"), (BlockwisePolicy, "advance"), (OneRowPath, "advance_one_row"),
+    (BlockwisePolicy, "score_block"), (BlockwisePolicy, "run_block"),
     (BlockwisePolicy, "log_probs"), (BlockwisePolicy, "later_scores"), (BlockwisePolicy, "propose"),
-    (BlockwisePolicy, "accepted_prefix"), (RowStepProcessors, "__call__"), (DecodingState, "append"),
+    (BlockwisePolicy, "accepted_prefix"), (DecodeContext, "process"), (DecodingState, "append"),
     (DecodingState, "select"), (KHeadTransformerDecoder, "rollback"),
 ]
 
