@@ -13,7 +13,8 @@
 #   2. the cluster files of model_sizes.sh's "clusters" rows (1,000 clusters, top 3 and top 20 tokens);
 #   3. the base's beam-5 translations of the training split (fastgen-distill, int8 teacher on the compiled engine);
 #   4. for k = 4, then 8: a frozen-base student on the distilled data, then the same student fine-tuned whole
-#      (the two stages of docs/benchmarks.md, "The students");
+#      (the two stages of docs/benchmarks.md, "The students"); after k = 4 the same two with a k-head layer a quarter
+#      as wide (--khead-ffn-dim 512: an iteration reads 4.2M parameters of it instead of 16.8M);
 #   5. the frozen-base k = 4 student on the regular data (model_sizes.sh's default KHEAD);
 #   6. multi30k_distill.py's "bench" stage: BLEU and the mean accepted block of every model (batch 64, not timed).
 set -euo pipefail
@@ -49,13 +50,20 @@ done
 say "distilled training data"
 "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages distill \
   --teacher-args "--quantize int8 --step-engine compiled"
-for K in 4 8; do
-  say "k = $K students (frozen, then fine-tuned), distilled data"
-  "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages students --students "k$K-frozen-distilled" \
-    --two-stage "$K-distilled"
-done
+# k = K students, frozen then fine-tuned, distilled data; more options (--khead-ffn-dim N) name them -ffnN
+students() {
+  local K=$1; shift
+  say "k = $K students (frozen, then fine-tuned), distilled data $*"
+  local suffix=""; [ $# -gt 0 ] && suffix="-ffn$2"
+  "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages students --students "k$K-frozen-distilled$suffix" \
+    --two-stage "$K-distilled" "$@"
+}
+students 4
+students 4 --khead-ffn-dim 512
+students 8
 say "k = 4 frozen student, regular data"
 "$PY" benchmarks/multi30k.py --size base --out "$M" --stop-after khead --khead-k 4 --khead-updates 800
 say "BLEU and accepted blocks"
 "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages bench --two-stage 4-distilled,8-distilled
+"$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages bench --two-stage 4-distilled --k 4 --khead-ffn-dim 512
 say "done"

@@ -9,11 +9,11 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 students iteration bs64 beam5 screen clusters relaxed varbeam big". CTranslate2 joins when installed.
+# ROWS picks rows by name: "bs1 int8 students iteration narrow bs64 beam5 screen clusters relaxed varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
-ROWS=" ${3:-bs1 int8 students iteration bs64 beam5 screen clusters relaxed varbeam big} "
+ROWS=" ${3:-bs1 int8 students iteration narrow bs64 beam5 screen clusters relaxed varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of the same base
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
@@ -35,7 +35,8 @@ wanted int8 && row base-blockwise-int8-bs1 --path "$BASE" --khead-path "$KHEAD" 
 # fine-tuned student: on its own fine-tuned base, whose greedy tokens blockwise gives), on the frozen engine with int8
 # proposals, with and without the screened projection (float32 greedy's tokens), and with --quantize int8 (int8
 # greedy's tokens)
-STUDENTS=${STUDENTS:-k4-frozen-distilled k4-frozen-then-finetuned-distilled-mean k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean}
+STUDENTS=${STUDENTS:-k4-frozen-distilled k4-frozen-then-finetuned-distilled-mean k4-frozen-distilled-ffn512
+  k4-frozen-then-finetuned-distilled-mean-ffn512 k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean}
 if wanted students; then
   for STUDENT in $STUDENTS; do
     [ -f "$M/table1/$STUDENT/train.done" ] || { echo "== student $STUDENT: not trained yet"; continue; }
@@ -55,6 +56,21 @@ if wanted iteration; then
   row untrained-blockwise-bs1 --path "$UNTRAINED_KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 \
     --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine static \
     --no-ctranslate2 --blockwise-int8-proposals "${FROZEN[@]}"
+fi
+# the same untrained student beside one whose k-head layer is a quarter as wide (--khead-ffn-dim 512: 4.2M parameters
+# against 16.8M), both accepting 3.71 tokens an iteration, on the frozen engine and with --quantize int8
+UNTRAINED_NARROW=$M/untrained-khead4-ffn512/checkpoint_last.pt
+if wanted narrow; then
+  untrained transformer_khead "$UNTRAINED_KHEAD" --user-dir fairseq_fastgen --block-size 4 --khead-identity-first \
+    --criterion random_subloss
+  untrained transformer_khead "$UNTRAINED_NARROW" --user-dir fairseq_fastgen --block-size 4 --khead-identity-first \
+    --criterion random_subloss --khead-ffn-dim 512
+  for WIDTH in wide narrow; do
+    STUDENT_PATH=$UNTRAINED_KHEAD; [ $WIDTH = narrow ] && STUDENT_PATH=$UNTRAINED_NARROW
+    row "untrained-khead-$WIDTH-bs1" --path "$STUDENT_PATH" --decoders greedy,blockwise --beam 1 --batch-size 1 \
+      --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine compiled \
+      --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals --variant "int8=--quantize int8"
+  done
 fi
 # greedy at batch 64, every sentence of test_2016_flickr
 wanted bs64 && row base-greedy-bs64 --path "$BASE" --decoders greedy --beam 1 --batch-size 64 --repeat 3 \

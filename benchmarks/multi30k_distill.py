@@ -69,6 +69,8 @@ def cell_name(k, regime, data_kind):
 def train_student(args, bin_dir, save_dir, base, k, regime, data_kind, distilled_dir, restore=None):
     """fairseq-train one student; ``restore``: fine-tune this (frozen) student's checkpoint."""
     extra = ["--subloss-mode", args.finetune_subloss_mode] if regime == "finetuned" else []
+    if args.khead_ffn_dim:
+        extra += ["--khead-ffn-dim", str(args.khead_ffn_dim)]
     if data_kind == "distilled":
         extra += ["--task", "translation_distill", "--distilled-data", str(distilled_dir), "--distill-mix", "distilled"]
     if restore is not None:  # fairseq starts from it on the first launch only: a stopped run resumes from its own
@@ -144,14 +146,14 @@ def cell_text(results_path):
             f" ({100 * blockwise['identical_rate']:.0f}% = greedy)")
 
 
-def print_table(ks, bench_dir):
+def print_table(ks, bench_dir, suffix=""):
     columns = [(data_kind, regime) for regime in REGIMES for data_kind in DATA_KINDS]
     print("| k | " + " | ".join(f"{data_kind}, {regime}" for data_kind, regime in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for k in sorted(ks):
         texts = []
         for data_kind, regime in columns:
-            name = "k1-base" if (k == 1 and regime == "frozen") else cell_name(k, regime, data_kind)
+            name = "k1-base" if (k == 1 and regime == "frozen") else cell_name(k, regime, data_kind) + suffix
             texts.append(cell_text(bench_dir / name / "results.json"))
         print(f"| {k} | " + " | ".join(texts) + " |")
 
@@ -176,6 +178,9 @@ def main(argv=None):
     parser.add_argument("--students", default=None,
                         help="comma-separated students to train, in this order (e.g. k8-frozen-regular,"
                              "k4-finetuned-distilled); default: every cell, frozen ones first")
+    parser.add_argument("--khead-ffn-dim", type=int, default=None,
+                        help="every student's --khead-ffn-dim (a narrower k-head layer: cheaper iterations); their "
+                             "names get the suffix -ffnN")
     parser.add_argument("--stages", default="distill,throughput,students,bench",
                         help="comma-separated stages to run (distill, throughput, students, bench; speed: "
                              "batch 1 and 64 timings of every trained model, --bench-dir/speed)")
@@ -206,7 +211,8 @@ def main(argv=None):
             print(f"   valid, {workers} worker(s): {summary['sentences']} sentences, {summary['sentences_per_second']:.1f} "
                   f"sentences/s decoding, {summary['wall_seconds']:.1f} s wall, teacher BLEU {summary['teacher_bleu']:.2f}",
                   flush=True)
-    students = {cell_name(*cell): cell for cell in cells(ks)}
+    suffix = f"-ffn{args.khead_ffn_dim}" if args.khead_ffn_dim else ""  # students of a narrower k-head layer
+    students = {cell_name(*cell) + suffix: cell for cell in cells(ks)}
     order = list(students)
     if args.students:
         order = args.students.split(",")
@@ -226,10 +232,11 @@ def main(argv=None):
         name = f"k{k}-frozen-then-finetuned-{data_kind}"
         if args.finetune_subloss_mode == "mean":
             name += "-mean"
+        name += suffix
         checkpoint = out / "table1" / name / "checkpoint_last.pt"
         models.insert(0, (name, checkpoint))
         if "students" in wanted:
-            frozen = out / "table1" / cell_name(k, "frozen", data_kind) / "checkpoint_last.pt"
+            frozen = out / "table1" / (cell_name(k, "frozen", data_kind) + suffix) / "checkpoint_last.pt"
             train_step(f"student {name}", out / "table1" / name, checkpoint,
                        lambda k=k, data_kind=data_kind, name=name, frozen=frozen: train_student(
                            args, bin_dir, out / "table1" / name, base, int(k), "finetuned", data_kind, distilled,
@@ -242,7 +249,7 @@ def main(argv=None):
             step(f"fastgen-bench {name}", bench_dir / name / "results.json",
                  lambda checkpoint=checkpoint, name=name: run_logged(
                      bench_command(bin_dir, checkpoint, bench_dir / name, args.threads), bench_dir / f"{name}.log"))
-        print_table(ks, bench_dir)
+        print_table(ks, bench_dir, suffix)
     if "speed" in wanted:
         trained = sorted(((name, checkpoint) for name, checkpoint in models if checkpoint.exists()),
                          key=lambda model: (int(model[0][1:model[0].index("-")]), model[0]))  # by k, frozen first

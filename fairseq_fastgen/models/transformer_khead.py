@@ -55,6 +55,13 @@ class KHeadOptions(FairseqDataclass):
         metadata={"help": "head 1 is the unchanged base output (p_1 keeps the base model's predictions "
                           "exactly); the extra layer then only produces heads 2..k"},
     )
+    khead_ffn_dim: Optional[int] = field(
+        default=None,
+        metadata={"help": "hidden size per head of the k-head layer (its hidden layer is block size x this wide); "
+                          "default: --decoder-ffn-embed-dim. Every blockwise iteration reads the whole layer once: "
+                          "at base size with the default it holds 17M parameters, read besides the decoder's 25M "
+                          "(docs/benchmarks.md, 'What an iteration costs'); a smaller one proposes sooner"},
+    )
     freeze_base: bool = field(
         default=False,
         metadata={"help": "train only the k-head layer: every parameter of the base transformer gets "
@@ -91,6 +98,8 @@ class KHeadLayer(nn.Module):
         super().__init__()
         if block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {block_size}")
+        if ffn_dim < 1:
+            raise ValueError(f"--khead-ffn-dim must be >= 1, got {ffn_dim}")
         self.dim = dim
         self.block_size = block_size
         self.identity_first = identity_first
@@ -323,8 +332,9 @@ class KHeadTransformerModel(TransformerModel):
             raise ValueError("transformer_khead does not support --adaptive-softmax-cutoff")
         model = super().build_model(args, task)
         decoder = model.decoder
+        ffn_dim = args.decoder_ffn_embed_dim if args.khead_ffn_dim is None else args.khead_ffn_dim
         decoder.heads = KHeadLayer(
-            decoder.output_embed_dim, args.decoder_ffn_embed_dim, args.block_size, args.khead_identity_first,
+            decoder.output_embed_dim, ffn_dim, args.block_size, args.khead_identity_first,
             args.activation_fn, args.dropout, getattr(args, "activation_dropout", 0.0),
         )
         if args.base_checkpoint:

@@ -188,6 +188,27 @@ def test_block_size_must_be_positive(toy_model):
         build_in_process(toy_model.data_bin, "--block-size", "0")
 
 
+def test_khead_ffn_dim_sets_the_head_layers_width_and_blockwise_stays_greedy(toy_model):
+    """--khead-ffn-dim: the k-head layer's hidden layer is block size x that wide (default: the decoder's ffn
+    width); a narrow layer's random proposals still leave blockwise's exact mode with greedy's tokens."""
+    narrow, task = build_in_process(toy_model.data_bin, "--block-size", "3", "--khead-identity-first",
+                                    "--khead-ffn-dim", "16", "--base-checkpoint", str(toy_model.checkpoint))
+    wide, _ = build_in_process(toy_model.data_bin, "--block-size", "3")
+    dim, ffn = narrow.decoder.output_embed_dim, wide.args.decoder_ffn_embed_dim
+    assert narrow.decoder.heads.fc1.weight.shape == (3 * 16, dim)
+    assert narrow.decoder.heads.fc2.weight.shape == (2 * dim, 3 * 16)  # identity first: heads 2 and 3 learned
+    assert wide.decoder.heads.fc1.weight.shape == (3 * ffn, dim) and ffn != 16
+    torch.manual_seed(0)
+    torch.nn.init.normal_(narrow.decoder.heads.fc2.weight, std=0.1)
+    task.load_dataset("test")
+    blockwise = outputs_of(task.build_generator([narrow], GenerationConfig(decoder="blockwise", beam=1)), narrow, task)
+    greedy = outputs_of(task.build_generator([narrow], GenerationConfig(decoder="greedy", beam=1)), narrow, task)
+    assert len(greedy) == 200
+    assert {s: tokens for s, (tokens, _) in blockwise.items()} == {s: tokens for s, (tokens, _) in greedy.items()}
+    with pytest.raises(ValueError, match="--khead-ffn-dim must be >= 1, got 0"):
+        build_in_process(toy_model.data_bin, "--khead-ffn-dim", "0")
+
+
 def test_freeze_base_trains_only_the_head_layer(toy_model, khead_k2):
     model, _ = build_in_process(toy_model.data_bin, "--freeze-base")
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
