@@ -50,11 +50,12 @@ done
 say "distilled training data"
 "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages distill \
   --teacher-args "--quantize int8 --step-engine compiled"
-# k = K students, frozen then fine-tuned, distilled data; more options (--khead-ffn-dim N) name them -ffnN
+# k = K students, frozen then fine-tuned, distilled data; "--khead-ffn-dim N" after K names them -ffnN
 students() {
-  local K=$1; shift
+  local K=$1 suffix=""
+  shift
+  if [ $# -gt 0 ]; then suffix="-ffn$2"; fi
   say "k = $K students (frozen, then fine-tuned), distilled data $*"
-  local suffix=""; [ $# -gt 0 ] && suffix="-ffn$2"
   "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages students --students "k$K-frozen-distilled$suffix" \
     --two-stage "$K-distilled" "$@"
 }
