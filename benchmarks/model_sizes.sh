@@ -50,9 +50,11 @@ fi
 # the cost of a blockwise iteration at batch 1, in greedy steps, on an untrained k = 4 student of the base shapes:
 # its untrained heads repeat head 1's token, so it accepts about 3.7 tokens an iteration whatever it costs
 UNTRAINED_KHEAD=$M/untrained-khead4/checkpoint_last.pt
+# an untrained k = 4 student (identity head 1) at path $1, more fairseq-train options after it
+untrained_student() { untrained transformer_khead "$1" --user-dir fairseq_fastgen --block-size 4 --khead-identity-first \
+  --criterion random_subloss "${@:2}"; }
 if wanted iteration; then
-  untrained transformer_khead "$UNTRAINED_KHEAD" --user-dir fairseq_fastgen --block-size 4 --khead-identity-first \
-    --criterion random_subloss
+  untrained_student "$UNTRAINED_KHEAD"
   row untrained-blockwise-bs1 --path "$UNTRAINED_KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 \
     --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine static \
     --no-ctranslate2 --blockwise-int8-proposals "${FROZEN[@]}"
@@ -61,10 +63,8 @@ fi
 # against 16.8M), both accepting 3.71 tokens an iteration, on the frozen engine and with --quantize int8
 UNTRAINED_NARROW=$M/untrained-khead4-ffn512/checkpoint_last.pt
 if wanted narrow; then
-  untrained transformer_khead "$UNTRAINED_KHEAD" --user-dir fairseq_fastgen --block-size 4 --khead-identity-first \
-    --criterion random_subloss
-  untrained transformer_khead "$UNTRAINED_NARROW" --user-dir fairseq_fastgen --block-size 4 --khead-identity-first \
-    --criterion random_subloss --khead-ffn-dim 512
+  untrained_student "$UNTRAINED_KHEAD"
+  untrained_student "$UNTRAINED_NARROW" --khead-ffn-dim 512
   for WIDTH in wide narrow; do
     STUDENT_PATH=$UNTRAINED_KHEAD; [ $WIDTH = narrow ] && STUDENT_PATH=$UNTRAINED_NARROW
     row "untrained-khead-$WIDTH-bs1" --path "$STUDENT_PATH" --decoders greedy,blockwise --beam 1 --batch-size 1 \
