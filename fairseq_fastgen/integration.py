@@ -53,6 +53,10 @@ says why it is needed.  They were written against fairseq 0.12.x (the
    generator fairseq-generate builds starts a batch at each call).  A
    ``--path`` that does not exist or cannot be read is refused in one line
    before anything loads.
+   ``fairseq_cli.train.main`` (when fairseq-train loads the plugin): a
+   refused k-head, criterion or distillation option
+   (:class:`fairseq_fastgen.refusals.UsageError`) ends it with one
+   ``fairseq-train: error:`` line and exit status 2, not a traceback.
 6. ``numpy.compat``: fairseq 0.12 reads ``np.compat.long`` (removed in numpy 2)
    when it builds a language model's dataset (``TokenBlockDataset``, eos break
    mode: fairseq-interactive and the hub interface of ``transformer_lm``) and a
@@ -399,6 +403,9 @@ def _cli_modules(name):
 
 
 def _install_cli_reports():
+    if "fairseq_cli.train" in sys.modules:  # fairseq-train, loading the plugin through --user-dir
+        for train_cli in _cli_modules("train"):  # its cli_main calls the module's main(cfg) by name
+            train_cli.main = exit_on_usage_error("fairseq-train")(train_cli.main)
     for generate_cli in _cli_modules("generate"):
         generate_cli._main = _wrap_generate_main(generate_cli._main)
     for interactive_cli in _cli_modules("interactive"):

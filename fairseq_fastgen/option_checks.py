@@ -23,12 +23,7 @@ import sys
 from typing import NamedTuple, Optional
 
 from fairseq_fastgen import checkpoint_safety
-
-
-class UsageError(ValueError):
-    """A misuse of the plugin's options or of a decoder with a model, raised when a generator is built (the hub
-    interface sees this type); fairseq-generate and fairseq-interactive print it as one ``error:`` line and exit
-    with status 2, as argparse does for a bad option."""
+from fairseq_fastgen.refusals import UsageError  # re-exported: the type every refusal below becomes
 
 
 @contextlib.contextmanager

@@ -1,13 +1,14 @@
 """Each module on its floor, checked on the source: a module imports only from floors below its own.
 
-The package is built in floors, lowest first: what everything uses (the option checks, file writes, the decoder
-registry, the counters, the models), the kernels (``ops/``), the options' dataclasses (``config.py``), what reads
-them (``options.py``, ``cluster/``, ``fastseq/``), the adapters that attach to fairseq's objects, the step engines
-(``engine/``: every runner, fairseq's included) and fairseq-generate's output (``cli/``), the decoders
-(``sequence_generators/``), the integration layer, the package's entry, and the programs (``bench/``, ``serve/``,
-``distill.py``).  An import from a higher floor, at the top of a module or inside a function, or between two
-units of one floor, would tie a lower part to a higher one: the check names it.  And a module's imports of the
-package sit at its top, none hidden inside a function, so that its dependencies are read in one place.
+The package is built in floors, lowest first: the one refusal type every part raises (``refusals.py``), what
+everything uses (the option checks, file writes, the decoder registry, the counters, the models), the kernels
+(``ops/``), the options' dataclasses (``config.py``), what reads them (``options.py``, ``cluster/``, ``fastseq/``),
+the adapters that attach to fairseq's objects, the step engines (``engine/``: every runner, fairseq's included) and
+fairseq-generate's output (``cli/``), the decoders (``sequence_generators/``), the integration layer, the package's
+entry, and the programs (``bench/``, ``serve/``, ``distill.py``). An import from a higher floor, at the top of a
+module or inside a function, or between two units of one floor, would tie a lower part to a higher one: the check
+names it. And a module's imports of the package sit at its top, none hidden inside a function, so that its
+dependencies are read in one place.
 """
 
 import ast
@@ -18,6 +19,7 @@ import fairseq_fastgen
 PACKAGE = Path(fairseq_fastgen.__file__).parent
 
 FLOORS = [
+    {"refusals"},
     {"safe_files", "checkpoint_safety", "stop_signals", "text_codec", "registry", "commands", "stock_fairseq",
      "models", "tasks"},
     {"option_checks", "counters", "ctranslate2_model"},

@@ -1,6 +1,6 @@
-"""A misuse of the plugin through the real fairseq-generate / fairseq-interactive / fastgen-bench: one ``error:``
-line naming the problem, exit status 2, no traceback; the hub interface and task.build_generator raise the plugin's
-UsageError."""
+"""A misuse of the plugin through the real fairseq-train / fairseq-generate / fairseq-interactive / fastgen-bench:
+one ``error:`` line naming the problem, exit status 2, no traceback; the hub interface and task.build_generator
+raise the plugin's UsageError."""
 
 import dataclasses
 import re
@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from fairseq_fastgen.option_checks import UsageError
+from fastgen_demo import toy
 from tests.bench.test_bench_cli import bench_command
 from tests.test_foundation_cli import generate, interactive
 
@@ -57,6 +58,30 @@ def test_fairseq_interactive_refuses_a_misuse_in_one_line(toy_model, misuse):
     result = interactive(toy_model, ["a b c"], *options)
     assert_one_error_line(result, "interactive", message)
     assert not [line for line in result.stdout.splitlines() if line.startswith("H-")]
+
+
+TRAIN_MISUSES = {
+    # each ended fairseq-train in a ValueError traceback from the model, criterion or task
+    "k-head layer width 0": (["--arch", "transformer_khead", "--khead-ffn-dim", "0"],
+                             "--khead-ffn-dim must be >= 1, got 0"),
+    "block size 0": (["--arch", "transformer_khead", "--block-size", "0"], "--block-size must be >= 1, got 0"),
+    "criterion without k heads": (["--arch", "transformer", "--criterion", "random_subloss"],
+                                  "--criterion random_subloss needs a k-head model"),
+    "distilled mix without data": (["--arch", "transformer", "--task", "translation_distill"],
+                                   "--distill-mix distilled needs --distilled-data"),
+}
+
+
+@pytest.mark.parametrize("misuse", list(TRAIN_MISUSES))
+def test_fairseq_train_refuses_a_misuse_in_one_line(toy_model, tmp_path, misuse):
+    options, message = TRAIN_MISUSES[misuse]
+    command = toy.fairseq_command("train") + [
+        str(toy_model.data_bin), "--user-dir", toy.PLUGIN_DIR, "--save-dir", str(tmp_path), "--cpu",
+        "--num-workers", "0", "--max-update", "1", "--max-tokens", "500", "--optimizer", "adam",
+        "--encoder-layers", "1", "--decoder-layers", "1", "--no-progress-bar", *options,
+    ]
+    assert_one_error_line(subprocess.run(command, capture_output=True, text=True), "fairseq-train", message)
+    assert not list(tmp_path.glob("checkpoint*.pt"))  # refused before any update is saved
 
 
 def test_an_unwritable_stats_json_is_refused_before_decoding(toy_model, tmp_path):

@@ -28,6 +28,7 @@ from fairseq.criterions.label_smoothed_cross_entropy import label_smoothed_nll_l
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from fairseq_fastgen.option_checks import require_finite_in_range
+from fairseq_fastgen.refusals import UsageError
 
 
 @dataclass
@@ -48,7 +49,7 @@ class RandomSublossConfig(FairseqDataclass):
 class RandomSublossCriterion(FairseqCriterion):
     def __init__(self, task, label_smoothing, subloss_mode, sentence_avg):
         super().__init__(task)
-        self.epsilon = require_finite_in_range("--label-smoothing", label_smoothing, 0, 1)
+        self.epsilon = require_finite_in_range("--label-smoothing", label_smoothing, 0, 1, error=UsageError)
         self.mode = str(subloss_mode)
         self.sentence_avg = sentence_avg
 
@@ -56,7 +57,7 @@ class RandomSublossCriterion(FairseqCriterion):
         first_logits, extra = model(**sample["net_input"])  # (batch, tgt_len, vocab)
         features = extra.get("khead_features") if isinstance(extra, dict) else None
         if features is None:
-            raise ValueError("--criterion random_subloss needs a k-head model (--arch transformer_khead)")
+            raise UsageError("--criterion random_subloss needs a k-head model (--arch transformer_khead)")
         target = model.get_targets(sample, (first_logits, extra))  # (batch, tgt_len)
         block_size = features.size(2)  # features: (batch, tgt_len, k, dim)
         chosen = self.chosen_head(model) if self.training and self.mode == "random" else None

@@ -39,6 +39,8 @@ from fairseq.models import (
 from fairseq.models.transformer import TransformerDecoderBase, TransformerModel, base_architecture
 from fairseq.modules import FairseqDropout
 
+from fairseq_fastgen.refusals import UsageError
+
 logger = logging.getLogger(__name__)
 
 Cache = Dict[str, Dict[str, Optional[Tensor]]]
@@ -97,9 +99,9 @@ class KHeadLayer(nn.Module):
     def __init__(self, dim, ffn_dim, block_size, identity_first, activation_fn, dropout, activation_dropout):
         super().__init__()
         if block_size < 1:
-            raise ValueError(f"--block-size must be >= 1, got {block_size}")
+            raise UsageError(f"--block-size must be >= 1, got {block_size}")
         if ffn_dim < 1:
-            raise ValueError(f"--khead-ffn-dim must be >= 1, got {ffn_dim}")
+            raise UsageError(f"--khead-ffn-dim must be >= 1, got {ffn_dim}")
         self.dim = dim
         self.block_size = block_size
         self.identity_first = identity_first
@@ -329,7 +331,7 @@ class KHeadTransformerModel(TransformerModel):
     def build_model(cls, args, task):
         khead_defaults(args)
         if getattr(args, "adaptive_softmax_cutoff", None):
-            raise ValueError("transformer_khead does not support --adaptive-softmax-cutoff")
+            raise UsageError("transformer_khead does not support --adaptive-softmax-cutoff")
         model = super().build_model(args, task)
         decoder = model.decoder
         ffn_dim = args.decoder_ffn_embed_dim if args.khead_ffn_dim is None else args.khead_ffn_dim
@@ -378,11 +380,11 @@ def warm_start(model, path, args):
         if key in own and own[key].shape != value.shape
     ]
     if differing:
-        raise ValueError(f"--base-checkpoint {path} does not match this transformer_khead: " + "; ".join(differing))
+        raise UsageError(f"--base-checkpoint {path} does not match this transformer_khead: " + "; ".join(differing))
     missing, unexpected = nn.Module.load_state_dict(model, weights, strict=False)
     missing = [key for key in missing if not key.startswith("decoder.heads.")]
     if missing or unexpected:
-        raise ValueError(
+        raise UsageError(
             f"--base-checkpoint {path} is not a stock transformer of this shape: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )

@@ -30,6 +30,8 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from fairseq_fastgen.refusals import UsageError
+
 logger = logging.getLogger(__name__)
 
 DISTILL_MIX_CHOICES = ChoiceEnum(["original", "distilled", "both"])
@@ -52,13 +54,13 @@ def dictionary_difference(reference: Dictionary, candidate: Dictionary) -> Optio
 
 
 def check_same_dictionaries(reference_dir, candidate_dir, languages, what):
-    """Raise ValueError when ``dict.LANG.txt`` differs between the two directories."""
+    """Raise UsageError (a ValueError) when ``dict.LANG.txt`` differs between the two directories."""
     for lang in languages:
         reference_path = os.path.join(reference_dir, f"dict.{lang}.txt")
         candidate_path = os.path.join(candidate_dir, f"dict.{lang}.txt")
         difference = dictionary_difference(Dictionary.load(reference_path), Dictionary.load(candidate_path))
         if difference is not None:
-            raise ValueError(f"{what}: {reference_path} and {candidate_path} differ: {difference}")
+            raise UsageError(f"{what}: {reference_path} and {candidate_path} differ: {difference}")
 
 
 @dataclass
@@ -86,7 +88,7 @@ class TranslationDistillTask(TranslationTask):
         if split != self.cfg.train_subset or mix == "original":
             return super().load_dataset(split, epoch, combine, **kwargs)
         if not self.cfg.distilled_data:
-            raise ValueError(f"--distill-mix {mix} needs --distilled-data (a data-bin written by fastgen-distill)")
+            raise UsageError(f"--distill-mix {mix} needs --distilled-data (a data-bin written by fastgen-distill)")
         distilled_dirs = utils.split_paths(self.cfg.distilled_data)
         distilled_dir = distilled_dirs[(epoch - 1) % len(distilled_dirs)]
         check_same_dictionaries(
@@ -100,7 +102,7 @@ class TranslationDistillTask(TranslationTask):
         super().load_dataset(split, epoch, combine, **kwargs)
         original = self.datasets[split]
         if len(original) != len(distilled):
-            raise ValueError(
+            raise UsageError(
                 f"split {split!r}: DATA has {len(original)} sentences but --distilled-data has "
                 f"{len(distilled)}; was it distilled from this data-bin?"
             )
