@@ -8,6 +8,7 @@ acceptance, the row's steps and its length limits in Python integers in place of
 
 import torch
 
+from fairseq_fastgen.ops.top_token import top_token
 from fairseq_fastgen.sequence_generators.processors import StepRows
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
@@ -28,7 +29,7 @@ class OneRowPath:
         ctx.counters.add("row_iterations", 1)
         features, attn, all_heads, lprobs = self.score_block(state, block, positions, ctx)
         ctx.process(lprobs[0], StepRows(range(length + 1, length + 1 + n), max_len))  # steps in Python
-        top_lprobs, top = lprobs[0].topk(1, dim=-1)  # (n, 1) each: greedy's choice after each block token
+        top_lprobs, top = top_token(lprobs[0])  # (n, 1) each: greedy's choice after each block token
         proposed = block[0].tolist()
         count = self.accepted_count(proposed, top.view(-1).tolist(), ctx.eos)
 
@@ -58,7 +59,7 @@ class OneRowPath:
             return
         first_later = length + count + 1  # the step of head 2's proposal
         ctx.process(later[0], StepRows(range(first_later, first_later + later.size(1)), max_len))
-        state.extra["proposals"] = torch.cat([first, later[0].topk(1, dim=-1).indices.view(1, -1)], dim=1)
+        state.extra["proposals"] = torch.cat([first, top_token(later[0])[1].view(1, -1)], dim=1)
 
     @staticmethod
     def accepted_count(proposed, best, eos) -> int:

@@ -192,7 +192,7 @@ class BlockwisePolicy(OneRowPath):
         """Set the next block: greedy's token from ``first_lprobs`` (rows, vocab),
         processed) then one token per later head from ``later_scores`` (rows,
         block - 1, vocab), each processed with the proposals before it as context."""
-        first_lprob, first = first_lprobs.topk(1, dim=-1)  # (rows, 1) each
+        first_lprob, first = top_token(first_lprobs)  # (rows, 1) each
         state.extra["first_lprob"] = first_lprob.squeeze(1)  # (rows,)
         state.extra["first_attn"] = first_attn  # (rows, src_len) or None
         if self.block_size == 1:
@@ -206,7 +206,7 @@ class BlockwisePolicy(OneRowPath):
         steps = (state.lengths.unsqueeze(1) + 1 + torch.arange(later, device=first.device)).view(-1)  # (rows * later,)
         flat = later_scores.reshape(-1, later_scores.size(-1))  # (rows * later, vocab)
         ctx.process(flat, StepRows(steps, state.max_len.repeat_interleave(later)))  # each row's limit, later times
-        best = flat.topk(1, dim=-1).indices.view(state.rows, later)  # (rows, later), ties as propose_in_turn
+        best = top_token(flat)[1].view(state.rows, later)  # (rows, later), ties as propose_in_turn
         state.extra["proposals"] = torch.cat([first, best], dim=1)  # (rows, block)
 
     def propose_in_turn(self, state, ctx, first, later_scores):
@@ -218,7 +218,7 @@ class BlockwisePolicy(OneRowPath):
         for head in range(1, self.block_size):
             scores = later_scores[:, head - 1]
             ctx.process(scores, StepRows(lengths + head, state.max_len, state.sentence, history))
-            history[rows, 1 + lengths + head] = scores.topk(1, dim=-1).indices.squeeze(1)
+            history[rows, 1 + lengths + head] = top_token(scores)[1].squeeze(1)
         columns = 1 + lengths.unsqueeze(1) + torch.arange(self.block_size, device=rows.device)
         return history[rows.unsqueeze(1), columns]  # (rows, block)
 
