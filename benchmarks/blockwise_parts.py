@@ -22,6 +22,7 @@ from fairseq_fastgen.sequence_generators.blockwise.policy import BlockwisePolicy
 from fairseq_fastgen.sequence_generators.greedy import GreedyPolicy
 from fairseq_fastgen.sequence_generators.blockwise.one_row import OneRowPath
 from fairseq_fastgen.sequence_generators.generator import DecodeContext
+from fairseq_fastgen.engine.compiled import CompiledRunner
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from fairseq_fastgen.sequence_generators.state import DecodingState
 
@@ -32,6 +33,9 @@ PARTS = [
     (BlockwisePolicy, "log_probs"), (BlockwisePolicy, "later_scores"), (BlockwisePolicy, "propose"),
     (BlockwisePolicy, "accepted_prefix"), (DecodeContext, "process"), (DecodingState, "append"),
     (DecodingState, "select"), (KHeadTransformerDecoder, "rollback"),
+    # the compiled engine: the encoder, the encoder-decoder keys of a sentence, a unit's call and what is around it
+    (CompiledRunner, "encode"), (CompiledRunner, "start_cache"), (CompiledRunner, "step"),
+    (CompiledRunner, "block_pass"), (CompiledRunner, "run_padded"),
 ]
 
 seconds = collections.defaultdict(float)
