@@ -9,11 +9,11 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 students iteration narrow bs64 beam5 screen clusters relaxed varbeam big". CTranslate2 joins when installed.
+# ROWS picks rows by name: "bs1 int8 students iteration narrow proposals bs64 beam5 screen clusters relaxed varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
-ROWS=" ${3:-bs1 int8 students iteration narrow bs64 beam5 screen clusters relaxed varbeam big} "
+ROWS=" ${3:-bs1 int8 students iteration narrow proposals bs64 beam5 screen clusters relaxed varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of the same base
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
@@ -37,14 +37,18 @@ wanted int8 && row base-blockwise-int8-bs1 --path "$BASE" --khead-path "$KHEAD" 
 # greedy's tokens)
 STUDENTS=${STUDENTS:-k4-frozen-distilled k4-frozen-then-finetuned-distilled-mean k4-frozen-distilled-ffn512
   k4-frozen-then-finetuned-distilled-mean-ffn512 k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean}
+# heads 2..k proposing among the 4,000 tokens most frequent in the training targets (--blockwise-proposal-vocab)
+VOCAB=$M/proposal-vocab4000.txt
 if wanted students; then
+  [ -f "$VOCAB" ] || .venv/bin/python benchmarks/proposal_vocab.py "$M/bin" --top 4000 --output "$VOCAB"
   for STUDENT in $STUDENTS; do
     [ -f "$M/table1/$STUDENT/train.done" ] || { echo "== student $STUDENT: not trained yet"; continue; }
     STUDENT_PATH=$M/table1/$STUDENT/checkpoint_last.pt
     row "student-$STUDENT-bs1" --path "$(greedy_beside "$STUDENT_PATH")" --khead-path "$STUDENT_PATH" \
       --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 100 --repeat 2 --reference greedy \
       --step-engine compiled --compiled-freezing --blockwise-int8-proposals --no-ctranslate2 \
-      --variant "screen=--screened-projection" --variant "int8=--quantize int8"
+      --variant "screen=--screened-projection" --variant "int8=--quantize int8" \
+      --variant "int8-vocab=--quantize int8 --blockwise-proposal-vocab $VOCAB"
   done
 fi
 # the cost of a blockwise iteration at batch 1, in greedy steps, on an untrained k = 4 student of the base shapes:
@@ -71,6 +75,22 @@ if wanted narrow; then
       --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine compiled \
       --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals --variant "int8=--quantize int8"
   done
+fi
+# what --blockwise-proposal-vocab saves an iteration (int8, the narrow untrained student): the list holds the 4,000
+# tokens most frequent in the training targets and every token the untrained model writes, so that it accepts about
+# as many tokens an iteration with the list as without
+if wanted proposals; then
+  untrained_student "$UNTRAINED_NARROW" --khead-ffn-dim 512
+  WRITTEN=$OUT/untrained-narrow-greedy.txt
+  [ -s "$WRITTEN" ] || .venv/bin/fairseq-generate "$M/bin" --path "$UNTRAINED_NARROW" --user-dir fairseq_fastgen --cpu \
+    --gen-subset test --beam 1 --decoder greedy --batch-size 64 --max-len-a 0 --max-len-b 25 > "$WRITTEN" 2>/dev/null
+  UNTRAINED_VOCAB=$OUT/proposal-vocab4000-untrained.txt
+  [ -f "$UNTRAINED_VOCAB" ] || .venv/bin/python benchmarks/proposal_vocab.py "$M/bin" --top 4000 \
+    --output "$UNTRAINED_VOCAB" --also "$WRITTEN"
+  row untrained-proposal-vocab-bs1 --path "$UNTRAINED_NARROW" --decoders blockwise --beam 1 --batch-size 1 \
+    --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --step-engine compiled --compiled-freezing \
+    --no-ctranslate2 --blockwise-int8-proposals --quantize int8 \
+    --variant "vocab4000=--blockwise-proposal-vocab $UNTRAINED_VOCAB"
 fi
 # greedy at batch 64, every sentence of test_2016_flickr
 wanted bs64 && row base-greedy-bs64 --path "$BASE" --decoders greedy --beam 1 --batch-size 64 --repeat 3 \

@@ -46,7 +46,6 @@ from fairseq_fastgen.engine.fairseq_runner import encoder_output
 from fairseq_fastgen.engine.runners import StaticRunner, shared_by_beams
 from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache
 from fairseq_fastgen.engine.bf16_weights import Bf16Weights
-from fairseq_fastgen.engine.int8_proposals import Int8Proposer
 from fairseq_fastgen.engine.int8_weights import Int8Weights
 from fairseq_fastgen.engine.layer_weights import LayerWeights
 from fairseq_fastgen.engine.static_cache import StaticCache
@@ -398,15 +397,11 @@ class CompiledRunner(StaticRunner):
                                                 positions.index_select(0, rows_index), encoder_out, cache)
         return features[:rows], attn[:rows, :, :src_len], None
 
-    def int8_proposals(self) -> Int8Proposer:
-        """As ``ModelRunner.int8_proposals``; under --quantize int8 the proposer reads the units' own int8 rows
-        (the vocabulary's, the k-head layer's): one copy of them in memory and in the processor's caches."""
+    def proposal_layers(self):
+        """Under --quantize int8 blockwise's proposer reads the units' own int8 rows (the vocabulary's, the k-head
+        layer's): one copy of them in memory and in the processor's caches."""
         reduced = self.decoder_step.reduced
-        int8_layers = reduced if isinstance(reduced, Int8Weights) else None
-        if self.proposer is None or self.proposer.layers is not int8_layers \
-                or not self.proposer.is_current(self.model.decoder):
-            self.proposer = Int8Proposer(self.model.decoder, int8_layers)
-        return self.proposer
+        return reduced if isinstance(reduced, Int8Weights) else None
 
     def block_unit(self, rows: int, block: int, cache: StaticCache):
         """The unit compiled ahead of time for ``block`` positions per row of ``rows`` rows, or None (eager)."""

@@ -310,13 +310,19 @@ class ModelRunner:
         """The first ``block_size`` heads (..., block, dim) of a k-head decoder's outputs (..., dim)."""
         return self.model.decoder.heads(features)[..., :block_size, :]
 
-    def int8_proposals(self) -> Int8Proposer:
+    def int8_proposals(self, tokens: Optional[Tensor] = None) -> Int8Proposer:
         """int8 copies of the weights that make blockwise's proposals of heads 2..k
-        (``--blockwise-int8-proposals``), made again where the model's weights changed since the last copy (an
-        optimizer step between validations); a model they cannot be made for is refused (``ValueError``)."""
-        if self.proposer is None or not self.proposer.is_current(self.model.decoder):
-            self.proposer = Int8Proposer(self.model.decoder)
+        (``--blockwise-int8-proposals``; ``tokens`` (N,): the only tokens proposed, ``--blockwise-proposal-vocab``),
+        made again where the model's weights changed since the last copy (an optimizer step between validations);
+        a model they cannot be made for is refused (``ValueError``)."""
+        layers = self.proposal_layers()
+        if self.proposer is None or not self.proposer.serves(self.model.decoder, layers, tokens):
+            self.proposer = Int8Proposer(self.model.decoder, layers, tokens)
         return self.proposer
+
+    def proposal_layers(self):
+        """The int8 layers the proposer may read instead of copies of its own (None: none)."""
+        return None
 
     def int8_later_heads(self, features: Tensor, proposer: Int8Proposer) -> Tensor:
         """Heads 2..k (rows, k - 1, dim) of decoder outputs (rows, dim) through the int8 copies of an

@@ -17,10 +17,15 @@ copy has changed in place (an optimizer step bumps the tensor's version), so
 a generator built once (validation during training) does not propose from
 stale weights.  Writes through ``weight.data`` bypass the version counter;
 in exact mode a stale copy costs speed, never output.
+
+With ``tokens`` (``--blockwise-proposal-vocab``), the vocabulary projection holds only those tokens' rows: an
+iteration reads N rows of it instead of the vocabulary's, and the other tokens' logits are -inf (never proposed).
 """
 
-from typing import List
+import math
+from typing import List, Optional
 
+import torch
 from torch import Tensor
 
 from fairseq_fastgen.ops.precision_linear import Int8Rows
@@ -45,11 +50,12 @@ class Int8Proposer:
     them) and ``logits(h)``, the vocabulary projection (..., vocab) of head features h (..., dim).
     """
 
-    def __init__(self, decoder, layers=None):
+    def __init__(self, decoder, layers=None, tokens: Optional[Tensor] = None):
         """``layers``: the int8 layers the compiled engine's units read under --quantize int8
         (``int8_weights.Int8Weights``), whose rows it uses where they hold them instead of copies of its own: the
         same bits (a row's int8 product does not depend on the kernel), and one copy of the vocabulary's rows
-        read per iteration instead of two."""
+        read per iteration instead of two.  ``tokens`` (N,) long, ascending: the only tokens proposed (their
+        rows of the projection copied in int8), or None: every token."""
         heads = decoder.heads
         if decoder.output_projection is None or getattr(decoder, "adaptive_softmax", None) is not None:
             raise ValueError("--blockwise-int8-proposals needs a decoder with a plain output projection "
@@ -58,7 +64,7 @@ class Int8Proposer:
         if device.type != "cpu":
             raise ValueError(f"--blockwise-int8-proposals runs on the CPU (fbgemm's int8 linear); the model is on "
                              f"{device}: leave the option out")
-        self.decoder, self.layers = decoder, layers
+        self.decoder, self.layers, self.tokens = decoder, layers, tokens
         self.sources = self.copied_weights(decoder)
         self.versions = [weight._version for weight in self.sources]
 
@@ -67,7 +73,11 @@ class Int8Proposer:
             return Int8Linear(linear.weight, linear.bias) if shared is None else shared
 
         try:
-            self.output = int8_layer("output_projection", decoder.output_projection)
+            if tokens is None:
+                self.output = int8_layer("output_projection", decoder.output_projection)
+            else:  # each row's int8 scale is its own: the same rows as the whole projection's, fewer of them
+                self.output = Int8Linear(decoder.output_projection.weight.detach().index_select(0, tokens))
+                self.vocab = decoder.output_projection.weight.size(0)
             self.fc1 = self.fc2 = None  # without identity-first, every head is computed in full precision anyway
             if heads.identity_first and heads.fc1 is not None:
                 self.fc1 = int8_layer("heads.fc1", heads.fc1)
@@ -89,5 +99,16 @@ class Int8Proposer:
         return (decoder is self.decoder and len(weights) == len(self.sources) and weights[0].device.type == "cpu"
                 and all(w is s and w._version == v for w, s, v in zip(weights, self.sources, self.versions)))
 
+    def serves(self, decoder, layers, tokens: Optional[Tensor]) -> bool:
+        """Whether this proposer is the one to use for ``decoder`` with ``layers`` and ``tokens``."""
+        same_tokens = tokens is self.tokens or (tokens is not None and self.tokens is not None
+                                                and torch.equal(tokens, self.tokens))
+        return layers is self.layers and same_tokens and self.is_current(decoder)
+
     def logits(self, features: Tensor) -> Tensor:
-        return self.output(features)
+        """features (..., dim) -> logits (..., vocab); -inf outside ``tokens`` where given."""
+        if self.tokens is None:
+            return self.output(features)
+        some = self.output(features)  # (..., N)
+        logits = some.new_full((*some.shape[:-1], self.vocab), -math.inf)  # (..., vocab)
+        return logits.index_copy_(logits.dim() - 1, self.tokens, some)

@@ -49,7 +49,7 @@ class Runner(Protocol):
 
     # a k-head model (blockwise decoding)
     def heads(self, features: Tensor, block_size: int) -> Tensor: ...  # (..., dim) -> (..., block, dim)
-    def int8_proposals(self): ...  # int8 copies of the weights of heads 2..k's proposals
+    def int8_proposals(self, tokens=None): ...  # int8 copies of the weights of heads 2..k's proposals
     def int8_later_heads(self, features: Tensor, proposer) -> Tensor: ...  # (rows, dim) -> (rows, k - 1, dim)
 
 

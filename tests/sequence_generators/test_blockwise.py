@@ -2,6 +2,7 @@
 head 1, sentence by sentence, on the toy k-head checkpoints (k = 2 and 4); one
 model invocation per iteration; approximate criteria; refusals; the real CLIs."""
 
+import collections
 import copy
 import json
 import math
@@ -302,6 +303,33 @@ def test_int8_proposals_keep_greedy_output(loaded, block_size, batch_size):
     assert generator.runner.proposer is not None
 
 
+@pytest.mark.parametrize("block_size, batch_size", [(2, 1), (4, 1), (4, 64)])
+def test_a_proposal_vocabulary_keeps_greedy_output_and_proposes_only_its_tokens(loaded, tmp_path, block_size,
+                                                                                 batch_size):
+    """--blockwise-proposal-vocab: heads 2..k propose only the listed tokens (here every token greedy writes but
+    the five it writes most), head 1 still verifies against the whole vocabulary: greedy's tokens."""
+    model, task = loaded(block_size)
+    greedy, _ = decode(model, task, batch_size, decoder="greedy", **SOURCE_LENGTH)
+    written = collections.Counter(token for tokens, _ in greedy.values() for token in tokens)
+    left_out = set([token for token, _ in written.most_common() if token >= task.target_dictionary.nspecial][:5])
+    vocab = tmp_path / "proposals.txt"
+    symbols = task.target_dictionary.symbols
+    vocab.write_text("".join(f"{symbols[token]} {written[token]}\n" for token in written if token not in left_out))
+
+    def later_proposals(**options):
+        generator = task.build_generator([model], GenerationConfig(
+            beam=1, decoder="blockwise", blockwise_int8_proposals=True, **SOURCE_LENGTH, **options))
+        records = record_blocks(generator)
+        outputs = run_generator(generator, model, task, batch_size)
+        return outputs, {token for block, _ in records for token in block[:, 1:].reshape(-1).tolist()}
+
+    _, proposed_from_every_token = later_proposals()
+    assert left_out <= proposed_from_every_token  # the heads do propose them, given the whole vocabulary
+    outputs, proposed = later_proposals(blockwise_proposal_vocab=str(vocab))
+    assert_same_tokens(greedy, outputs)
+    assert not proposed & left_out
+
+
 def test_int8_linear_is_within_its_rounding_bound():
     """|int8 - float| per output <= what rounding the weight (half its row's scale) and the input (half the
     input's step, 7-bit range) can make."""
@@ -360,9 +388,21 @@ def test_a_model_without_heads_is_refused(toy_model):
     ({"beam": 1, "blockwise_epsilon": 1.0}, "matches no symbol"),
     ({"beam": 1, "blockwise_min_block": 5}, "--blockwise-min-block 5: at most the 4 tokens proposed per iteration"),
     ({"beam": 1, "blockwise_block_size": 2, "blockwise_min_block": 3}, "at most the 2 tokens proposed"),
+    ({"beam": 1, "blockwise_proposal_vocab": "VOCAB"}, "--blockwise-proposal-vocab VOCAB applies with "
+                                                       "--blockwise-int8-proposals"),
+    ({"beam": 1, "blockwise_int8_proposals": True, "blockwise_proposal_vocab": "VOCAB"},
+     "--blockwise-proposal-vocab VOCAB, line 2: 'not-a-token' is not a token of the model's target dictionary"),
+    ({"beam": 1, "blockwise_int8_proposals": True, "blockwise_proposal_vocab": "MISSING"},
+     "--blockwise-proposal-vocab MISSING cannot be read: "),
 ])
-def test_bad_options_are_refused(loaded, options, message):
+def test_bad_options_are_refused(loaded, tmp_path, options, message):
     model, task = loaded(4)
+    vocab = tmp_path / "proposals.txt"
+    vocab.write_text(f"{task.target_dictionary.symbols[10]} 5\nnot-a-token 3\n")
+    paths = {"VOCAB": str(vocab), "MISSING": str(tmp_path / "missing.txt")}
+    options = {name: paths.get(value, value) for name, value in options.items()}
+    for name, path in paths.items():
+        message = message.replace(name, path)
     with pytest.raises(ValueError, match=re.escape(message)):
         build(model, task, **options)
 
@@ -454,6 +494,8 @@ def test_fairseq_generate_and_interactive(khead_k4, tmp_path):
     # was re.error's traceback
     (["--blockwise-epsilon", "1", "--blockwise-ordinal-symbols", "(["],
      "--blockwise-ordinal-symbols '([' is not a regular expression: "),
+    (["--blockwise-int8-proposals", "--blockwise-proposal-vocab", "/nonexistent/vocab.txt"],
+     "--blockwise-proposal-vocab /nonexistent/vocab.txt cannot be read: [Errno 2] No such file or directory"),
 ])
 def test_fairseq_generate_refuses_a_bad_blockwise_option_in_one_line(khead_k4, options, message):
     cmd = toy.fairseq_command("generate") + [str(khead_k4.data_bin), "--path", str(khead_k4.checkpoint), "--user-dir",

@@ -2,7 +2,7 @@
 batches or streaming refills, and their counters."""
 
 from fairseq_fastgen.option_checks import UsageError, require_int
-from fairseq_fastgen.sequence_generators.blockwise.options import BlockwiseOptions, build_acceptance
+from fairseq_fastgen.sequence_generators.blockwise.options import BlockwiseOptions, build_acceptance, proposal_tokens
 from fairseq_fastgen.sequence_generators.blockwise.policy import BlockwisePolicy
 from fairseq_fastgen.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
@@ -56,12 +56,13 @@ class BlockwiseGenerator(FastgenGenerator):
                 f"(--blockwise-block-size; the model has {decoder.block_size} heads); give 1 .. {block_size}"
             )
         policy = BlockwisePolicy(block_size, build_acceptance(blockwise, tgt_dict), min_block, tgt_dict.pad(),
-                                 int8_proposals=blockwise.blockwise_int8_proposals)
+                                 int8_proposals=blockwise.blockwise_int8_proposals,
+                                 proposal_tokens=proposal_tokens(blockwise, tgt_dict))
         scheduler = cls.scheduler_for(options)
         policy.streaming = scheduler is not None  # finished rows wait for a refill's rows
         generator = cls(model, tgt_dict, gen_cfg, options.common, policy, scheduler, projection=projection)
         if policy.int8_proposals:
-            generator.runner.int8_proposals()  # made now: a model they cannot be made for is refused at the build
+            generator.runner.int8_proposals(policy.proposal_tokens)  # made now: a model they cannot be made for is refused at the build
         return generator
 
     @staticmethod

@@ -51,6 +51,14 @@ class BlockwiseOptions(FairseqDataclass):
                           "exact acceptance keeps greedy's output; faster at small batches on the CPU. With "
                           "--blockwise-top-k/-epsilon/-min-block the output may change"},
     )
+    blockwise_proposal_vocab: Optional[str] = field(
+        default=None,
+        metadata={"help": "blockwise, with --blockwise-int8-proposals: a file of the target tokens heads 2..k may "
+                          "propose, in fairseq's dictionary format (a 'token count' line each: e.g. the first N "
+                          "lines of a dict.TGT.txt that fairseq-preprocess counted on the training targets); the "
+                          "proposals' projection then reads only their rows. Exact acceptance still gives "
+                          "greedy's output; a token left out is never proposed (default: every token)"},
+    )
 
 
 # ---- acceptance criteria: is a proposed token good enough, given p_1 there? ------------------
@@ -106,6 +114,30 @@ def ordinal_values(tgt_dict, pattern: str) -> Tensor:
     if torch.isnan(values).all():
         raise ValueError(f"--blockwise-ordinal-symbols {pattern!r} matches no symbol of the target dictionary")
     return values
+
+
+def proposal_tokens(options: BlockwiseOptions, tgt_dict) -> Optional[Tensor]:
+    """The target tokens (N,) long, ascending, of ``--blockwise-proposal-vocab`` (the special symbols always
+    among them), or None: every token."""
+    path = options.blockwise_proposal_vocab
+    if path is None:
+        return None
+    if not options.blockwise_int8_proposals:
+        raise ValueError(f"--blockwise-proposal-vocab {path} applies with --blockwise-int8-proposals (the "
+                         f"proposals' int8 projection reads the listed tokens' rows)")
+    try:
+        with open(path, encoding="utf-8") as lines:
+            symbols = [(number, line.split()[0]) for number, line in enumerate(lines, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--blockwise-proposal-vocab {path} cannot be read: {error}") from error
+    tokens = set(range(tgt_dict.nspecial))  # bos, pad, eos, unk: a max-length row must still propose eos
+    for number, symbol in symbols:
+        index = tgt_dict.index(symbol)
+        if index == tgt_dict.unk() and symbol != tgt_dict.unk_word:
+            raise ValueError(f"--blockwise-proposal-vocab {path}, line {number}: {symbol!r} is not a token of the "
+                             f"model's target dictionary")
+        tokens.add(index)
+    return torch.tensor(sorted(tokens), dtype=torch.long)
 
 
 def build_acceptance(options: BlockwiseOptions, tgt_dict):

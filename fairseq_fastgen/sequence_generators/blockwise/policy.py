@@ -49,12 +49,13 @@ SOURCE_EXTRAS = frozenset({"first_attn"})  # the state's extras shaped (rows, sr
 class BlockwisePolicy(OneRowPath):
     """Predict / verify / accept; one model invocation per iteration after the first step."""
 
-    def __init__(self, block_size, acceptance, min_block, pad, int8_proposals=False):
+    def __init__(self, block_size, acceptance, min_block, pad, int8_proposals=False, proposal_tokens=None):
         self.block_size = block_size
         self.acceptance = acceptance
         self.min_block = min_block
         self.pad = pad
         self.int8_proposals = int8_proposals  # heads 2..k propose from the runner's int8 copies of their weights
+        self.proposal_tokens = proposal_tokens  # (N,) the only tokens they propose (None: every token)
         # a lone row with exact acceptance takes advance_one_row: the same computation with Python
         # integers in place of the small tensors of per-row bookkeeping (batch 1, a batch's last row)
         self.one_row_path = isinstance(acceptance, ExactMatch) and min_block == 1
@@ -183,7 +184,7 @@ class BlockwisePolicy(OneRowPath):
         if not self.int8_proposals:
             heads = ctx.runner.heads(base, self.block_size) if heads is None else heads
             return self.log_probs(heads[:, 1:], ctx, normalize=False)
-        proposer = ctx.runner.int8_proposals()
+        proposer = ctx.runner.int8_proposals(self.proposal_tokens)
         # (rows, k - 1, dim)
         later = ctx.runner.int8_later_heads(base, proposer) if heads is None else heads[:, 1:]
         return self.log_probs(later[:, : self.block_size - 1], ctx, project=proposer.logits, normalize=False)
