@@ -2,6 +2,7 @@
 of the product).
 
     python benchmarks/encoder_unit_ab.py DATA_BIN CHECKPOINT [--batch-size 1] [--sentences 300] [--rounds 3]
+        [--quantize int8] [--decoder blockwise --blockwise-int8-proposals] [--max-len-b 25]
 
 Decodes the first ``--sentences`` sentences of the test split in batches of ``--batch-size`` with one generator
 (``--step-engine compiled --compiled-freezing``, one thread), its runner's encoder unit
@@ -25,13 +26,19 @@ def main():
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--sentences", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quantize", help="the units' precision (int8: the encoder's unit holds int8 rows)")
+    parser.add_argument("--decoder", default="greedy")
+    parser.add_argument("--blockwise-int8-proposals", action="store_true")
+    parser.add_argument("--max-len-b", type=int, default=200, help="outputs capped at this many tokens (an "
+                        "untrained model's run to the cap)")
     args = parser.parse_args()
     model, task = load_test_split(args.data_bin, args.checkpoint)
     batches = list(task.get_batch_iterator(
         task.dataset("test"), max_sentences=args.batch_size, disable_iterator_cache=True,
     ).next_epoch_itr(shuffle=False))[: max(1, args.sentences // args.batch_size)]
     generator = task.build_generator([model], GenerationConfig(
-        beam=1, decoder="greedy", step_engine="compiled", compiled_freezing=True))
+        beam=1, decoder=args.decoder, step_engine="compiled", compiled_freezing=True, quantize=args.quantize,
+        blockwise_int8_proposals=args.blockwise_int8_proposals, max_len_a=0, max_len_b=args.max_len_b))
     units = generator.runner.units
     encoder_pass = units.encoder_pass
     if encoder_pass is None:

@@ -175,7 +175,7 @@ class EncoderPackage:
     """An encoder's :class:`~fairseq_fastgen.engine.encoder_pass.EncoderPass` for one row or (``rows`` None) any
     number of rows, its source length symbolic, as a package to compile or load."""
 
-    SOURCES = ("encoder_pass.py", "aot_step.py")
+    SOURCES = ("encoder_pass.py", "aot_step.py", "fused_weights.py", "layer_weights.py", "int8_weights.py")
 
     def __init__(self, encoder_pass: EncoderPass, rows: Optional[int] = None):
         self.encoder_pass, self.rows = encoder_pass, rows

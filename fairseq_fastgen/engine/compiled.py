@@ -41,7 +41,7 @@ from torch import Tensor
 from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
 from fairseq_fastgen.engine.compiled_step import PaddedStep
 from fairseq_fastgen.engine.compiled_units import CompiledUnits
-from fairseq_fastgen.engine.encoder_pass import EncoderPass, unsupported_encoder_reason
+from fairseq_fastgen.engine.encoder_pass import EncoderPass, int8_layers as encoder_int8_layers, unsupported_encoder_reason
 from fairseq_fastgen.engine.fairseq_runner import encoder_output
 from fairseq_fastgen.engine.runners import StaticRunner, shared_by_beams
 from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache
@@ -99,8 +99,8 @@ class CompiledRunner(StaticRunner):
         self.on_cuda = next(model.parameters()).device.type == "cuda"
         # --quantize: "int8", "int8-layers" (the vocabulary projection float32) or "bf16": the units compute the
         # decoder's linear layers in that precision, constants of every unit (int8_weights.py, bf16_weights.py), so
-        # every unit is frozen; the encoder and the encoder-decoder keys run fairseq's layers, through --quantize's
-        # stand-ins
+        # every unit is frozen; in int8 the encoder's unit holds its layers' int8 rows too (encoder_pass.py); the
+        # encoder-decoder keys (and the encoder in bf16) run fairseq's layers, through --quantize's stand-ins
         self.precision = precision if on_cpu else None
         # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
         # products for a few rows); it is compiled again when any decoder parameter changes
@@ -123,8 +123,8 @@ class CompiledRunner(StaticRunner):
         step = PaddedStep(self.decoder_step, temperature, projection is None, self.scores_blocks)
         # on the CPU the encoder runs a unit compiled ahead of time where it can (encoder_pass.py)
         encoder_pass = None
-        if packages and unsupported_encoder_reason(model.encoder) is None and self.precision is None:
-            encoder_pass = EncoderPass(model.encoder)
+        if packages and unsupported_encoder_reason(model.encoder) is None and self.precision != "bf16":
+            encoder_pass = EncoderPass(model.encoder, None if self.precision is None else encoder_int8_layers)
         # --compile-in-background: a unit that is not on disk yet is compiled by a child process while its steps
         # run eager; on CUDA one compilation with symbolic shapes serves every bucket (a CUDA graph per bucket)
         self.units = CompiledUnits(step, encoder_pass, max_rows, self.freezing, packages, symbolic=self.on_cuda,

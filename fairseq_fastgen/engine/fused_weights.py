@@ -16,7 +16,7 @@ The products sum in another order than fairseq's, so only the compiled
 engine (scores within float rounding) reads them.
 """
 
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -65,22 +65,30 @@ class FusedWeightsCache:
 
     @torch.no_grad()
     def build(self) -> FusedWeights:
-        weights, biases = [], []
-        for layer in self.decoder.layers:
-            attention = layer.self_attn
-            projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-            weights.append(torch.cat([p.weight for p in projections]))
-            has_bias = [p.bias is not None for p in projections]
-            if all(has_bias):
-                biases.append(torch.cat([p.bias for p in projections]))
-            elif not any(has_bias):
-                biases.append(None)
-            else:
-                zeros = [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections]
-                biases.append(torch.cat(zeros))
+        weights, biases = fused_query_key_value(self.decoder.layers)
         projection = plain_output_projection(self.decoder)
         output_t = projection.weight.t().contiguous() if projection is not None else None
         return FusedWeights(weights, biases, output_t)
+
+
+@torch.no_grad()
+def fused_query_key_value(layers) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
+    """Per fairseq encoder or decoder layer, its self-attention's query, key and value rows as one weight (3 * dim,
+    dim) and one bias (3 * dim,) or None."""
+    weights, biases = [], []
+    for layer in layers:
+        attention = layer.self_attn
+        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+        weights.append(torch.cat([p.weight for p in projections]))
+        has_bias = [p.bias is not None for p in projections]
+        if all(has_bias):
+            biases.append(torch.cat([p.bias for p in projections]))
+        elif not any(has_bias):
+            biases.append(None)
+        else:
+            zeros = [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections]
+            biases.append(torch.cat(zeros))
+    return weights, biases
 
 
 def plain_output_projection(decoder) -> Optional[nn.Linear]:

@@ -18,6 +18,7 @@ from fairseq.dataclass.configs import GenerationConfig
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.engine import compiled, engine_setting
 from fairseq_fastgen.engine.compiled import CompiledRunner
+from fairseq_fastgen.engine.compiled_units import is_encoder
 from fairseq_fastgen.engine.int8_weights import Int8Layer, Int8Weights
 from fairseq_fastgen.engine.fused_weights import FusedWeightsCache
 from fairseq_fastgen.ops import int8_kernel, precision_linear
@@ -101,7 +102,7 @@ def test_every_unit_reads_the_decodes_own_int8_rows_in_place(loaded_toy, transla
         decoder="greedy", beam=1, quantize="int8", step_engine="compiled"))
     runner = runner_of(generator)
     before = best_tokens(translate(loaded_toy, generator, 16))  # the unit for many rows, then 1 row at the end
-    units = [unit for unit in runner.units.packaged.values() if unit is not None]
+    units = [unit for key, unit in runner.units.packaged.items() if unit is not None and not is_encoder(key)]
     assert len(units) >= 2
     vocabulary = runner.decoder_step.reduced.layer("output_projection")
     for unit in units:
@@ -117,6 +118,30 @@ def test_every_unit_reads_the_decodes_own_int8_rows_in_place(loaded_toy, transla
             vocabulary.scales.copy_(scales)
     assert all(len(set(tokens[:-1])) == 1 and tokens != before[i] for i, tokens in flat.items())
     assert best_tokens(translate(loaded_toy, generator, 16)) == before
+
+
+def test_the_encoders_unit_computes_its_layers_in_int8(loaded_toy, translate):
+    """Under --quantize int8 the encoder runs its unit too (it ran fairseq's encoder through the stand-ins): the
+    unit holds the encoder's int8 rows and its states are the stand-ins' within float rounding, far nearer them
+    than float32's states are."""
+    generator = loaded_toy.task.build_generator(loaded_toy.models, GenerationConfig(
+        decoder="greedy", beam=1, quantize="int8", step_engine="compiled"))
+    runner = runner_of(generator)
+    translate(loaded_toy, generator, 16)  # batches of 16 and 8 rows: the encoder's unit for more rows than one
+    encoder_units = {key: unit for key, unit in runner.units.packaged.items() if is_encoder(key)}
+    assert set(encoder_units) == {("encoder", None)} and None not in encoder_units.values()
+    assert isinstance(runner.units.encoder_pass.reduced, Int8Weights)
+    encoder = loaded_toy.models[0].encoder
+    batch = loaded_toy.dataset.collater([loaded_toy.dataset[index] for index in range(8)])["net_input"]
+    with torch.inference_mode():
+        unit = runner.encode(batch)
+        with generator.linear_forwards[0].attached():  # fairseq's encoder through --quantize's stand-ins
+            stand_ins = encoder(batch["src_tokens"], batch["src_lengths"])
+        float32 = encoder(batch["src_tokens"], batch["src_lengths"])
+    real = ~stand_ins["encoder_padding_mask"][0].t()  # (src_len, rows): the positions a decoder reads
+    assert torch.equal(~unit["encoder_padding_mask"][0].t(), real)
+    states = [out["encoder_out"][0][real] for out in (unit, stand_ins, float32)]  # (positions, dim) each
+    assert (states[0] - states[1]).abs().max() < 0.1 * (states[2] - states[1]).abs().max()
 
 
 def test_beam_search_on_compiled_int8_units(loaded_toy, translate):
