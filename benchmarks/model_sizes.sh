@@ -87,8 +87,8 @@ if wanted proposals; then
   UNTRAINED_VOCAB=$OUT/proposal-vocab4000-untrained.txt
   [ -f "$UNTRAINED_VOCAB" ] || .venv/bin/python benchmarks/proposal_vocab.py "$M/bin" --top 4000 \
     --output "$UNTRAINED_VOCAB" --also "$WRITTEN"
-  row untrained-proposal-vocab-bs1 --path "$UNTRAINED_NARROW" --decoders blockwise --beam 1 --batch-size 1 \
-    --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --step-engine compiled --compiled-freezing \
+  row untrained-proposal-vocab-bs1 --path "$UNTRAINED_NARROW" --decoders greedy,blockwise --beam 1 --batch-size 1 \
+    --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine compiled --compiled-freezing \
     --no-ctranslate2 --blockwise-int8-proposals --quantize int8 \
     --variant "vocab4000=--blockwise-proposal-vocab $UNTRAINED_VOCAB"
 fi
