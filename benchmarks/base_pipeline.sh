@@ -18,6 +18,9 @@
 #   5. the frozen-base k = 4 student on the regular data (model_sizes.sh's default KHEAD);
 #   6. multi30k_distill.py's "bench" stage: BLEU and the mean accepted block of every model (batch 64, not timed).
 set -euo pipefail
+# nice alone does not yield to other sessions' work where the kernel groups processes by session (autogroup: a chain
+# started with setsid, as it should be to outlive its terminal, weighs as much as everything else): its group too
+echo 19 2>/dev/null > /proc/self/autogroup || true
 # glibc serves buffers above 32 MiB with fresh pages that fault on first touch: fairseq-train on the CPU spent 40% of
 # its CPU time in the kernel. From the heap (as the plugin's generators take them: fairseq_fastgen/ops/heap.py) 7%.
 export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1073741824} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-2147483647}
