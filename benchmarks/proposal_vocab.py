@@ -32,10 +32,8 @@ def token_counts(data_bin: Path, split: str, dictionary: Dictionary) -> np.ndarr
     """(vocab,) how often each target token occurs in ``split``."""
     source, target = target_pair(data_bin, split)
     dataset = data_utils.load_indexed_dataset(str(data_bin / f"{split}.{source}-{target}.{target}"), dictionary)
-    counts = np.zeros(len(dictionary), dtype=np.int64)
-    for index in range(len(dataset)):
-        counts += np.bincount(dataset[index].numpy(), minlength=len(dictionary))
-    return counts
+    tokens = np.concatenate([dataset[index].numpy() for index in range(len(dataset))])
+    return np.bincount(tokens, minlength=len(dictionary))
 
 
 def main():

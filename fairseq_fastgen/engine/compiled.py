@@ -41,7 +41,8 @@ from torch import Tensor
 from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
 from fairseq_fastgen.engine.compiled_step import PaddedStep
 from fairseq_fastgen.engine.compiled_units import CompiledUnits
-from fairseq_fastgen.engine.encoder_pass import EncoderPass, int8_layers as encoder_int8_layers, unsupported_encoder_reason
+from fairseq_fastgen.engine.encoder_pass import EncoderPass, unsupported_encoder_reason
+from fairseq_fastgen.engine.encoder_pass import int8_layers as encoder_int8_layers
 from fairseq_fastgen.engine.fairseq_runner import encoder_output
 from fairseq_fastgen.engine.runners import StaticRunner, shared_by_beams
 from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache

@@ -220,8 +220,7 @@ class CompiledUnits:
         key = ("encoder", 1 if rows == 1 else None)
         signature = tensors_signature(self.encoder_pass.encoder.parameters())
         if signature != self.encoder_signature:  # units holding other weights as constants: dropped
-            if self.encoder_signature is not None:
-                self.encoder_pass.follow_weights()
+            self.encoder_pass.follow_weights()
             self.encoder_signature = signature
             for unit in [("encoder", 1), ("encoder", None)]:
                 self.packaged.pop(unit, None)

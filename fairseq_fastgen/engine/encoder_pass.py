@@ -62,10 +62,10 @@ class EncoderPass(nn.Module):
         attention = encoder.layers[0].self_attn
         self.heads, self.head_dim = attention.num_heads, attention.head_dim
         self.reduce = reduce
-        self.reduced = reduce(encoder) if reduce else None
+        self.reduced = None  # made from the weights the first unit is built for (follow_weights)
 
     def follow_weights(self):
-        """The encoder's parameters changed: its reduced-precision layers made again from them."""
+        """The encoder's parameters are new or changed: its reduced-precision layers made from them."""
         if self.reduce:
             self.reduced = self.reduce(self.encoder)
 

@@ -9,6 +9,7 @@ input row's integer can move by one and a near-tie between two tokens go the oth
 it in at most 2% of the sentences (seen: none of 200 on an AMD Zen 5 with AVX-512 VNNI, one on an AMD Zen 3 with
 AVX2); a wrong product would change most of them."""
 
+import copy
 import logging
 
 import pytest
@@ -131,13 +132,31 @@ def test_the_encoders_unit_computes_its_layers_in_int8(loaded_toy, translate):
     encoder_units = {key: unit for key, unit in runner.units.packaged.items() if is_encoder(key)}
     assert set(encoder_units) == {("encoder", None)} and None not in encoder_units.values()
     assert isinstance(runner.units.encoder_pass.reduced, Int8Weights)
-    encoder = loaded_toy.models[0].encoder
+    assert_encoder_unit_is_the_stand_ins(loaded_toy, generator, loaded_toy.models[0])
+
+
+def test_the_encoders_int8_rows_are_made_from_the_weights_it_encodes_with(loaded_toy):
+    """A generator built, then the encoder's weights changed in place (training between validations): the unit's
+    int8 rows are made from the changed weights, not from those the generator was built with."""
+    model = copy.deepcopy(loaded_toy.models[0])
+    generator = loaded_toy.task.build_generator([model], GenerationConfig(
+        decoder="greedy", beam=1, quantize="int8", step_engine="compiled"))
+    with torch.no_grad():
+        model.encoder.layers[0].fc2.weight.mul_(3.0)
+    assert_encoder_unit_is_the_stand_ins(loaded_toy, generator, model)
+
+
+def assert_encoder_unit_is_the_stand_ins(loaded_toy, generator, model):
+    """The encoder's unit gives the states of fairseq's encoder through --quantize's stand-ins within float
+    rounding, far nearer them than float32's states are (8 sentences of the test split)."""
+    runner = runner_of(generator)
     batch = loaded_toy.dataset.collater([loaded_toy.dataset[index] for index in range(8)])["net_input"]
     with torch.inference_mode():
         unit = runner.encode(batch)
         with generator.linear_forwards[0].attached():  # fairseq's encoder through --quantize's stand-ins
-            stand_ins = encoder(batch["src_tokens"], batch["src_lengths"])
-        float32 = encoder(batch["src_tokens"], batch["src_lengths"])
+            stand_ins = model.encoder(batch["src_tokens"], batch["src_lengths"])
+        float32 = model.encoder(batch["src_tokens"], batch["src_lengths"])
+    assert runner.units.packaged.get(("encoder", None)) is not None
     real = ~stand_ins["encoder_padding_mask"][0].t()  # (src_len, rows): the positions a decoder reads
     assert torch.equal(~unit["encoder_padding_mask"][0].t(), real)
     states = [out["encoder_out"][0][real] for out in (unit, stand_ins, float32)]  # (positions, dim) each

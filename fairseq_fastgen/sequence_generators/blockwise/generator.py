@@ -62,7 +62,8 @@ class BlockwiseGenerator(FastgenGenerator):
         policy.streaming = scheduler is not None  # finished rows wait for a refill's rows
         generator = cls(model, tgt_dict, gen_cfg, options.common, policy, scheduler, projection=projection)
         if policy.int8_proposals:
-            generator.runner.int8_proposals(policy.proposal_tokens)  # made now: a model they cannot be made for is refused at the build
+            # made now: a model they cannot be made for is refused at the build
+            generator.runner.int8_proposals(policy.proposal_tokens)
         return generator
 
     @staticmethod
