@@ -45,9 +45,11 @@ from fairseq_fastgen.engine.encoder_pass import EncoderPass, unsupported_encoder
 from fairseq_fastgen.engine.encoder_pass import int8_layers as encoder_int8_layers
 from fairseq_fastgen.engine.fairseq_runner import encoder_output
 from fairseq_fastgen.engine.runners import StaticRunner, shared_by_beams
-from fairseq_fastgen.engine.fused_weights import FusedWeights, FusedWeightsCache
+from fairseq_fastgen.engine.fused_weights import (
+    FusedWeights, FusedWeightsCache, encoder_key_value_projections, fused_linears,
+)
 from fairseq_fastgen.engine.bf16_weights import Bf16Weights
-from fairseq_fastgen.engine.int8_weights import Int8Weights
+from fairseq_fastgen.engine.int8_weights import Int8Layer, Int8Weights, takes_int8
 from fairseq_fastgen.engine.layer_weights import LayerWeights
 from fairseq_fastgen.engine.static_cache import StaticCache
 from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear, onednn_serves, pack_weight
@@ -100,8 +102,9 @@ class CompiledRunner(StaticRunner):
         self.on_cuda = next(model.parameters()).device.type == "cuda"
         # --quantize: "int8", "int8-layers" (the vocabulary projection float32) or "bf16": the units compute the
         # decoder's linear layers in that precision, constants of every unit (int8_weights.py, bf16_weights.py), so
-        # every unit is frozen; in int8 the encoder's unit holds its layers' int8 rows too (encoder_pass.py); the
-        # encoder-decoder keys (and the encoder in bf16) run fairseq's layers, through --quantize's stand-ins
+        # every unit is frozen; in int8 the encoder's unit holds its layers' int8 rows too (encoder_pass.py) and the
+        # encoder-decoder keys are one int8 product (encoder_keys_product); in bf16 the encoder and those keys run
+        # fairseq's layers, through --quantize's stand-ins
         self.precision = precision if on_cpu else None
         # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
         # products for a few rows); it is compiled again when any decoder parameter changes
@@ -116,6 +119,8 @@ class CompiledRunner(StaticRunner):
         self.eager_linears = OneDNNLinears(model) if on_cpu and onednn_available() else None
         self.qkv_packed_from: Optional[FusedWeights] = None  # the fused weights qkv_packed holds, packed
         self.qkv_packed = []  # per layer: oneDNN's packed fused query/key/value weight (None: torch's product)
+        self.keys_rows_from: Optional[FusedWeights] = None  # the fused weights keys_rows was made with
+        self.keys_rows: Optional[Int8Layer] = None  # under int8: every layer's encoder-decoder projections, one product
         self.block_width = 1  # positions per row of the widest block step_block ran: shorter ones are padded to it
         # a block unit also computes the log-probabilities of its features: those of head 1 where head 1 is the
         # base output (an identity-first k-head decoder), with the model's own projection
@@ -239,11 +244,26 @@ class CompiledRunner(StaticRunner):
         if beams > 1:
             index = index[::beams]  # each sentence's first beam: its keys serve all its beams
         with self.eager_products():
-            keys, values = self.decoder_step.encoder_keys_values(states.index_select(1, index))
+            keys, values = self.decoder_step.encoder_keys_values(states.index_select(1, index),
+                                                                 product=self.encoder_keys_product())
         keys, values = [k.contiguous() for k in keys], [v.contiguous() for v in values]  # the strides after a select
         cache.start(keys, values, mask.index_select(0, index), self.decoder_step.heads, self.decoder_step.head_dim,
                     origin, beams)
         cache.real_rows = rows
+
+    def encoder_keys_product(self) -> Optional[Int8Layer]:
+        """Under --quantize int8, every layer's encoder-decoder key and value projections as one product of int8 rows
+        (``DecoderStep.encoder_keys_values``: one call a sentence instead of two a layer through the stand-ins, the
+        same bits: an output row's int8 product does not depend on the rows beside it), made again with the fused
+        weights, whose signature covers those projections; else None (each projection's own product)."""
+        if self.precision not in ("int8", "int8-layers"):
+            return None
+        if self.keys_rows_from is not self.fused:
+            projections = encoder_key_value_projections(self.decoder_step.decoder)
+            int8 = len(projections) == 2 * len(self.decoder_step.layers) and all(map(takes_int8, projections))
+            self.keys_rows = Int8Layer(*fused_linears(projections)) if int8 else None
+            self.keys_rows_from = self.fused
+        return self.keys_rows
 
     def shares_encoder_keys(self, origin: Tensor, cache: StaticCache) -> bool:
         """Whether a cache whose rows' encoder states have ``origin`` (rows,) holds its encoder-decoder keys once

@@ -36,7 +36,7 @@ run one layer loop (:meth:`DecoderStep.layer_loop`) and differ in their attentio
 keeps fairseq's own step).
 """
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -216,12 +216,22 @@ class DecoderStep(nn.Module):
         """(length, rows, dim) -> (rows * heads, length, head_dim), fairseq's layout."""
         return x.contiguous().view(x.size(0), -1, self.head_dim).transpose(0, 1)
 
-    def encoder_keys_values(self, encoder_states: Tensor, kept: Optional[Tensor] = None) -> Tuple[list, list]:
+    def encoder_keys_values(self, encoder_states: Tensor, kept: Optional[Tensor] = None,
+                            product: Optional[Callable[[Tensor], Tensor]] = None) -> Tuple[list, list]:
         """Per layer, the encoder-decoder keys and values (rows, heads, src_len, head_dim) of
         ``encoder_states`` (src_len, rows, dim), laid out as fairseq's first step leaves them; with ``kept``
         (n,), of those rows only, each layer's projection still over every row (the bits of fairseq's
-        product over them: a product over fewer rows sums in another order)."""
+        product over them: a product over fewer rows sums in another order).  ``product``: every layer's
+        projections as one, (src_len, rows, dim) -> (src_len, rows, layers * 2 * dim) in the order of
+        ``fused_weights.encoder_key_value_projections`` (then each layer's keys and values are slices of one copy)."""
         rows = encoder_states.size(1)
+        if product is not None:
+            projected = product(encoder_states)  # (src_len, rows, layers * 2 * dim)
+            # (layers, 2, rows, heads, src_len, head_dim): [layer, 0] its keys, [layer, 1] its values
+            split = projected.view(projected.size(0), rows, len(self.layers), 2, self.heads, self.head_dim)
+            split = split.permute(2, 3, 1, 4, 0, 5)
+            both = (split if kept is None else split.index_select(2, kept)).contiguous()
+            return list(both[:, 0].unbind(0)), list(both[:, 1].unbind(0))
         keys, values = [], []
         for layer in self.layers:
             attention = layer.encoder_attn

@@ -7,7 +7,9 @@ by reading its weight, plus a fixed cost per call.  Two layouts save both:
   (3 x dim, dim) product instead of three calls;
 * the vocabulary projection's weight stored transposed, (dim, vocab)
   contiguous: MKL's matrix-vector product reads it faster than
-  ``F.linear``'s transposed view of the (vocab, dim) weight.
+  ``F.linear``'s transposed view of the (vocab, dim) weight;
+* every layer's encoder-decoder key and value projections as one product
+  (``encoder_keys_values``), computed once per sentence.
 
 The copies are made once and made again when a parameter they come from
 changes (a new tensor, or an in-place update: its version counter), so a
@@ -51,6 +53,10 @@ class FusedWeightsCache:
                 tensors.append(projection.weight)
                 if projection.bias is not None:
                     tensors.append(projection.bias)
+        for projection in encoder_key_value_projections(self.decoder):
+            tensors.append(projection.weight)
+            if projection.bias is not None:
+                tensors.append(projection.bias)
         projection = plain_output_projection(self.decoder)
         if projection is not None:
             tensors.append(projection.weight)
@@ -75,20 +81,28 @@ class FusedWeightsCache:
 def fused_query_key_value(layers) -> Tuple[List[Tensor], List[Optional[Tensor]]]:
     """Per fairseq encoder or decoder layer, its self-attention's query, key and value rows as one weight (3 * dim,
     dim) and one bias (3 * dim,) or None."""
-    weights, biases = [], []
-    for layer in layers:
-        attention = layer.self_attn
-        projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-        weights.append(torch.cat([p.weight for p in projections]))
-        has_bias = [p.bias is not None for p in projections]
-        if all(has_bias):
-            biases.append(torch.cat([p.bias for p in projections]))
-        elif not any(has_bias):
-            biases.append(None)
-        else:
-            zeros = [p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections]
-            biases.append(torch.cat(zeros))
-    return weights, biases
+    fused = [fused_linears((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj))
+             for layer in layers]
+    return [weight for weight, _ in fused], [bias for _, bias in fused]
+
+
+@torch.no_grad()
+def fused_linears(projections) -> Tuple[Tensor, Optional[Tensor]]:
+    """The rows of several ``nn.Linear`` of one input size as one weight (sum of outputs, in) and one bias (zeros
+    for a layer without one), or None where none has a bias."""
+    weight = torch.cat([p.weight for p in projections])
+    has_bias = [p.bias is not None for p in projections]
+    if not any(has_bias):
+        return weight, None
+    return weight, torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features)
+                              for p in projections])
+
+
+def encoder_key_value_projections(decoder) -> List[nn.Linear]:
+    """Every decoder layer's encoder-decoder key and value projections, in the order of
+    ``DecoderStep.encoder_keys_values``'s one product: layer 0's keys, its values, layer 1's keys, ..."""
+    layers = [layer.encoder_attn for layer in decoder.layers if getattr(layer, "encoder_attn", None) is not None]
+    return [projection for attention in layers for projection in (attention.k_proj, attention.v_proj)]
 
 
 def plain_output_projection(decoder) -> Optional[nn.Linear]:

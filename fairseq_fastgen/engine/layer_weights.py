@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 # layers the units never call through these modules: each self-attention's query/key/value (one fused product,
-# LayerWeights.qkv) and the encoder-decoder keys/values (computed once per decode, eager, through --quantize's
-# stand-ins)
+# LayerWeights.qkv) and the encoder-decoder keys/values (computed once per decode, outside the units:
+# CompiledRunner.encoder_keys_product)
 NOT_IN_UNITS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "encoder_attn.k_proj",
                 "encoder_attn.v_proj")
 

@@ -146,6 +146,42 @@ def test_the_encoders_int8_rows_are_made_from_the_weights_it_encodes_with(loaded
     assert_encoder_unit_is_the_stand_ins(loaded_toy, generator, model)
 
 
+def test_every_layers_encoder_decoder_keys_are_one_int8_product_with_the_stand_ins_bits(loaded_toy):
+    """Under int8 a sentence's encoder-decoder keys and values of every layer come from one product of int8 rows
+    (two products a layer through --quantize's stand-ins before): bitwise the stand-ins' keys and values, and made
+    again from those projections' weights when they change in place."""
+    model = copy.deepcopy(loaded_toy.models[0])
+    generator = loaded_toy.task.build_generator([model], GenerationConfig(
+        decoder="greedy", beam=1, quantize="int8", step_engine="compiled"))
+    runner = runner_of(generator)
+    batch = loaded_toy.dataset.collater([loaded_toy.dataset[index] for index in range(8)])["net_input"]
+
+    def cached_and_stand_ins():
+        """The keys and values a started cache holds, and those of each layer's projections through the
+        stand-ins, (rows, heads, src_len, head_dim) each."""
+        with torch.inference_mode():
+            encoder_out = runner.encode(batch)
+            cache = runner.new_cache()
+            runner.start_cache(cache, encoder_out)
+            states = encoder_out["encoder_out"][0]  # (src_len, rows, dim)
+            with generator.linear_forwards[0].attached():
+                keys, values = runner.decoder_step.encoder_keys_values(states)
+        src_len, rows = states.shape[:2]
+        held = [t[:rows, :, :src_len] for t in cache.cross_keys + cache.cross_values]
+        return held, keys + values
+
+    held, stand_ins = cached_and_stand_ins()
+    layers, dim = len(model.decoder.layers), model.decoder.embed_dim
+    assert isinstance(runner.keys_rows, Int8Layer) and runner.keys_rows.out_features == 2 * layers * dim
+    assert len(held) == len(stand_ins) == 2 * layers
+    assert all(torch.equal(a, b) for a, b in zip(held, stand_ins))
+    with torch.no_grad():
+        model.decoder.layers[-1].encoder_attn.v_proj.weight.mul_(3.0)
+    changed, stand_ins = cached_and_stand_ins()
+    assert all(torch.equal(a, b) for a, b in zip(changed, stand_ins))
+    assert not torch.equal(changed[-1], held[-1]) and torch.equal(changed[0], held[0])
+
+
 def assert_encoder_unit_is_the_stand_ins(loaded_toy, generator, model):
     """The encoder's unit gives the states of fairseq's encoder through --quantize's stand-ins within float
     rounding, far nearer them than float32's states are (8 sentences of the test split)."""
