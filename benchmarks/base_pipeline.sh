@@ -16,7 +16,9 @@
 #      (the two stages of docs/benchmarks.md, "The students"); after k = 4 the same two with a k-head layer a quarter
 #      as wide (--khead-ffn-dim 512: an iteration reads 4.2M parameters of it instead of 16.8M);
 #   5. the frozen-base k = 4 student on the regular data (model_sizes.sh's default KHEAD);
-#   6. multi30k_distill.py's "bench" stage: BLEU and the mean accepted block of every model (batch 64, not timed).
+#   6. multi30k_distill.py's "bench" stage: BLEU and the mean accepted block of every model (batch 64, not timed);
+#   7. the big transformer (benchmarks/multi30k.py --size big, 2,400 updates: about 4x the base's time an update
+#      here) and its BLEU, in bench_out/multi30k-big (BIG_OUT), after everything the base-size rows need.
 set -euo pipefail
 # nice alone does not yield to other sessions' work where the kernel groups processes by session (autogroup: a chain
 # started with setsid, as it should be to outlive its terminal, weighs as much as everything else): its group too
@@ -32,16 +34,20 @@ STUDENTS=(--size base --out "$M" --bench-dir "$BENCH" --k 4,8 --frozen-lr 0.001 
           --finetune-subloss-mode mean --finetune-lr 0.0002 --finetune-updates 600)
 
 say() { echo "== $(date -u '+%F %T') $*"; }
+# the BLEU of the model trained in $1 (its base/checkpoint_best.pt; beam 5, test_2016_flickr), in $1/base/bleu.txt
+bleu() {
+  if [ ! -f "$1/base/bleu.txt" ]; then
+    say "BLEU of $1/base (beam 5, test_2016_flickr)"
+    .venv/bin/fairseq-generate "$1/bin" --path "$1/base/checkpoint_best.pt" --user-dir fairseq_fastgen --cpu \
+      --gen-subset test --beam 5 --batch-size 64 --post-process sentencepiece --scoring sacrebleu --quiet 2>&1 \
+      | tail -1 > "$1/base/bleu.txt"
+  fi
+  cat "$1/base/bleu.txt"
+}
 
 say "base transformer"
 "$PY" benchmarks/multi30k.py --size base --out "$M" --stop-after base
-if [ ! -f "$M/base/bleu.txt" ]; then
-  say "BLEU of the base (beam 5, test_2016_flickr)"
-  .venv/bin/fairseq-generate "$M/bin" --path "$BASE" --user-dir fairseq_fastgen --cpu --gen-subset test --beam 5 \
-    --batch-size 64 --post-process sentencepiece --scoring sacrebleu --quiet 2>&1 | tail -1 \
-    > "$M/base/bleu.txt"
-fi
-cat "$M/base/bleu.txt"
+bleu "$M"
 for TOP in 3 20; do
   FILE=$M/clusters1000k$TOP.pt
   if [ ! -f "$FILE" ]; then
@@ -70,4 +76,8 @@ say "k = 4 frozen student, regular data"
 say "BLEU and accepted blocks"
 "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages bench --two-stage 4-distilled,8-distilled
 "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages bench --two-stage 4-distilled --k 4 --khead-ffn-dim 512
+BIG_OUT=${BIG_OUT:-bench_out/multi30k-big}
+say "big transformer"
+"$PY" benchmarks/multi30k.py --size big --out "$BIG_OUT" --stop-after base
+bleu "$BIG_OUT"
 say "done"

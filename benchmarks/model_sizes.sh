@@ -135,7 +135,7 @@ wanted varbeam && row base-var-beam-bs64 --path "$BASE" --decoders beam,var-batc
   --batch-size 64 --max-sentences 192 --repeat 2 --step-engine static --no-ctranslate2
 # the big shapes, untrained (one update at a learning rate of 1e-9, made here when missing; outputs capped at 25
 # tokens): speed only, greedy at batch 1 and 64, on static and on the frozen compiled engine, and stock beam 5
-BIG=${BIG:-bench_out/multi30k-big/base/checkpoint_last.pt}
+BIG=${BIG:-bench_out/multi30k-big/untrained/checkpoint_last.pt}  # not base/: base_pipeline.sh trains the big model there
 if wanted big; then
   untrained transformer_vaswani_wmt_en_de_big "$BIG"
   for BATCH in 1 64; do
