@@ -4,9 +4,11 @@
 #   bash benchmarks/base_pipeline.sh [M] [BENCH]     # M: bench_out/multi30k-base, BENCH: bench/base-students
 #
 # Each step is skipped when its output exists and a stopped step resumes from its last checkpoint, so the same
-# command picks up wherever a previous run (or a lost machine) left off. On the 2-core CPU the whole chain takes
-# about 9 hours (the base about 3: 1,200 updates of ~9.5 s in bfloat16 on AMX); run it under `nice -n 19` so that
-# interactive work comes first, and stop it (kill -STOP, kill -CONT) while timing anything else.
+# command picks up wherever a previous run (or a lost machine) left off. On the 2-core Intel Xeon (bfloat16 on AMX)
+# the base takes about 3.5 hours (1,200 updates of ~10 s), a frozen student's update ~8 s and a fine-tuned one's ~25 s
+# (mean mode scores four heads), so the base-size chain runs about 20 hours and the big model about a day more; run
+# it under `nice -n 19` so that interactive work comes first, and stop it (kill -STOP, kill -CONT) while timing
+# anything else.
 #
 # In order, each needing the ones before:
 #   1. the base transformer (benchmarks/multi30k.py --size base), BLEU of its checkpoint_best.pt in base/bleu.txt;
