@@ -46,17 +46,10 @@ class FusedWeightsCache:
         self.weights: Optional[FusedWeights] = None
 
     def sources(self) -> List[Tensor]:
-        tensors = []
-        for layer in self.decoder.layers:
-            attention = layer.self_attn
-            for projection in (attention.q_proj, attention.k_proj, attention.v_proj):
-                tensors.append(projection.weight)
-                if projection.bias is not None:
-                    tensors.append(projection.bias)
-        for projection in encoder_key_value_projections(self.decoder):
-            tensors.append(projection.weight)
-            if projection.bias is not None:
-                tensors.append(projection.bias)
+        projections = [p for layer in self.decoder.layers
+                       for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        projections += encoder_key_value_projections(self.decoder)
+        tensors = [t for p in projections for t in (p.weight, p.bias) if t is not None]
         projection = plain_output_projection(self.decoder)
         if projection is not None:
             tensors.append(projection.weight)
