@@ -10,7 +10,6 @@ from fairseq_fastgen.sequence_generators.processors import StepRows
 from fairseq_fastgen.registry import register_decoder
 from fairseq_fastgen.sequence_generators.streaming import (
     PADDING_SENTENCE,
-    ROW_MULTIPLE,
     StreamingScheduler,
     StreamOptions,
     drain_waiting_rows,
@@ -106,8 +105,8 @@ class JoinedGreedyPolicy:
     @staticmethod
     def drain(state, ctx):
         """No source waits for a place: the finished rows go, but for those that keep the row count a multiple
-        of ROW_MULTIPLE (a step costs no more with them, and less than at other counts)."""
-        return drain_waiting_rows(state, ROW_MULTIPLE)
+        of the runner's ``kept_row_multiple`` (where a step costs no more with them)."""
+        return drain_waiting_rows(state, state.runner.kept_row_multiple)
 
 
 @register_decoder("greedy", guarantee="argmax at every step, token-identical to stock --beam 1")

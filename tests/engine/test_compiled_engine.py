@@ -405,3 +405,29 @@ def test_greedy_on_the_compiled_engine_moves_few_rows_and_keeps_fairseqs_tokens(
     _, actual = decode(toy, SENTENCES[:40], 20, step_engine="compiled", decoder="greedy", beam=1)
     assert_same_tokens_close_scores(expected, actual)
     assert any(applied)
+
+
+def test_a_bucket_step_shrinks_buffers_whose_positions_went_to_the_smallest_bucket(toy):
+    """A bucket's compiled step reads every position of its buffers: where a cache holds far fewer positions than
+    its buffers (a stream whose first positions went, here the last ones dropped), the next step of a bucket's
+    rows shrinks them to the smallest bucket that holds its positions, with the numbers of a cache that never
+    grew past it."""
+    generator = toy.generator(step_engine="compiled", decoder="greedy", beam=1)
+    runner = generator.runner
+    sample = toy.sample(SENTENCES[:2])
+    with torch.no_grad():
+        encoder_out = runner.encode(sample["net_input"])
+        tokens = torch.randint(4, len(toy.task.target_dictionary), (2, 40), generator=torch.Generator().manual_seed(0))
+        tokens[:, 0] = toy.task.target_dictionary.eos()
+        grown, fresh = runner.new_cache(), runner.new_cache()
+        for length in range(1, 41):
+            runner.step(tokens[:, :length], encoder_out, grown)
+        assert grown.capacity == compiled.bucket_capacity(40) > compiled.bucket_capacity(11)
+        runner.drop_last_positions(grown, 30)  # 10 positions left in buffers of 64
+        for length in range(1, 11):
+            runner.step(tokens[:, :length], encoder_out, fresh)
+        want = runner.step(tokens[:, :11], encoder_out, fresh)
+        got = runner.step(tokens[:, :11], encoder_out, grown)
+    assert 2 <= runner.max_rows
+    assert grown.capacity == fresh.capacity == compiled.bucket_capacity(11)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -405,7 +405,7 @@ def test_compiled_engine_steps_joined_rows_in_its_compiled_unit(toy, monkeypatch
     def logged(unit, last, positions, encoder_out, cache):
         compiled_rows.append(last.size(0))
         outputs = padded_step(unit, last, positions, encoder_out, cache)
-        unread_room.append(cache.capacity - cache.length)  # positions the next step reads but no row wrote
+        unread_room.append((last.size(0), cache.capacity, cache.length))  # the next step reads every position
         return outputs
 
     monkeypatch.setattr(runner, "padded_step", logged)
@@ -417,11 +417,19 @@ def test_compiled_engine_steps_joined_rows_in_its_compiled_unit(toy, monkeypatch
         assert torch.allclose(got["positional_scores"], want["positional_scores"], atol=1e-4, rtol=0), sentence
     assert eager.rows == [] and eager.concatenated == []
     group = streaming.ENCODED_AHEAD * CAPACITY  # a group of sources started ahead: their first step, at the bos
-    assert set(compiled_rows) == {CAPACITY, streaming.ROW_MULTIPLE, group}
+    assert set(compiled_rows) - set(range(1, CAPACITY)) == {CAPACITY, group}
+    # once no source waits the finished rows go, none kept to round the count: the units pad rows to their
+    # buckets themselves (kept_row_multiple 1), so the last calls run exactly the rows still decoding
+    drained = compiled_rows[len(compiled_rows) - compiled_rows[::-1].index(CAPACITY):]
+    assert drained == sorted(drained, reverse=True) and drained[-1] < streaming.ROW_MULTIPLE
     assert len(compiled_rows) == generator.counters.counts["model_calls"]
     # the buffers follow the rows' positions: the first ones, which no row attends any more, went (the step reads
-    # every position of its buffers)
-    assert max(unread_room) < 3 * compiled.POSITION_STEP
+    # every position of its buffers): above the row buckets a few positions of room, in a bucket's step the
+    # smallest bucket capacity that holds the positions
+    assert max(capacity - length for rows, capacity, length in unread_room if rows > runner.max_rows) \
+        < 3 * compiled.POSITION_STEP
+    bucket_steps = [(capacity, length) for rows, capacity, length in unread_room if rows <= runner.max_rows]
+    assert bucket_steps and all(capacity == compiled.bucket_capacity(length) for capacity, length in bucket_steps)
     assert runner.many_rows_step is not None
 
 
