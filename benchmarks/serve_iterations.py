@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from serve_load import percentile_ms, poisson_schedule  # (benchmarks/: the load generator's own, tested)
+
 from fairseq_fastgen.sequence_generators.streaming import StreamRun
 from fairseq_fastgen.serve.batching import Job
 from fairseq_fastgen.serve.options import parse_command_line
@@ -40,7 +42,7 @@ class IterationLog:
         def timed(run):
             start, admitted = time.perf_counter(), run.next_source
             more = iterate(run)
-            rows = sum(cohort.rows for cohort in run.cohorts)
+            rows = sum(state.rows for state in run.states)  # (the rows set aside too, as LiveStream.rows)
             self.iterations.append((start, time.perf_counter() - start, rows, run.next_source - admitted))
             return more
 
@@ -106,22 +108,20 @@ def main():
                     answered.set()
         return answer
 
-    due = start = time.perf_counter()
-    measured_from = None
-    for index, source in enumerate(sources):
-        due += rng.expovariate(args.rate)
-        if index == WARM_UP:
-            measured_from = due
+    start = time.perf_counter()
+    arrivals = [start + offset for offset in poisson_schedule(args.rate, len(sources), rng)]
+    measured_from = arrivals[WARM_UP]
+    for index, (source, due) in enumerate(zip(sources, arrivals)):
         time.sleep(max(0.0, due - time.perf_counter()))
         batching.submit([Job(source, on_answer(index, due))])
     answered.wait()
     wall = time.perf_counter() - measured_from
     batching.stop()
 
-    ms = sorted(1000 * latency for latency in latencies[WARM_UP:])
-    percentile = lambda share: ms[min(len(ms) - 1, int(share * len(ms)))]  # noqa: E731
+    measured = latencies[WARM_UP:]
     print(f"{server_args.batching} batching, {args.rate:g} sentences/s, {args.sentences} sentences: latency p50 "
-          f"{percentile(0.5):.0f} p90 {percentile(0.9):.0f} p99 {percentile(0.99):.0f} ms "
+          f"{percentile_ms(measured, 50):.0f} p90 {percentile_ms(measured, 90):.0f} "
+          f"p99 {percentile_ms(measured, 99):.0f} ms "
           f"({time.perf_counter() - start:.0f} s in all)")
     if server_args.batching == "fixed":
         batches = [seconds for begun, seconds in calls if begun >= measured_from]

@@ -322,16 +322,16 @@ class CompiledRunner(StaticRunner):
         """``unit``'s first two outputs for the real rows, after writing its new keys/values at the buffers'
         length: tokens (rows, n) at target ``positions`` ((rows,) for one position, else (rows, n))."""
         rows, written, n = tokens.size(0), cache.length, tokens.size(1)
-        if rows > self.max_rows:  # its capacity is symbolic: buffers a little longer than the rows need
-            room = round_up(written + n, POSITION_STEP)
-            if cache.capacity >= room + 2 * POSITION_STEP:  # positions dropped at the front (streams)
-                cache.shrink_room(room)
-            cache.ensure_room(room, doubling=False)
+        # the step reads every position of its buffers: they hold the rows' positions and little more, shrunk where
+        # a stream's first positions went. Above max_rows its capacity is symbolic (a few positions of room, not
+        # shrunk for fewer than 2 * POSITION_STEP spare), else the smallest bucket that holds the positions
+        if rows > self.max_rows:
+            room, slack = round_up(written + n, POSITION_STEP), 2 * POSITION_STEP
         else:
-            bucket = bucket_capacity(written + n)
-            if cache.capacity > bucket:  # a stream's first positions went: its step reads every position of them
-                cache.shrink_room(bucket)
-            cache.ensure_room(bucket, doubling=False)
+            room, slack = bucket_capacity(written + n), 1
+        if cache.capacity >= room + slack:
+            cache.shrink_room(room)
+        cache.ensure_room(room, doubling=False)
         cache.zero_unwritten()  # the padded step reads every position, the unattended ones masked
         cache.attended_padding(n)  # the new positions are no row's padding (a released row's dropped ones were)
         rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)
