@@ -47,7 +47,7 @@ def count_uneven_rollbacks(monkeypatch):
 
 
 CASES = {
-    "k2-exact": (2, {}),
+    "k2-exact-full": (2, dict(blockwise_full_proposals=True)),
     "k4-exact": (4, {}),
     "k4-top2": (4, dict(blockwise_top_k=2)),
     "k2-int8": (2, dict(blockwise_int8_proposals=True)),

@@ -270,7 +270,8 @@ def test_one_row_path_is_bitwise_the_general_path(loaded, block_size, int8):
     """A lone row takes BlockwisePolicy.advance_one_row; its hypotheses (tokens, scores and
     attention) are bitwise those of the general path, with length limits, min length and unk penalty."""
     model, task = loaded(block_size)
-    options = dict(beam=1, decoder="blockwise", min_len=3, unkpen=0.5, blockwise_int8_proposals=int8, **SOURCE_LENGTH)
+    options = dict(beam=1, decoder="blockwise", min_len=3, unkpen=0.5, blockwise_int8_proposals=int8,
+                   blockwise_full_proposals=not int8, **SOURCE_LENGTH)
     one_row = task.build_generator([model], GenerationConfig(**options))
     taken = []
     advance_one_row = one_row.policy.advance_one_row
@@ -291,6 +292,22 @@ def test_one_row_path_is_bitwise_the_general_path(loaded, block_size, int8):
 
 
 # ---- int8 proposals ------------------------------------------------------------------------------
+def test_int8_proposals_are_the_default_on_the_cpu_where_acceptance_is_exact(loaded):
+    """Exact acceptance keeps greedy's output whatever heads 2..k propose, so on the CPU they propose from int8
+    rows unless --blockwise-full-proposals; a relaxed acceptance, whose output they change, only when asked."""
+    model, task = loaded(2)
+
+    def int8(**options):
+        generator = build(model, task, beam=1, **options)
+        assert (generator.runner.proposer is not None) == generator.policy.int8_proposals
+        return generator.policy.int8_proposals
+
+    assert int8() and int8(blockwise_int8_proposals=True)
+    assert not int8(blockwise_full_proposals=True)
+    assert not int8(blockwise_top_k=2) and not int8(blockwise_min_block=2)
+    assert int8(blockwise_top_k=2, blockwise_int8_proposals=True)
+
+
 @pytest.mark.parametrize("block_size, batch_size", [(2, 1), (2, 5), (2, 64), (4, 5), (4, 64)])
 def test_int8_proposals_keep_greedy_output(loaded, block_size, batch_size):
     """k = 2 is identity-first (int8 k-head layer and projection), k = 4 is not (int8 projection)."""
@@ -388,8 +405,14 @@ def test_a_model_without_heads_is_refused(toy_model):
     ({"beam": 1, "blockwise_epsilon": 1.0}, "matches no symbol"),
     ({"beam": 1, "blockwise_min_block": 5}, "--blockwise-min-block 5: at most the 4 tokens proposed per iteration"),
     ({"beam": 1, "blockwise_block_size": 2, "blockwise_min_block": 3}, "at most the 2 tokens proposed"),
-    ({"beam": 1, "blockwise_proposal_vocab": "VOCAB"}, "--blockwise-proposal-vocab VOCAB applies with "
-                                                       "--blockwise-int8-proposals"),
+    ({"beam": 1, "blockwise_full_proposals": True, "blockwise_proposal_vocab": "VOCAB"},
+     "--blockwise-proposal-vocab VOCAB applies with int8 proposals"),
+    ({"beam": 1, "blockwise_top_k": 2, "blockwise_proposal_vocab": "VOCAB"},
+     "--blockwise-proposal-vocab VOCAB applies with int8 proposals"),
+    ({"beam": 1, "blockwise_int8_proposals": True, "blockwise_full_proposals": True},
+     "--blockwise-int8-proposals and --blockwise-full-proposals contradict each other"),
+    ({"beam": 1, "blockwise_proposal_vocab": "VOCAB"},  # int8 proposals by default: the list is read
+     "--blockwise-proposal-vocab VOCAB, line 2: 'not-a-token' is not a token of the model's target dictionary"),
     ({"beam": 1, "blockwise_int8_proposals": True, "blockwise_proposal_vocab": "VOCAB"},
      "--blockwise-proposal-vocab VOCAB, line 2: 'not-a-token' is not a token of the model's target dictionary"),
     ({"beam": 1, "blockwise_int8_proposals": True, "blockwise_proposal_vocab": "MISSING"},

@@ -2,7 +2,9 @@
 batches or streaming refills, and their counters."""
 
 from fairseq_fastgen.option_checks import UsageError, require_int
-from fairseq_fastgen.sequence_generators.blockwise.options import BlockwiseOptions, build_acceptance, proposal_tokens
+from fairseq_fastgen.sequence_generators.blockwise.options import (
+    BlockwiseOptions, ExactMatch, build_acceptance, int8_proposals, proposal_tokens,
+)
 from fairseq_fastgen.sequence_generators.blockwise.policy import BlockwisePolicy
 from fairseq_fastgen.counters import GenerationCounters
 from fairseq_fastgen.sequence_generators.generator import FastgenGenerator, one_hypothesis_per_sentence
@@ -55,15 +57,23 @@ class BlockwiseGenerator(FastgenGenerator):
                 f"--blockwise-min-block {min_block}: at most the {block_size} tokens proposed per iteration "
                 f"(--blockwise-block-size; the model has {decoder.block_size} heads); give 1 .. {block_size}"
             )
-        policy = BlockwisePolicy(block_size, build_acceptance(blockwise, tgt_dict), min_block, tgt_dict.pad(),
-                                 int8_proposals=blockwise.blockwise_int8_proposals,
-                                 proposal_tokens=proposal_tokens(blockwise, tgt_dict))
+        acceptance = build_acceptance(blockwise, tgt_dict)
+        # int8 proposals change no output where acceptance is exact: the default there, where the runner makes them
+        exact = isinstance(acceptance, ExactMatch) and min_block == 1
+        int8 = int8_proposals(blockwise, exact)
+        tokens = proposal_tokens(blockwise, tgt_dict, int8 is not None)
+        policy = BlockwisePolicy(block_size, acceptance, min_block, tgt_dict.pad(), int8_proposals=int8 is not None,
+                                 proposal_tokens=tokens)
         scheduler = cls.scheduler_for(options)
         policy.streaming = scheduler is not None  # finished rows wait for a refill's rows
         generator = cls(model, tgt_dict, gen_cfg, options.common, policy, scheduler, projection=projection)
         if policy.int8_proposals:
-            # made now: a model they cannot be made for is refused at the build
-            generator.runner.int8_proposals(policy.proposal_tokens)
+            try:  # made now: a model they cannot be made for is refused at the build (asked, or with a list)
+                generator.runner.int8_proposals(policy.proposal_tokens)
+            except ValueError:
+                if int8 == "asked" or tokens is not None:
+                    raise
+                policy.int8_proposals = False  # the default where none are made (CUDA): full precision
         return generator
 
     @staticmethod

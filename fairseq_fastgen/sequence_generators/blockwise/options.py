@@ -46,14 +46,21 @@ class BlockwiseOptions(FairseqDataclass):
     )
     blockwise_int8_proposals: bool = field(
         default=False,
-        metadata={"help": "blockwise: compute the proposals of heads 2..k from int8 copies of the k-head layer "
+        metadata={"help": "blockwise: compute the proposals of heads 2..k from int8 rows of the k-head layer "
                           "and the output projection (CPU only). Head 1 still verifies in full precision, so "
-                          "exact acceptance keeps greedy's output; faster at small batches on the CPU. With "
-                          "--blockwise-top-k/-epsilon/-min-block the output may change"},
+                          "exact acceptance keeps greedy's output. The default on the CPU with exact acceptance "
+                          "(--blockwise-full-proposals turns it off); with --blockwise-top-k/-epsilon/-min-block, "
+                          "where the output may change, only when given"},
+    )
+    blockwise_full_proposals: bool = field(
+        default=False,
+        metadata={"help": "blockwise: heads 2..k propose in the model's own precision, as fairseq's k-head "
+                          "decoder does, also where int8 proposals are the default (the CPU, exact acceptance: "
+                          "the same output, fewer tokens accepted now and then, faster iterations)"},
     )
     blockwise_proposal_vocab: Optional[str] = field(
         default=None,
-        metadata={"help": "blockwise, with --blockwise-int8-proposals: a file of the target tokens heads 2..k may "
+        metadata={"help": "blockwise, with int8 proposals: a file of the target tokens heads 2..k may "
                           "propose, in fairseq's dictionary format (a 'token count' line each: e.g. the first N "
                           "lines of a dict.TGT.txt that fairseq-preprocess counted on the training targets); the "
                           "proposals' projection then reads only their rows. Exact acceptance still gives "
@@ -116,15 +123,26 @@ def ordinal_values(tgt_dict, pattern: str) -> Tensor:
     return values
 
 
-def proposal_tokens(options: BlockwiseOptions, tgt_dict) -> Optional[Tensor]:
+def int8_proposals(options: BlockwiseOptions, exact: bool) -> Optional[str]:
+    """Whether heads 2..k propose from int8 rows: "asked" (--blockwise-int8-proposals), "default" (exact
+    acceptance, where they leave the output as it is: used where the runner makes them, on the CPU), or None."""
+    if options.blockwise_int8_proposals and options.blockwise_full_proposals:
+        raise ValueError("--blockwise-int8-proposals and --blockwise-full-proposals contradict each other; give one")
+    if options.blockwise_int8_proposals:
+        return "asked"
+    return "default" if exact and not options.blockwise_full_proposals else None
+
+
+def proposal_tokens(options: BlockwiseOptions, tgt_dict, int8: bool) -> Optional[Tensor]:
     """The target tokens (N,) long, ascending, of ``--blockwise-proposal-vocab`` (the special symbols always
-    among them), or None: every token."""
+    among them), or None: every token.  ``int8``: whether the proposals are int8 (the list needs them)."""
     path = options.blockwise_proposal_vocab
     if path is None:
         return None
-    if not options.blockwise_int8_proposals:
-        raise ValueError(f"--blockwise-proposal-vocab {path} applies with --blockwise-int8-proposals (the "
-                         f"proposals' int8 projection reads the listed tokens' rows)")
+    if not int8:
+        raise ValueError(f"--blockwise-proposal-vocab {path} applies with int8 proposals (their projection reads the "
+                         f"listed tokens' rows): the default on the CPU with exact acceptance, else "
+                         f"--blockwise-int8-proposals")
     try:
         with open(path, encoding="utf-8") as lines:
             symbols = [(number, line.split()[0]) for number, line in enumerate(lines, 1) if line.strip()]
