@@ -3,7 +3,7 @@ batches or streaming refills, and their counters."""
 
 from fairseq_fastgen.option_checks import UsageError, require_int
 from fairseq_fastgen.sequence_generators.blockwise.options import (
-    BlockwiseOptions, ExactMatch, build_acceptance, int8_proposals, proposal_tokens,
+    BlockwiseOptions, build_acceptance, exact_acceptance, int8_proposals, proposal_tokens,
 )
 from fairseq_fastgen.sequence_generators.blockwise.policy import BlockwisePolicy
 from fairseq_fastgen.counters import GenerationCounters
@@ -59,8 +59,7 @@ class BlockwiseGenerator(FastgenGenerator):
             )
         acceptance = build_acceptance(blockwise, tgt_dict)
         # int8 proposals change no output where acceptance is exact: the default there, where the runner makes them
-        exact = isinstance(acceptance, ExactMatch) and min_block == 1
-        int8 = int8_proposals(blockwise, exact)
+        int8 = int8_proposals(blockwise, exact_acceptance(acceptance, min_block))
         tokens = proposal_tokens(blockwise, tgt_dict, int8 is not None)
         policy = BlockwisePolicy(block_size, acceptance, min_block, tgt_dict.pad(), int8_proposals=int8 is not None,
                                  proposal_tokens=tokens)

@@ -123,6 +123,11 @@ def ordinal_values(tgt_dict, pattern: str) -> Tensor:
     return values
 
 
+def exact_acceptance(acceptance, min_block: int) -> bool:
+    """Whether every accepted token is head 1's own choice (greedy's output whatever heads 2..k propose)."""
+    return isinstance(acceptance, ExactMatch) and min_block == 1
+
+
 def int8_proposals(options: BlockwiseOptions, exact: bool) -> Optional[str]:
     """Whether heads 2..k propose from int8 rows: "asked" (--blockwise-int8-proposals), "default" (exact
     acceptance, where they leave the output as it is: used where the runner makes them, on the CPU), or None."""

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from fairseq_fastgen.ops.top_token import top_token
 from fairseq_fastgen.sequence_generators.blockwise.one_row import OneRowPath
-from fairseq_fastgen.sequence_generators.blockwise.options import ExactMatch
+from fairseq_fastgen.sequence_generators.blockwise.options import exact_acceptance
 from fairseq_fastgen.sequence_generators.processors import StepRows
 from fairseq_fastgen.sequence_generators.state import DecodingState
 from fairseq_fastgen.sequence_generators.streaming import (
@@ -58,7 +58,7 @@ class BlockwisePolicy(OneRowPath):
         self.proposal_tokens = proposal_tokens  # (N,) the only tokens they propose (None: every token)
         # a lone row with exact acceptance takes advance_one_row: the same computation with Python
         # integers in place of the small tensors of per-row bookkeeping (batch 1, a batch's last row)
-        self.one_row_path = isinstance(acceptance, ExactMatch) and min_block == 1
+        self.one_row_path = exact_acceptance(acceptance, min_block)
 
     # streaming: a refill's rows join the running ones, whatever their lengths, their bos run by ``start`` with
     # the group of sources encoded ahead (``EncodedAhead``): their first call beside the running rows verifies a block
