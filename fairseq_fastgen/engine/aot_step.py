@@ -20,6 +20,8 @@ directory, ``$TORCHINDUCTOR_CACHE_DIR`` or ``/tmp/torchinductor_$USER``).  The
 first process compiles it (slow), later ones only load it (quick); a process
 that finds another compiling the same package waits for
 it (a file lock), and a package is written under a temporary name and renamed.
+Processes sharing inductor's cache directory compile one package at a time
+(AOTInductor rewrites a graph's generated files there in place).
 With ``--compile-in-background`` a forked child compiles a package that is not
 on disk while the decode runs those steps eager (:class:`BackgroundCompilation`).
 
@@ -50,13 +52,18 @@ ENGINE_SOURCES = ("decoder_step.py", "block_rows.py", "compiled_step.py", "fused
                   "int8_weights.py", "bf16_weights.py", "f32_rows_weights.py", "aot_step.py")
 
 
+def inductor_cache_dir() -> Path:
+    """Inductor's cache directory: ``$TORCHINDUCTOR_CACHE_DIR`` or ``/tmp/torchinductor_$USER``."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
 def compiled_dir() -> Path:
     configured = os.environ.get(COMPILED_DIR_ENV)
     if configured:
         return Path(configured)
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir()) / "fairseq_fastgen"
+    return inductor_cache_dir() / "fairseq_fastgen"
 
 
 def example_inputs(step: PaddedStep, position_table, rows: Optional[int]):
@@ -245,8 +252,19 @@ def compile_once(package, path: Path) -> bool:
     with FileLock(str(path) + ".lock"):
         if path.exists():
             return False
-        compile_package(package, path)
+        with FileLock(str(aot_compile_lock())):
+            compile_package(package, path)
         return True
+
+
+def aot_compile_lock() -> Path:
+    """The lock one AOTInductor compilation at a time holds in inductor's cache directory.  AOTInductor writes a
+    graph's generated files (its metadata JSON among them) there under names of the code's hash, overwriting
+    them in place: two processes compiling the same graph into different package paths (two test workers, two
+    decodes with their own FASTGEN_COMPILED_DIR) could otherwise package each other's half-written files."""
+    locks = inductor_cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / "fairseq_fastgen-aot-compile.lock"
 
 
 class BackgroundCompilation:

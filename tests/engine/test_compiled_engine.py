@@ -210,13 +210,39 @@ def test_a_step_that_cannot_be_compiled_runs_eager_with_one_line(toy, tmp_path, 
     with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
         generator, actual = decode(toy, ids, 8, step_engine="compiled", decoder="greedy", beam=1)
     assert_same_tokens_close_scores(expected, actual)
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
         "--step-engine compiled: the encoder for more rows could not be compiled ahead of time (RuntimeError: no "
         "compiler); fairseq's encoder runs",
         "--step-engine compiled: the step above 2 rows could not be compiled ahead of time (RuntimeError: no "
         "compiler); those steps run eager",
     ]
     assert generator.runner.many_rows_step is None and not list(tmp_path.glob("step-*.pt2"))
+
+
+def test_a_compiling_package_holds_the_lock_other_processes_compile_behind(tmp_path, monkeypatch):
+    """AOTInductor rewrites a graph's generated files in inductor's cache directory in place: while one package
+    compiles, another process cannot take the compilation lock of that directory (two test workers compiling the
+    same encoder once packaged each other's half-written metadata); the lock is free again once it is stored."""
+    import subprocess
+    import sys
+
+    from fairseq_fastgen.engine import aot_step
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    try_lock = ("import sys, filelock\ntry:\n    filelock.FileLock(sys.argv[1], timeout=0).acquire()\n"
+                "except filelock.Timeout:\n    sys.exit(3)")
+    seen = []
+
+    def compile_package(package, path):
+        lock = aot_step.aot_compile_lock()
+        seen.append((lock.parent.parent, subprocess.run([sys.executable, "-c", try_lock, str(lock)]).returncode))
+        path.write_bytes(b"package")
+
+    monkeypatch.setattr(aot_step, "compile_package", compile_package)
+    assert aot_step.compile_once(object(), tmp_path / "unit.pt2")
+    assert seen == [(tmp_path / "inductor", 3)]
+    assert subprocess.run([sys.executable, "-c", try_lock, str(aot_step.aot_compile_lock())]).returncode == 0
+    assert not aot_step.compile_once(object(), tmp_path / "unit.pt2") and len(seen) == 1
 
 
 def test_shapes_beyond_dynamos_recompile_limit_run_eager_with_one_line(toy, monkeypatch, caplog):
