@@ -20,8 +20,8 @@ directory, ``$TORCHINDUCTOR_CACHE_DIR`` or ``/tmp/torchinductor_$USER``).  The
 first process compiles it (slow), later ones only load it (quick); a process
 that finds another compiling the same package waits for
 it (a file lock), and a package is written under a temporary name and renamed.
-Processes sharing inductor's cache directory compile one package at a time
-(AOTInductor rewrites a graph's generated files there in place).
+Processes sharing inductor's cache directory compile one package of a program
+at a time (AOTInductor rewrites a graph's generated files there in place).
 With ``--compile-in-background`` a forked child compiles a package that is not
 on disk while the decode runs those steps eager (:class:`BackgroundCompilation`).
 
@@ -252,19 +252,21 @@ def compile_once(package, path: Path) -> bool:
     with FileLock(str(path) + ".lock"):
         if path.exists():
             return False
-        with FileLock(str(aot_compile_lock())):
-            compile_package(package, path)
+        compile_package(package, path)
         return True
 
 
-def aot_compile_lock() -> Path:
-    """The lock one AOTInductor compilation at a time holds in inductor's cache directory.  AOTInductor writes a
-    graph's generated files (its metadata JSON among them) there under names of the code's hash, overwriting
-    them in place: two processes compiling the same graph into different package paths (two test workers, two
-    decodes with their own FASTGEN_COMPILED_DIR) could otherwise package each other's half-written files."""
+def aot_compile_lock(exported, settings: dict) -> Path:
+    """The lock a compilation of the program ``exported`` with inductor's ``settings`` holds in inductor's cache
+    directory.  AOTInductor writes a graph's generated files (its metadata JSON among them) there under names of
+    the code's hash, overwriting them in place: two processes compiling the same graph into different package paths
+    (two test workers, two decodes with their own FASTGEN_COMPILED_DIR, units of other weights read in place) could
+    otherwise package each other's half-written files.  The lock is named by the program as printed (its graph, its
+    inputs' shapes and symbols; not its weights' values) and the settings: other graphs compile beside it."""
+    program = hashlib.sha256(f"{exported}\n{sorted(settings.items())!r}".encode()).hexdigest()
     locks = inductor_cache_dir() / "locks"
     locks.mkdir(parents=True, exist_ok=True)
-    return locks / "fairseq_fastgen-aot-compile.lock"
+    return locks / f"fairseq_fastgen-aot-{program[:32]}.lock"
 
 
 class BackgroundCompilation:
@@ -325,7 +327,9 @@ def compile_package(package, path: Path):
 
     # the autotuner's table of timed choices and inductor's own deprecation warnings stay out of the decode's output
     settings = dict(package.settings(), autotune_num_choices_displayed=0)
-    with warnings.catch_warnings():
+    from filelock import FileLock
+
+    with warnings.catch_warnings(), FileLock(str(aot_compile_lock(exported, settings))):
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         inductor.aoti_compile_and_package(exported, package_path=str(temporary), inductor_configs=settings)
     os.replace(temporary, path)

@@ -4,6 +4,7 @@ fallbacks of both engines with their one-line reason."""
 import importlib
 import logging
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,30 +220,50 @@ def test_a_step_that_cannot_be_compiled_runs_eager_with_one_line(toy, tmp_path, 
     assert generator.runner.many_rows_step is None and not list(tmp_path.glob("step-*.pt2"))
 
 
-def test_a_compiling_package_holds_the_lock_other_processes_compile_behind(tmp_path, monkeypatch):
-    """AOTInductor rewrites a graph's generated files in inductor's cache directory in place: while one package
-    compiles, another process cannot take the compilation lock of that directory (two test workers compiling the
-    same encoder once packaged each other's half-written metadata); the lock is free again once it is stored."""
+def test_a_compiling_program_holds_the_lock_other_processes_compile_it_behind(tmp_path, monkeypatch):
+    """AOTInductor rewrites a graph's generated files in inductor's cache directory in place: while one process
+    compiles a program, another cannot take that program's compilation lock (two test workers compiling the same
+    encoder once packaged each other's half-written metadata), while another program's is free; both are free
+    again once the package is stored."""
     import subprocess
     import sys
+
+    import torch._inductor as inductor
 
     from fairseq_fastgen.engine import aot_step
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     try_lock = ("import sys, filelock\ntry:\n    filelock.FileLock(sys.argv[1], timeout=0).acquire()\n"
                 "except filelock.Timeout:\n    sys.exit(3)")
+
+    def status_of(lock):  # 3: held by another process, 0: free
+        return subprocess.run([sys.executable, "-c", try_lock, str(lock)]).returncode
+
+    class Package:
+        def __init__(self, program):
+            self.program = program
+
+        def export(self):
+            return self.program
+
+        @staticmethod
+        def settings():
+            return {"freezing": True}
+
+    settings = dict(Package.settings(), autotune_num_choices_displayed=0)
     seen = []
 
-    def compile_package(package, path):
-        lock = aot_step.aot_compile_lock()
-        seen.append((lock.parent.parent, subprocess.run([sys.executable, "-c", try_lock, str(lock)]).returncode))
-        path.write_bytes(b"package")
+    def aoti_compile_and_package(exported, package_path, inductor_configs):
+        assert inductor_configs == settings
+        held, other = aot_step.aot_compile_lock(exported, settings), aot_step.aot_compile_lock("graph B", settings)
+        seen.append((held.parent == tmp_path / "inductor" / "locks", held != other, status_of(held), status_of(other)))
+        Path(package_path).write_bytes(b"package")
 
-    monkeypatch.setattr(aot_step, "compile_package", compile_package)
-    assert aot_step.compile_once(object(), tmp_path / "unit.pt2")
-    assert seen == [(tmp_path / "inductor", 3)]
-    assert subprocess.run([sys.executable, "-c", try_lock, str(aot_step.aot_compile_lock())]).returncode == 0
-    assert not aot_step.compile_once(object(), tmp_path / "unit.pt2") and len(seen) == 1
+    monkeypatch.setattr(inductor, "aoti_compile_and_package", aoti_compile_and_package)
+    assert aot_step.compile_once(Package("graph A"), tmp_path / "unit.pt2")
+    assert seen == [(True, True, 3, 0)] and (tmp_path / "unit.pt2").read_bytes() == b"package"
+    assert status_of(aot_step.aot_compile_lock("graph A", settings)) == 0
+    assert not aot_step.compile_once(Package("graph A"), tmp_path / "unit.pt2") and len(seen) == 1
 
 
 def test_shapes_beyond_dynamos_recompile_limit_run_eager_with_one_line(toy, monkeypatch, caplog):
