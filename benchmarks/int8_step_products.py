@@ -29,15 +29,15 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     dim, ffn = args.dim, args.ffn
-    layer = [(3 * dim, dim), (dim, dim), (dim, dim), (dim, dim), (ffn, dim), (dim, ffn)]  # (out, in)
-    products = [Int8Rows(torch.randn(out, inp)) for _ in range(args.layers) for out, inp in layer]
-    products.append(Int8Rows(torch.randn(args.vocab, dim)))
-    megabytes = sum(out * inp for _ in range(args.layers) for out, inp in layer) / 1e6 + args.vocab * dim / 1e6
+    layer = [(3 * dim, dim), (dim, dim), (dim, dim), (dim, dim), (ffn, dim), (dim, ffn)]  # (out, in) of each product
+    shapes = layer * args.layers + [(args.vocab, dim)]
+    products = [Int8Rows(torch.randn(out, inp)) for out, inp in shapes]
+    megabytes = sum(out * inp for out, inp in shapes) / 1e6  # one byte a weight
     print(f"one step's int8 rows: {megabytes:.1f} MB")
     one_row = None
     for rows in (1, 2, 4, 8):
-        inputs = {dim: torch.randn(rows, dim), ffn: torch.randn(rows, ffn)}
-        pairs = [(product, inputs[inp]) for product, (_, inp) in zip(products, layer * args.layers + [(0, dim)])]
+        inputs = {width: torch.randn(rows, width) for width in (dim, ffn)}
+        pairs = [(product, inputs[inp]) for product, (_, inp) in zip(products, shapes)]
         for _ in range(5):  # warm-up
             for product, x in pairs:
                 product(x)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from filelock import FileLock  # torch's own dependency
 from torch import nn
 
 from fairseq_fastgen import safe_files
@@ -247,8 +248,6 @@ def bind_constants(loaded, module: nn.Module):
 def compile_once(package, path: Path) -> bool:
     """Compile ``package`` into ``path`` unless it is there; a process finding another compiling it waits for it
     (a file lock).  Returns whether this call compiled it."""
-    from filelock import FileLock
-
     with FileLock(str(path) + ".lock"):
         if path.exists():
             return False
@@ -327,8 +326,6 @@ def compile_package(package, path: Path):
 
     # the autotuner's table of timed choices and inductor's own deprecation warnings stay out of the decode's output
     settings = dict(package.settings(), autotune_num_choices_displayed=0)
-    from filelock import FileLock
-
     with warnings.catch_warnings(), FileLock(str(aot_compile_lock(exported, settings))):
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
         inductor.aoti_compile_and_package(exported, package_path=str(temporary), inductor_configs=settings)
