@@ -62,6 +62,17 @@ class IterationLog:
             if len(seconds) >= 10:
                 print(f"  {rows:3d} rows{' + a refill' if refill else ''}: {len(seconds):5d} iterations, median "
                       f"{1000 * statistics.median(seconds):.2f} ms")
+        # what a refill adds to its iteration, by the sentences it admits: over the median of the iterations of as
+        # many rows without one (the figures serve_policy_model.py takes as its --start-ms and --start-ms-each)
+        steps = {rows: statistics.median(s) for (rows, refill), s in groups.items() if not refill and len(s) >= 5}
+        added = collections.defaultdict(list)
+        for _, seconds, rows, admitted in measured:
+            if admitted and rows in steps:
+                added[admitted].append(seconds - steps[rows])
+        for admitted, extra in sorted(added.items()):
+            if len(extra) >= 5:
+                print(f"  a refill of {admitted} sentence(s): {len(extra):5d} iterations, adds a median "
+                      f"{1000 * statistics.median(extra):.2f} ms")
 
 
 def main():

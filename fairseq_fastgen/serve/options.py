@@ -35,8 +35,8 @@ def add_server_options(parser: argparse.ArgumentParser):
                        help="continuous: every sentence of every client enters one running stream as soon as a row "
                             "is free (a streaming decoder: greedy-stream, blockwise-stream, var-stream, "
                             "fixed-stream); fixed: collect up to --fixed-batch-size sentences or "
-                            "--fixed-batch-wait-ms, decode them as one batch, then the next (any decoder; for "
-                            "comparison)")
+                            "--fixed-batch-wait-ms, decode them as one batch, then the next (any decoder; on a CPU it "
+                            "answered first at every load measured: docs/serving.md)")
     group.add_argument("--fixed-batch-size", type=int, default=None,
                        help="--batching fixed: sentences in one batch at most (default: --batch-size)")
     group.add_argument("--fixed-batch-wait-ms", type=float, default=10.0,
