@@ -38,6 +38,7 @@ import sys
 from pathlib import Path
 
 import sacrebleu
+from sacrebleu.significance import PairedTest
 
 
 def read(path):
@@ -56,8 +57,9 @@ def read(path):
 
 
 out = Path(sys.argv[1])
-print("| search | precision | sentences | BLEU | BLEU - float32 | float32's tokens |")
-print("|---|---|---|---|---|---|")
+# p: sacrebleu's paired bootstrap test (1,000 resamples of the sentences) of the BLEU difference against float32
+print("| search | precision | sentences | BLEU | BLEU - float32 | p | float32's tokens |")
+print("|---|---|---|---|---|---|---|")
 for search in ("greedy", "beam5"):
     float32, references = read(out / f"{search}-float32.out")
     ids = sorted(references)
@@ -67,6 +69,12 @@ for search in ("greedy", "beam5"):
         assert sorted(hypotheses) == ids, f"{search}-{precision}: not every sentence answered"
         bleu = sacrebleu.corpus_bleu([hypotheses[i]["D"] for i in ids], [[references[i] for i in ids]]).score
         same = sum(hypotheses[i]["H"] == float32[i]["H"] for i in ids)
-        print(f"| {search} | {precision} | {len(ids)} | {bleu:.2f} | {bleu - bleu32:+.2f} | "
+        p = ""
+        if precision != "float32":
+            systems = [("float32", [float32[i]["D"] for i in ids]), (precision, [hypotheses[i]["D"] for i in ids])]
+            metric = sacrebleu.BLEU(references=[[references[i] for i in ids]])
+            _, scores = PairedTest(systems, {"BLEU": metric}, None, test_type="bs", n_samples=1000)()
+            p = f"{scores['BLEU'][1].p_value:.3f}"  # (scores["BLEU"][0]: float32's own, without a p)
+        print(f"| {search} | {precision} | {len(ids)} | {bleu:.2f} | {bleu - bleu32:+.2f} | {p} | "
               f"{same} ({100 * same / len(ids):.1f}%) |")
 EOF
