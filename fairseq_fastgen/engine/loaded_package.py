@@ -3,7 +3,8 @@
 ``torch._inductor.aoti_load_package`` imports inductor, which imports dynamo: memory wasted in a
 process that only loads packages compiled earlier (fairseq-generate with ``--step-engine compiled`` and a warm
 package directory) and never compiles.  The C++ loader runs the same compiled code; a package it cannot read
-(written by another torch) goes through inductor's loader, which says why.
+(written by another torch) goes through inductor's loader, which says why.  Where the plugin's binding of that
+loader builds (``unlocked_loader.py``), the units' calls release Python's GIL.
 
 A package whose weights are inside its shared library (every float32 unit: the frozen, prepacked weights are
 constants of the compiled code) is loaded by copying them out of the library's read-only data into memory the
@@ -27,6 +28,8 @@ from typing import Optional, Tuple
 
 import torch
 from torch.utils import _pytree as pytree
+
+from fairseq_fastgen.engine.unlocked_loader import loader_class
 
 
 class LoadedPackage:
@@ -84,9 +87,13 @@ def flat_layout(spec):
 
 def load_package(path: Path):
     """The callable compiled model of the package at ``path``, the library's copy of its weights released."""
+    unlocked = loader_class()  # (built before the libraries are listed: the module is a library too)
     libraries_before = mapped_libraries()
     try:
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        if unlocked is not None:  # its runs release the GIL (unlocked_loader.py)
+            loader = unlocked(str(path))
+        else:
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         loaded = LoadedPackage(loader)
     except (AttributeError, RuntimeError):
         import torch._inductor as inductor
