@@ -47,6 +47,7 @@ from fairseq_fastgen import safe_files
 from fairseq_fastgen.engine.compiled_step import PaddedStep
 from fairseq_fastgen.engine.encoder_pass import EncoderPass
 from fairseq_fastgen.engine.loaded_package import load_package
+from fairseq_fastgen.engine.unlocked_loader import loader_class
 
 COMPILED_DIR_ENV = "FASTGEN_COMPILED_DIR"
 ENGINE_SOURCES = ("decoder_step.py", "block_rows.py", "compiled_step.py", "fused_weights.py", "layer_weights.py",
@@ -312,6 +313,7 @@ def compile_in_child(package, path: Path):
 
         inductor_config.compile_threads = 1  # a compile worker pool of the parent's is not this process's
         compile_once(package, path)
+        loader_class()  # the loader the parent will load the package with, built here if it is not yet (~30 s)
         status = 0
     finally:
         os._exit(status)
