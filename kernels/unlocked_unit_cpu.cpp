@@ -2,9 +2,9 @@
 //
 // torch's Python binding of the loader runs the compiled code holding the GIL, so while a decoder step runs no
 // other Python thread of the process can: fastgen-serve's event loop (requests, JSON, tokenizing, answers) and
-// fairseq-generate's asynchronous post-processing wait for each step. Eager torch operations release the GIL;
-// this loader does the same around the compiled code (which touches no Python object). The other methods are
-// torch's, passed through. Built on first use by engine/unlocked_loader.py.
+// fairseq-interactive's reader of input lines (streamed decoders) wait for each step. Eager torch operations
+// release the GIL; this loader does the same around the compiled code (which touches no Python object). The other
+// methods are torch's, passed through. Built on first use by engine/unlocked_loader.py.
 
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/extension.h>

@@ -4,7 +4,8 @@ torch's Python binding of AOTInductor's package loader holds the GIL while the c
 of the compiled engine stops every other Python thread of the process for its whole length (measured: a second
 thread spinning in Python ran at 8% of its own rate while units ran, above 100% while eager torch operations
 did). fastgen-serve's event loop, which takes the requests, tokenizes them and answers them, and
-fairseq-generate's asynchronous post-processing then wait for the steps instead of running beside them.
+fairseq-interactive's reader of input lines (``cli/live_lines.py``) then wait for the steps instead of running
+beside them.
 ``UnlockedLoader`` is the same C++ loader of torch with the GIL released around the run, built by torch's
 extension builder into ``$FASTGEN_CACHE/unlocked-unit-<key>`` on first use (about 30 s) and imported from there.
 Where it cannot be built (no compiler, no headers) ``loader_class()`` is None and torch's loader serves, as
