@@ -63,16 +63,18 @@ print("|---|---|---|---|---|---|---|")
 for search in ("greedy", "beam5"):
     float32, references = read(out / f"{search}-float32.out")
     ids = sorted(references)
-    bleu32 = sacrebleu.corpus_bleu([float32[i]["D"] for i in ids], [[references[i] for i in ids]]).score
+    float32_texts, reference_texts = [float32[i]["D"] for i in ids], [[references[i] for i in ids]]
+    bleu32 = sacrebleu.corpus_bleu(float32_texts, reference_texts).score
     for precision in ("float32", "int8", "int8-f32vocab", "bf16"):
         hypotheses = float32 if precision == "float32" else read(out / f"{search}-{precision}.out")[0]
         assert sorted(hypotheses) == ids, f"{search}-{precision}: not every sentence answered"
-        bleu = sacrebleu.corpus_bleu([hypotheses[i]["D"] for i in ids], [[references[i] for i in ids]]).score
+        texts = [hypotheses[i]["D"] for i in ids]
+        bleu = sacrebleu.corpus_bleu(texts, reference_texts).score
         same = sum(hypotheses[i]["H"] == float32[i]["H"] for i in ids)
         p = ""
         if precision != "float32":
-            systems = [("float32", [float32[i]["D"] for i in ids]), (precision, [hypotheses[i]["D"] for i in ids])]
-            metric = sacrebleu.BLEU(references=[[references[i] for i in ids]])
+            systems = [("float32", float32_texts), (precision, texts)]
+            metric = sacrebleu.BLEU(references=reference_texts)
             _, scores = PairedTest(systems, {"BLEU": metric}, None, test_type="bs", n_samples=1000)()
             p = f"{scores['BLEU'][1].p_value:.3f}"  # (scores["BLEU"][0]: float32's own, without a p)
         print(f"| {search} | {precision} | {len(ids)} | {bleu:.2f} | {bleu - bleu32:+.2f} | {p} | "

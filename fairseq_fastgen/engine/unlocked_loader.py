@@ -21,28 +21,21 @@ from pathlib import Path
 
 import torch
 
-from fairseq_fastgen.ops.int8_kernel import SOURCE_DIRS
+from fairseq_fastgen.ops.int8_kernel import source_paths
 from fairseq_fastgen.safe_files import cached_build
 
 logger = logging.getLogger("fairseq_fastgen.engine")
 
 MODULE_NAME = "fastgen_unlocked_unit"
-SOURCE_NAME = "unlocked_unit_cpu.cpp"  # in int8_kernel's SOURCE_DIRS: the installed package's kernels/, the checkout's
-
-
-def source_path() -> Path:
-    for folder in SOURCE_DIRS:
-        if (folder / SOURCE_NAME).is_file():
-            return folder / SOURCE_NAME
-    raise FileNotFoundError(f"{SOURCE_NAME} is in none of {', '.join(map(str, SOURCE_DIRS))}")
+SOURCE_NAMES = ("unlocked_unit_cpu.cpp",)  # found as int8_kernel finds its own: the installed kernels/, the checkout's
 
 
 def build(folder: Path) -> None:
     """Compile the module into ``folder`` (cached_build's fresh directory)."""
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name=MODULE_NAME, sources=[str(source_path())], extra_cflags=["-O2"],
-                       build_directory=str(folder), is_python_module=True, verbose=False)
+    cpp_extension.load(name=MODULE_NAME, sources=[str(path) for path in source_paths(SOURCE_NAMES)],
+                       extra_cflags=["-O2"], build_directory=str(folder), is_python_module=True, verbose=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,7 +46,8 @@ def loader_class():
     if MODULE_NAME in sys.modules:
         return sys.modules[MODULE_NAME].UnlockedLoader
     try:
-        key = (source_path().read_bytes(), torch.__version__, sys.version)  # (a module of this Python's ABI)
+        sources = (path.read_bytes() for path in source_paths(SOURCE_NAMES))
+        key = (*sources, torch.__version__, sys.version)  # (a module of this Python's ABI)
         folder = cached_build("unlocked-unit", key, build)
         if MODULE_NAME not in sys.modules:  # built by another process (or an earlier run): import what it built
             (library,) = folder.glob(f"{MODULE_NAME}*.so")

@@ -56,11 +56,12 @@ def processor_refusal() -> Optional[str]:
     return None
 
 
-def source_paths() -> List[Path]:
+def source_paths(names=SOURCE_NAMES) -> List[Path]:
+    """The C++ sources ``names`` from the first of SOURCE_DIRS that holds them all."""
     for folder in SOURCE_DIRS:
-        if all((folder / name).is_file() for name in SOURCE_NAMES):
-            return [folder / name for name in SOURCE_NAMES]
-    raise FileNotFoundError(f"{', '.join(SOURCE_NAMES)} are in none of {', '.join(map(str, SOURCE_DIRS))}")
+        if all((folder / name).is_file() for name in names):
+            return [folder / name for name in names]
+    raise FileNotFoundError(f"{', '.join(names)} are in none of {', '.join(map(str, SOURCE_DIRS))}")
 
 
 def build(folder: Path) -> None:
