@@ -9,11 +9,12 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 students iteration narrow proposals bs64 beam5 screen clusters relaxed varbeam big". CTranslate2 joins when installed.
+# ROWS picks rows by name: "bs1 int8 students iteration narrow proposals bs64 beam5 screen clusters relaxed
+# relaxed-compiled varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
-ROWS=" ${3:-bs1 int8 students iteration narrow proposals bs64 beam5 screen clusters relaxed varbeam big} "
+ROWS=" ${3:-bs1 int8 students iteration narrow proposals bs64 beam5 screen clusters relaxed relaxed-compiled varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of the same base
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
@@ -104,6 +105,11 @@ wanted relaxed && row base-blockwise-relaxed --path "$(greedy_beside "$KHEAD")" 
   --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy \
   --step-engine static --no-ctranslate2 --blockwise-int8-proposals --variant "top2=--blockwise-top-k 2" \
   --variant "top3=--blockwise-top-k 3" --variant "minblock2=--blockwise-min-block 2"
+# the same on the frozen compiled engine (where an iteration costs fewer greedy steps)
+wanted relaxed-compiled && row base-blockwise-relaxed-compiled --path "$(greedy_beside "$KHEAD")" --khead-path "$KHEAD" \
+  --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy \
+  --step-engine compiled --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals \
+  --variant "top2=--blockwise-top-k 2" --variant "top3=--blockwise-top-k 3" --variant "minblock2=--blockwise-min-block 2"
 # the vocabulary projection screened in int8 (float32's best tokens; greedy's are float32's), beside the same engines
 # without it and CTranslate2 float32: greedy at batch 1 and 64, stock beam 5 at batch 64
 SCREEN="--screened-projection"
