@@ -178,7 +178,7 @@ def blockwise_line(records) -> str:
     verdict = "faster than greedy" if one > 1 else (
         "not faster here: on a model this small a step is mostly fixed overhead, and a blockwise iteration has more "
         "of it than a greedy step; at base size (transformer_wmt_en_de, 32k vocabulary) the frozen-base k=4 student "
-        "trained on this CPU runs 1.17x greedy and its fine-tuned narrow student 1.54x on --step-engine compiled "
+        "trained on this CPU runs 1.17x greedy and its fine-tuned narrow student 1.5x on --step-engine compiled "
         "--compiled-freezing: docs/benchmarks.md, Blockwise parallel decoding: At batch 1 (base size)")
     return (f"blockwise (k={KHEAD_BLOCK_SIZE} student, frozen base): {one:.2f}x greedy's sentences/s at batch 1, "
             f"{many:.2f}x at batch 64 ({verdict}); {block:.2f} tokens accepted per call; "
