@@ -106,10 +106,11 @@ wanted relaxed && row base-blockwise-relaxed --path "$(greedy_beside "$KHEAD")" 
   --step-engine static --no-ctranslate2 --blockwise-int8-proposals --variant "top2=--blockwise-top-k 2" \
   --variant "top3=--blockwise-top-k 3" --variant "minblock2=--blockwise-min-block 2"
 # the same on the frozen compiled engine (where an iteration costs fewer greedy steps)
-wanted relaxed-compiled && row base-blockwise-relaxed-compiled --path "$(greedy_beside "$KHEAD")" --khead-path "$KHEAD" \
-  --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy \
-  --step-engine compiled --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals \
-  --variant "top2=--blockwise-top-k 2" --variant "top3=--blockwise-top-k 3" --variant "minblock2=--blockwise-min-block 2"
+wanted relaxed-compiled && row base-blockwise-relaxed-compiled --path "$(greedy_beside "$KHEAD")" \
+  --khead-path "$KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 \
+  --reference greedy --step-engine compiled --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals \
+  --variant "top2=--blockwise-top-k 2" --variant "top3=--blockwise-top-k 3" \
+  --variant "minblock2=--blockwise-min-block 2"
 # the vocabulary projection screened in int8 (float32's best tokens; greedy's are float32's), beside the same engines
 # without it and CTranslate2 float32: greedy at batch 1 and 64, stock beam 5 at batch 64
 SCREEN="--screened-projection"

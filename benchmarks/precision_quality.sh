@@ -121,7 +121,8 @@ def systems(search):
             if texts is not None:
                 found.setdefault(f"CTranslate2 {compute_type}", ([], None))[0].extend(texts)
                 # its float32 beside ours (the same tokens but for a few ties), its int8 beside its float32
-                baselines[f"CTranslate2 {compute_type}"] = "float32" if compute_type == "float32" else "CTranslate2 float32"
+                baselines[f"CTranslate2 {compute_type}"] = ("float32" if compute_type == "float32"
+                                                            else "CTranslate2 float32")
     return {name: value for name, value in found.items() if len(value[0]) == len(references)}, references, baselines
 
 
@@ -152,6 +153,7 @@ for search in BEAMS:
             same = sum(a == b for a, b in zip(tokens, base_tokens))
         else:  # CTranslate2: its detokenized texts
             same = sum(a == b for a, b in zip(texts, base_texts))
-        print(f"| {search} | {name} | " + " | ".join(cells) + f" | {bleu:.2f} | {bleu - base:+.2f} | {interval} | {p} | "
+        print(f"| {search} | {name} | " + " | ".join(cells)
+              + f" | {bleu:.2f} | {bleu - base:+.2f} | {interval} | {p} | "
               f"{same} ({100 * same / len(texts):.1f}%) |")
 EOF
