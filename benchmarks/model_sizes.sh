@@ -100,17 +100,16 @@ wanted bs64 && row base-greedy-bs64 --path "$BASE" --decoders greedy --beam 1 --
 wanted beam5 && row base-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 300 \
   --repeat 3 --step-engine fairseq --variant "compiled=--step-engine compiled"
 # blockwise's relaxations (the paper's Table 1 / Figure 3 trade-off), int8 proposals: top-k acceptance, a minimum block
-# (beside greedy on the student's base: its own where it was fine-tuned)
-wanted relaxed && row base-blockwise-relaxed --path "$(greedy_beside "$KHEAD")" --khead-path "$KHEAD" \
-  --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy \
-  --step-engine static --no-ctranslate2 --blockwise-int8-proposals --variant "top2=--blockwise-top-k 2" \
-  --variant "top3=--blockwise-top-k 3" --variant "minblock2=--blockwise-min-block 2"
+# (beside greedy on the student's base: its own where it was fine-tuned); row $1 on the engine options after it
+relaxed_row() {
+  row "$1" --path "$(greedy_beside "$KHEAD")" --khead-path "$KHEAD" --decoders greedy,blockwise --beam 1 \
+    --batch-size 1 --max-sentences 60 --repeat 2 --reference greedy "${@:2}" --no-ctranslate2 \
+    --blockwise-int8-proposals --variant "top2=--blockwise-top-k 2" --variant "top3=--blockwise-top-k 3" \
+    --variant "minblock2=--blockwise-min-block 2"
+}
+wanted relaxed && relaxed_row base-blockwise-relaxed --step-engine static
 # the same on the frozen compiled engine (where an iteration costs fewer greedy steps)
-wanted relaxed-compiled && row base-blockwise-relaxed-compiled --path "$(greedy_beside "$KHEAD")" \
-  --khead-path "$KHEAD" --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 60 --repeat 2 \
-  --reference greedy --step-engine compiled --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals \
-  --variant "top2=--blockwise-top-k 2" --variant "top3=--blockwise-top-k 3" \
-  --variant "minblock2=--blockwise-min-block 2"
+wanted relaxed-compiled && relaxed_row base-blockwise-relaxed-compiled --step-engine compiled --compiled-freezing
 # the vocabulary projection screened in int8 (float32's best tokens; greedy's are float32's), beside the same engines
 # without it and CTranslate2 float32: greedy at batch 1 and 64, stock beam 5 at batch 64
 SCREEN="--screened-projection"

@@ -41,12 +41,14 @@ for split in "${SPLITS[@]}"; do
   done
 done
 .venv/bin/python - "$OUT" "$M" "$BASE" "${SPLITS[@]}" <<'EOF'
+import functools
 import sys
 from pathlib import Path
 
 import numpy
 import sacrebleu
 from sacrebleu.significance import PairedTest
+from fairseq.data.data_utils import post_process
 
 from fairseq_fastgen.ctranslate2_model import convert, import_ctranslate2
 
@@ -69,8 +71,14 @@ def read(path):
     return hypotheses, references
 
 
-def pieces_to_text(pieces):  # fairseq's --post-process sentencepiece
-    return "".join(pieces).replace("\u2581", " ").strip()
+@functools.lru_cache(maxsize=None)
+def ctranslate2_translator(compute_type):
+    """CTranslate2's translator of the checkpoint (converted once, kept in $FASTGEN_CACHE); None where not installed."""
+    ctranslate2, _ = import_ctranslate2()
+    if ctranslate2 is None:
+        return None
+    return ctranslate2.Translator(str(convert(ctranslate2, checkpoint, str(model_dir / "bin"))), device="cpu",
+                                  compute_type=compute_type, intra_threads=2)
 
 
 def ctranslate2_texts(split, search, compute_type):
@@ -78,15 +86,14 @@ def ctranslate2_texts(split, search, compute_type):
     fairseq-generate's length limit (200 tokens: --max-len-a 0 --max-len-b 200); None where not installed."""
     kept = out / split / f"{search}-ct2-{compute_type}.txt"
     if not kept.exists():
-        ctranslate2, _ = import_ctranslate2()
-        if ctranslate2 is None:
+        translator = ctranslate2_translator(compute_type)
+        if translator is None:
             return None
-        translator = ctranslate2.Translator(str(convert(ctranslate2, checkpoint, str(model_dir / "bin"))),
-                                            device="cpu", compute_type=compute_type, intra_threads=2)
         sources = [line.split() for line in (model_dir / "raw" / f"{split}.en").read_text().splitlines()]
         results = translator.translate_batch(sources, max_batch_size=64, beam_size=BEAMS[search],
                                              max_decoding_length=200)
-        kept.write_text("".join(pieces_to_text(r.hypotheses[0]) + "\n" for r in results), encoding="utf-8")
+        texts = (post_process(" ".join(r.hypotheses[0]), "sentencepiece") for r in results)  # as --post-process
+        kept.write_text("".join(text + "\n" for text in texts), encoding="utf-8")
     return kept.read_text(encoding="utf-8").splitlines()
 
 
@@ -103,12 +110,14 @@ def difference_interval(texts, base_texts, references, resamples=1000):
 
 
 def systems(search):
-    """{name: (texts, tokens or None)} over the splits in turn, the references, and {name: its baseline}."""
-    found, references, baselines = {}, [], {}
+    """{name: (texts, tokens or None)} over the splits in turn, the references, {name: its baseline} and the
+    sentences of each split."""
+    found, references, baselines, sizes = {}, [], {}, []
     for split in splits:
         float32, refs = read(out / split / f"{search}-float32.out")
         ids = sorted(refs)
         references += [refs[i] for i in ids]
+        sizes.append(len(ids))
         for precision in ("float32", "int8", "int8-f32vocab", "bf16"):
             hypotheses = float32 if precision == "float32" else read(out / split / f"{search}-{precision}.out")[0]
             assert sorted(hypotheses) == ids, f"{split} {search}-{precision}: not every sentence answered"
@@ -123,16 +132,16 @@ def systems(search):
                 # its float32 beside ours (the same tokens but for a few ties), its int8 beside its float32
                 baselines[f"CTranslate2 {compute_type}"] = ("float32" if compute_type == "float32"
                                                             else "CTranslate2 float32")
-    return {name: value for name, value in found.items() if len(value[0]) == len(references)}, references, baselines
+    complete = {name: value for name, value in found.items() if len(value[0]) == len(references)}
+    return complete, references, baselines, sizes
 
 
-sizes = [sum(1 for _ in read(out / split / "greedy-float32.out")[1]) for split in splits]
-bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]  # split i: sentences bounds[i] .. bounds[i + 1]
 print("| search | precision | " + " | ".join(f"{split} BLEU" for split in splits)
       + " | pooled BLEU | pooled - its float32 | 95% interval | p | its float32's outputs |")
 print("|---" * (len(splits) + 7) + "|")
 for search in BEAMS:
-    found, references, baselines = systems(search)
+    found, references, baselines, sizes = systems(search)
+    bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]  # split i: sentences bounds[i] .. bounds[i + 1]
     for name, (texts, tokens) in found.items():
         base_texts, base_tokens = found[baselines[name]]
         cells = []
