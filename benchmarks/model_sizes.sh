@@ -9,12 +9,12 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 students iteration narrow proposals bs64 beam5 screen clusters relaxed
+# ROWS picks rows by name: "bs1 int8 students iteration narrow kernel proposals bs64 beam5 screen clusters relaxed
 # relaxed-compiled varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
-ROWS=" ${3:-bs1 int8 students iteration narrow proposals bs64 beam5 screen clusters relaxed relaxed-compiled varbeam big} "
+ROWS=" ${3:-bs1 int8 students iteration narrow kernel proposals bs64 beam5 screen clusters relaxed relaxed-compiled varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of the same base
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
@@ -75,6 +75,20 @@ if wanted narrow; then
     row "untrained-khead-$WIDTH-bs1" --path "$STUDENT_PATH" --decoders greedy,blockwise --beam 1 --batch-size 1 \
       --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine compiled \
       --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals --variant "int8=--quantize int8"
+  done
+fi
+# what the float32 kernel of a few rows (kernels/f32_rows_cpu.cpp) brings to the frozen units, the narrow untrained
+# student in float32: with it, and with FASTGEN_F32_ROWS=0 (inductor's C++ template or oneDNN in the units), each in
+# its own processes (two of each, alternating; its own folder of units each)
+if wanted kernel; then
+  untrained_student "$UNTRAINED_NARROW" --khead-ffn-dim 512
+  for RUN in 1 2; do
+    for F32_ROWS in 1 0; do
+      FASTGEN_F32_ROWS=$F32_ROWS FASTGEN_COMPILED_DIR=$OUT/compiled-steps-f32rows$F32_ROWS \
+        row "untrained-narrow-f32rows$F32_ROWS-run$RUN-bs1" --path "$UNTRAINED_NARROW" --decoders greedy,blockwise \
+        --beam 1 --batch-size 1 --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy \
+        --step-engine compiled --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals
+    done
   done
 fi
 # what --blockwise-proposal-vocab saves an iteration (int8, the narrow untrained student): the list holds the 4,000

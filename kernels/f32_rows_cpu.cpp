@@ -1,17 +1,24 @@
-// float32 products of a few rows on the CPU (AVX-512): x (rows, in) times the transpose of a weight (out, in) in
-// torch's own layout, plus a bias.  The torch reference is F.linear; the compiled engine's units of a block of
+// float32 products of a few rows on the CPU (AVX-512, or AVX2 with FMA): x (rows, in) times the transpose of a
+// weight (out, in), plus a bias.  The torch reference is F.linear; the compiled engine's units of a block of
 // positions call it (fairseq_fastgen/engine/f32_rows_weights.py), built beside the int8 kernel
 // (fairseq_fastgen/ops/int8_kernel.py); the frozen units of one position at 1 to 4 rows call it too.
 //
 // Why a kernel of our own: blockwise verification at batch 1 multiplies 4 rows (a block of 4 positions) with every
 // weight of the decoder.  The products are bound by reading the weights (165 MB at base size), so 4 rows should cost
 // what one costs; inductor's C++ GEMM template reads them at about half that rate at 4 rows, and oneDNN's prepacked
-// product at about two thirds.  Here each group of 4 weight rows is read once for every input row, and the next
-// group is prefetched, so that the loads stay in flight while the sums are formed.
+// product at about two thirds.  Here each group of weights is read once for every input row, so that the loads stay
+// in flight while the sums are formed.
 //
-// Each output is the same sum in the same order whatever the number of rows and threads: 16 lanes accumulate
-// in[k] * w[k] over k = lane, lane + 16, ... (masked past the last whole 16), then the lanes are added by
-// _mm512_reduce_add_ps, then the bias.  A row's outputs are therefore bitwise the same alone or among others.
+// f32_rows_pack(weight) gives the layout the kernel reads, once per weight: with AVX-512 the weight itself in
+// torch's (out, in) layout (read in place, each group of 4 weight rows read once and the next group prefetched);
+// with AVX2 a copy in blocks of 8 outputs, (ceil(out / 8), in, 8), which streams from memory in order (on an AMD Zen
+// 3, 1.5x the rate of reading 4 weight rows side by side).
+//
+// Each output is the same sum in the same order whatever the number of rows and threads, so a row's outputs are
+// bitwise the same alone or among others.  AVX-512: 16 lanes accumulate in[k] * w[k] over k = lane, lane + 16, ...
+// (masked past the last whole 16), then _mm512_reduce_add_ps adds the lanes, then the bias.  AVX2: each output is
+// one lane, summing in[k] * w[k] over k in order, then the bias.  (The two builds differ in the last bits; each
+// machine builds one.)
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -19,8 +26,23 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+
+namespace {
+
+void check_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2, "f32_rows_pack: a weight (out, in), got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == at::kFloat, "f32_rows_pack: float32 only");
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "f32_rows_linear: float32 only");
+}
+
+}  // namespace
 
 #if defined(__AVX512F__)
+#define FASTGEN_F32_ROWS 1
 #include <immintrin.h>
 
 namespace {
@@ -81,13 +103,20 @@ void rows_pass(const float* x, int64_t in, const float* w, int64_t out_features,
 using Pass = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
 constexpr Pass kPasses[kPassRows] = {rows_pass<1>, rows_pass<2>, rows_pass<3>, rows_pass<4>};
 
-at::Tensor f32_rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "f32_rows_linear: x (rows, in) and weight (out, in), got ", x.sizes(), " and ", weight.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "f32_rows_linear: float32 only");
-  const at::Tensor input = x.contiguous(), rows_weight = weight.contiguous();
+at::Tensor f32_rows_pack(const at::Tensor& weight) {
+  check_weight(weight);
+  return weight.contiguous();  // the weight itself where it is contiguous: no copy
+}
+
+at::Tensor f32_rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1) && packed.size(0) == out_features,
+              "f32_rows_linear: x (rows, in) and f32_rows_pack's weight (out, in), got ", x.sizes(), " and ",
+              packed.sizes(), " for ", out_features, " outputs");
+  check_inputs(x, packed);
+  const at::Tensor input = x.contiguous(), rows_weight = packed.contiguous();
   const at::Tensor bias_values = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const int64_t rows = input.size(0), in = input.size(1), out_features = rows_weight.size(0);
+  const int64_t rows = input.size(0), in = input.size(1);
   at::Tensor out = at::empty({rows, out_features}, input.options());
   if (rows == 0 || out_features == 0) return out;
   const float* x_data = input.data_ptr<float>();
@@ -108,10 +137,134 @@ at::Tensor f32_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(fastgen, m) {
-  m.def("f32_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FASTGEN_F32_ROWS 1
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kLanes = 8;       // outputs of a block of the packed layout: one AVX2 register
+constexpr int64_t kPassRows = 4;    // input rows per pass over the weight
+constexpr int64_t kGrainBlocks = 32;  // blocks per thread's share at least (a 512 x 512 weight: 64 blocks)
+
+// blocks of outputs summed together for R input rows: R x B sums, B weights and a broadcast input in the 16 registers
+template <int R>
+constexpr int64_t blocks_for() { return R <= 2 ? 4 : 3; }
+
+// Sums of ``R`` input rows (``x`` row-major, ``in`` wide) with the ``B`` blocks at ``w`` (each (in, 8));
+// out[r * out_stride + b * 8 + lane] for the first ``valid`` outputs of the blocks (the rest is the padding's).
+template <int R, int B>
+inline void block_sums(const float* x, int64_t in, const float* w, const float* prefetched, float* out,
+                       int64_t out_stride, const float* bias, int64_t valid) {
+  __m256 sums[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) sums[r][b] = _mm256_setzero_ps();
+  auto add_products = [&](int64_t k) {  // in[k] * w[k] for every row and block
+    __m256 weights[B];
+    for (int b = 0; b < B; ++b) weights[b] = _mm256_loadu_ps(w + (b * in + k) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const __m256 input = _mm256_broadcast_ss(x + r * in + k);
+      for (int b = 0; b < B; ++b) sums[r][b] = _mm256_fmadd_ps(weights[b], input, sums[r][b]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 2 <= in; k += 2) {  // a 64-byte line of a block holds two k's
+    if (prefetched != nullptr)
+      for (int b = 0; b < B; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(prefetched + (b * in + k) * kLanes), _MM_HINT_T0);
+    add_products(k);
+    add_products(k + 1);
+  }
+  if (k < in) add_products(k);
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) {
+      __m256 sum = sums[r][b];
+      float* row_out = out + r * out_stride + b * kLanes;
+      if (bias != nullptr) {
+        if ((b + 1) * kLanes <= valid) {
+          sum = _mm256_add_ps(sum, _mm256_loadu_ps(bias + b * kLanes));
+        } else {
+          alignas(32) float tail_bias[kLanes] = {0};
+          for (int64_t j = b * kLanes; j < valid; ++j) tail_bias[j - b * kLanes] = bias[j];
+          sum = _mm256_add_ps(sum, _mm256_load_ps(tail_bias));
+        }
+      }
+      if ((b + 1) * kLanes <= valid) {
+        _mm256_storeu_ps(row_out, sum);
+      } else {  // the weight's last block: plain stores of its valid outputs (AMD's masked stores are slow)
+        alignas(32) float tail[kLanes];
+        _mm256_store_ps(tail, sum);
+        for (int64_t j = b * kLanes; j < valid; ++j) row_out[j - b * kLanes] = tail[j - b * kLanes];
+      }
+    }
 }
 
-TORCH_LIBRARY_IMPL(fastgen, CPU, m) { m.impl("f32_rows_linear", &f32_rows_linear); }
+// Blocks [first, last) of the packed weight for ``R`` input rows: whole groups of blocks_for<R>(), then one at a time.
+template <int R>
+void rows_pass(const float* x, int64_t in, const float* w, int64_t out_features, const float* bias, float* out,
+               int64_t first, int64_t last) {
+  constexpr int64_t B = blocks_for<R>();
+  const int64_t block_floats = in * kLanes;
+  int64_t b = first;
+  auto sums = [&](auto blocks, int64_t at, const float* prefetched) {
+    constexpr int64_t count = decltype(blocks)::value;
+    block_sums<R, count>(x, in, w + at * block_floats, prefetched, out + at * kLanes, out_features,
+                         bias == nullptr ? nullptr : bias + at * kLanes, out_features - at * kLanes);
+  };
+  for (; b + B <= last; b += B)
+    sums(std::integral_constant<int64_t, B>(), b, b + 2 * B <= last ? w + (b + B) * block_floats : nullptr);
+  for (; b < last; ++b) sums(std::integral_constant<int64_t, 1>(), b, nullptr);
+}
 
-#endif  // __AVX512F__
+using Pass = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
+constexpr Pass kPasses[kPassRows] = {rows_pass<1>, rows_pass<2>, rows_pass<3>, rows_pass<4>};
+
+at::Tensor f32_rows_pack(const at::Tensor& weight) {
+  check_weight(weight);
+  const int64_t out_features = weight.size(0), in = weight.size(1);
+  const int64_t blocks = (out_features + kLanes - 1) / kLanes;
+  at::Tensor padded = at::zeros({blocks * kLanes, in}, weight.options());
+  padded.narrow(0, 0, out_features).copy_(weight);
+  return padded.view({blocks, kLanes, in}).transpose(1, 2).contiguous();  // (blocks, in, 8)
+}
+
+at::Tensor f32_rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kLanes && x.size(1) == packed.size(1)
+                  && packed.size(0) == (out_features + kLanes - 1) / kLanes,
+              "f32_rows_linear: x (rows, in) and f32_rows_pack's weight (out / 8, in, 8), got ", x.sizes(), " and ",
+              packed.sizes(), " for ", out_features, " outputs");
+  check_inputs(x, packed);
+  const at::Tensor input = x.contiguous(), blocks_weight = packed.contiguous();
+  const at::Tensor bias_values = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const int64_t rows = input.size(0), in = input.size(1), blocks = blocks_weight.size(0);
+  at::Tensor out = at::empty({rows, out_features}, input.options());
+  if (rows == 0 || out_features == 0) return out;
+  const float* x_data = input.data_ptr<float>();
+  const float* w_data = blocks_weight.data_ptr<float>();
+  const float* b_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
+    for (int64_t r = 0; r < rows; r += kPassRows) {
+      const int64_t pass_rows = std::min(kPassRows, rows - r);
+      kPasses[pass_rows - 1](x_data + r * in, in, w_data, out_features, b_data, out_data + r * out_features, first,
+                             last);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+#endif
+
+#if defined(FASTGEN_F32_ROWS)
+TORCH_LIBRARY_FRAGMENT(fastgen, m) {
+  m.def("f32_rows_pack(Tensor weight) -> Tensor");
+  m.def("f32_rows_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastgen, CPU, m) {
+  m.impl("f32_rows_pack", &f32_rows_pack);
+  m.impl("f32_rows_linear", &f32_rows_linear);
+}
+#endif

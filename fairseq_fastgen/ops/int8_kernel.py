@@ -12,9 +12,10 @@ run on its int8 tiles, with the same exact int32 sums (``AMX``).
 The C++ source is compiled by torch's extension builder (ninja, the system's C++ compiler) on first use into
 ``$FASTGEN_CACHE/int8-kernel-<key>`` (the key: the source, torch's version and the flags), then loaded from there;
 its op is ``torch.ops.fastgen.int8_rows_linear``, with its output's shape registered for tracing, so that the
-compiled engine's units call it (``engine/int8_weights.py``).  The AVX-512 build also holds
-``torch.ops.fastgen.f32_rows_linear`` (``f32_rows_available()``), which the compiled engine's frozen float32 units
-of a few rows call (``engine/f32_rows_weights.py``).  Where the processor lacks AVX2, or the build fails (one
+compiled engine's units call it (``engine/int8_weights.py``).  Both builds also hold
+``torch.ops.fastgen.f32_rows_linear`` (``f32_rows_available()``; AVX-512, or AVX2 with FMA, which every AVX2
+processor of Intel's and AMD's has), which the compiled engine's frozen float32 units of a few rows call
+(``engine/f32_rows_weights.py``).  Where the processor lacks AVX2, or the build fails (one
 warning line says why), ``available()`` is False and int8 products stay on fbgemm's and oneDNN's kernels
 (``--int8-library-kernels`` asks for those anyway, for comparison).
 """
@@ -32,7 +33,7 @@ from fairseq_fastgen.safe_files import cached_build
 
 logger = logging.getLogger("fairseq_fastgen.ops")
 
-SOURCE_NAMES = ("int8_rows_cpu.cpp", "f32_rows_cpu.cpp")  # one library; the second only in the AVX-512 build
+SOURCE_NAMES = ("int8_rows_cpu.cpp", "f32_rows_cpu.cpp")  # one library
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = (_PACKAGE_DIR / "kernels", _PACKAGE_DIR.parent / "kernels")  # installed package, then checkout
 VNNI = torch.cpu._is_avx512_supported() and torch.cpu._is_vnni_supported()
@@ -44,7 +45,7 @@ INPUT_LEVELS = 127 if VNNI else 63
 # (FASTGEN_INT8_TILES=0 leaves them out, to measure what they bring)
 AMX = VNNI and torch.cpu._is_amx_tile_supported() and os.environ.get("FASTGEN_INT8_TILES", "1") != "0"
 INSTRUCTIONS = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
-                + (["-mamx-tile", "-mamx-int8"] if AMX else [])) if VNNI else ["-mavx2"]
+                + (["-mamx-tile", "-mamx-int8"] if AMX else [])) if VNNI else ["-mavx2", "-mfma"]
 FLAGS = ["-O3", *INSTRUCTIONS, f"-DFASTGEN_INPUT_LEVELS={INPUT_LEVELS}", "-ffp-contract=off", "-fopenmp"]
 GROUP = 64  # output rows per group of the packed layout (the kernel's kGroup)
 
@@ -105,14 +106,14 @@ def register_output_shape():
     if hasattr(torch.ops.fastgen, "f32_rows_linear") and not torch._C._dispatch_has_kernel_for_dispatch_key(
             "fastgen::f32_rows_linear", "Meta"):
         @torch.library.register_fake("fastgen::f32_rows_linear")
-        def f32_rows_linear_output(x, weight, bias):
-            return x.new_empty(x.size(0), weight.size(0))
+        def f32_rows_linear_output(x, packed, bias, out_features):
+            return x.new_empty(x.size(0), out_features)
 
 
 def f32_rows_available() -> bool:
-    """Whether ``torch.ops.fastgen.f32_rows_linear`` runs here (the AVX-512 build of the kernels, built and loaded
-    on the first call)."""
-    return available() and hasattr(torch.ops.fastgen, "f32_rows_linear")
+    """Whether ``torch.ops.fastgen.f32_rows_linear`` runs here (built and loaded with the int8 kernel on the first
+    call; ``FASTGEN_F32_ROWS=0`` leaves it out of the compiled units, to measure what it brings)."""
+    return available() and hasattr(torch.ops.fastgen, "f32_rows_linear") and os.environ.get("FASTGEN_F32_ROWS") != "0"
 
 
 def pack_rows(integers: Tensor) -> Tuple[Tensor, Tensor]:
