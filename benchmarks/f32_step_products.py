@@ -1,0 +1,67 @@
+"""What one base-size decoder step's float32 products cost at 1 to 8 rows, on one thread: the plugin's kernel of a
+few rows beside ``F.linear``.
+
+    python benchmarks/f32_step_products.py [--vocab 32000] [--dim 512] [--ffn 2048] [--layers 6]
+
+Times ``torch.ops.fastgen.f32_rows_linear`` (``kernels/f32_rows_cpu.cpp``, on ``f32_rows_pack``'s layout of each
+weight) and ``F.linear`` over every product of a decoder step of ``transformer_wmt_en_de``'s shapes (per layer: the
+fused query/key/value rows, the self-attention's output, the encoder-decoder attention's query and output, the two
+feed-forward layers; then the vocabulary projection), random weights, each product after the others so that its
+weights come from memory as in a decode.  Blockwise verifies a block of 4 positions in one pass: it pays where 4 rows
+cost about what 1 costs.  Each row count is timed in three rounds; the middle one is printed.  Not part of the
+product: a measuring aid for docs/benchmarks.md.
+"""
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fairseq_fastgen.ops import int8_kernel
+
+
+def step_milliseconds(products, inputs, steps):
+    """Milliseconds of one pass over ``products`` (callables of one input), after two warm-up passes."""
+    for _ in range(2):
+        for product, x in zip(products, inputs):
+            product(x)
+    start = time.perf_counter()
+    for _ in range(steps):
+        for product, x in zip(products, inputs):
+            product(x)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per row count and round")
+    args = parser.parse_args()
+    if not int8_kernel.f32_rows_available():
+        parser.error("the float32 kernel of a few rows is not built here (it needs AVX-512 or AVX2)")
+    torch.set_num_threads(1)
+    dim, ffn = args.dim, args.ffn
+    layer = [(3 * dim, dim), (dim, dim), (dim, dim), (dim, dim), (ffn, dim), (dim, ffn)]  # (out, in) of each product
+    shapes = layer * args.layers + [(args.vocab, dim)]
+    weights = [(torch.randn(out, inp) / inp ** 0.5, torch.randn(out)) for out, inp in shapes]
+    packed = [(torch.ops.fastgen.f32_rows_pack(weight), bias, weight.size(0)) for weight, bias in weights]
+    kernel = [lambda x, p=p, b=b, o=o: torch.ops.fastgen.f32_rows_linear(x, p, b, o) for p, b, o in packed]
+    linear = [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in weights]
+    megabytes = sum(out * inp for out, inp in shapes) * 4 / 1e6
+    print(f"one step's float32 weights: {megabytes:.0f} MB")
+    one_row = {}
+    for rows in (1, 2, 4, 8):
+        inputs = [torch.randn(rows, inp) for _, inp in shapes]
+        for name, products in (("kernel", kernel), ("F.linear", linear)):
+            milliseconds = sorted(step_milliseconds(products, inputs, args.steps) for _ in range(3))[1]
+            one_row.setdefault(name, milliseconds)
+            print(f"{name:8s} {rows} row{'s' if rows > 1 else ' '}: {milliseconds:.2f} ms a step "
+                  f"({milliseconds / one_row[name]:.2f}x one row's, {megabytes / milliseconds:.1f} GB/s)")
+
+
+if __name__ == "__main__":
+    main()
