@@ -12,13 +12,13 @@ cost about what 1 costs.  Each row count is timed in three rounds; the middle on
 product: a measuring aid for docs/benchmarks.md.
 """
 
-import argparse
 import time
 
 import torch
 import torch.nn.functional as F
 
 from fairseq_fastgen.ops import int8_kernel
+from int8_step_products import step_shapes, step_shapes_parser  # this folder's: the same step's shapes
 
 
 def step_milliseconds(products, inputs, steps):
@@ -34,19 +34,12 @@ def step_milliseconds(products, inputs, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per row count and round")
+    parser = step_shapes_parser(__doc__.splitlines()[0], 20)
     args = parser.parse_args()
     if not int8_kernel.f32_rows_available():
         parser.error("the float32 kernel of a few rows is not built here (it needs AVX-512 or AVX2)")
     torch.set_num_threads(1)
-    dim, ffn = args.dim, args.ffn
-    layer = [(3 * dim, dim), (dim, dim), (dim, dim), (dim, dim), (ffn, dim), (dim, ffn)]  # (out, in) of each product
-    shapes = layer * args.layers + [(args.vocab, dim)]
+    shapes = step_shapes(args)
     weights = [(torch.randn(out, inp) / inp ** 0.5, torch.randn(out)) for out, inp in shapes]
     packed = [(torch.ops.fastgen.f32_rows_pack(weight), bias, weight.size(0)) for weight, bias in weights]
     kernel = [lambda x, p=p, b=b, o=o: torch.ops.fastgen.f32_rows_linear(x, p, b, o) for p, b, o in packed]

@@ -19,18 +19,29 @@ import torch
 from fairseq_fastgen.ops.precision_linear import Int8Rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def step_shapes_parser(description: str, steps: int) -> argparse.ArgumentParser:
+    """The options of a decoder step's shapes (``step_shapes``) and of the timed steps."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--ffn", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per row count")
-    args = parser.parse_args()
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per row count")
+    return parser
+
+
+def step_shapes(args):
+    """(out, in) of each product of a decoder step, in the order a step runs them."""
+    dim, ffn = args.dim, args.ffn
+    layer = [(3 * dim, dim), (dim, dim), (dim, dim), (dim, dim), (ffn, dim), (dim, ffn)]
+    return layer * args.layers + [(args.vocab, dim)]
+
+
+def main():
+    args = step_shapes_parser(__doc__.splitlines()[0], 50).parse_args()
     torch.set_num_threads(1)
     dim, ffn = args.dim, args.ffn
-    layer = [(3 * dim, dim), (dim, dim), (dim, dim), (dim, dim), (ffn, dim), (dim, ffn)]  # (out, in) of each product
-    shapes = layer * args.layers + [(args.vocab, dim)]
+    shapes = step_shapes(args)
     products = [Int8Rows(torch.randn(out, inp)) for out, inp in shapes]
     megabytes = sum(out * inp for out, inp in shapes) / 1e6  # one byte a weight
     print(f"one step's int8 rows: {megabytes:.1f} MB")

@@ -108,32 +108,14 @@ at::Tensor f32_rows_pack(const at::Tensor& weight) {
   return weight.contiguous();  // the weight itself where it is contiguous: no copy
 }
 
-at::Tensor f32_rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                           int64_t out_features) {
+void check_layout(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1) && packed.size(0) == out_features,
               "f32_rows_linear: x (rows, in) and f32_rows_pack's weight (out, in), got ", x.sizes(), " and ",
               packed.sizes(), " for ", out_features, " outputs");
-  check_inputs(x, packed);
-  const at::Tensor input = x.contiguous(), rows_weight = packed.contiguous();
-  const at::Tensor bias_values = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const int64_t rows = input.size(0), in = input.size(1);
-  at::Tensor out = at::empty({rows, out_features}, input.options());
-  if (rows == 0 || out_features == 0) return out;
-  const float* x_data = input.data_ptr<float>();
-  const float* w_data = rows_weight.data_ptr<float>();
-  const float* b_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
-  float* out_data = out.data_ptr<float>();
-  const int64_t groups = (out_features + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, kGrainGroups, [&](int64_t first, int64_t last) {
-    const int64_t begin = first * kGroup, end = std::min(out_features, last * kGroup);
-    for (int64_t r = 0; r < rows; r += kPassRows) {
-      const int64_t pass_rows = std::min(kPassRows, rows - r);
-      kPasses[pass_rows - 1](x_data + r * in, in, w_data, out_features, b_data, out_data + r * out_features, begin,
-                             end);
-    }
-  });
-  return out;
 }
+
+constexpr int64_t kShareUnit = kGroup;  // a thread's share of the outputs is whole groups
+constexpr int64_t kGrainUnits = kGrainGroups;
 
 }  // namespace
 
@@ -199,11 +181,13 @@ inline void block_sums(const float* x, int64_t in, const float* w, const float* 
     }
 }
 
-// Blocks [first, last) of the packed weight for ``R`` input rows: whole groups of blocks_for<R>(), then one at a time.
+// Outputs [begin, end) (begin a whole block's first) for ``R`` input rows: their blocks of the packed weight in whole
+// groups of blocks_for<R>(), then one at a time.
 template <int R>
 void rows_pass(const float* x, int64_t in, const float* w, int64_t out_features, const float* bias, float* out,
-               int64_t first, int64_t last) {
+               int64_t begin, int64_t end) {
   constexpr int64_t B = blocks_for<R>();
+  const int64_t first = begin / kLanes, last = (end + kLanes - 1) / kLanes;
   const int64_t block_floats = in * kLanes;
   int64_t b = first;
   auto sums = [&](auto blocks, int64_t at, const float* prefetched) {
@@ -228,36 +212,51 @@ at::Tensor f32_rows_pack(const at::Tensor& weight) {
   return padded.view({blocks, kLanes, in}).transpose(1, 2).contiguous();  // (blocks, in, 8)
 }
 
-at::Tensor f32_rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                           int64_t out_features) {
+void check_layout(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kLanes && x.size(1) == packed.size(1)
                   && packed.size(0) == (out_features + kLanes - 1) / kLanes,
               "f32_rows_linear: x (rows, in) and f32_rows_pack's weight (out / 8, in, 8), got ", x.sizes(), " and ",
               packed.sizes(), " for ", out_features, " outputs");
+}
+
+constexpr int64_t kShareUnit = kLanes;  // a thread's share of the outputs is whole blocks
+constexpr int64_t kGrainUnits = kGrainBlocks;
+
+}  // namespace
+#endif
+
+#if defined(FASTGEN_F32_ROWS)
+namespace {
+
+// x (rows, in) times the weight in f32_rows_pack's layout: the outputs shared among the threads in whole units of
+// kShareUnit, each share's rows in passes of up to kPassRows
+at::Tensor f32_rows_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                           int64_t out_features) {
+  check_layout(x, packed, out_features);
   check_inputs(x, packed);
-  const at::Tensor input = x.contiguous(), blocks_weight = packed.contiguous();
+  const at::Tensor input = x.contiguous(), weight = packed.contiguous();
   const at::Tensor bias_values = bias.has_value() ? bias->contiguous() : at::Tensor();
-  const int64_t rows = input.size(0), in = input.size(1), blocks = blocks_weight.size(0);
+  const int64_t rows = input.size(0), in = input.size(1);
   at::Tensor out = at::empty({rows, out_features}, input.options());
   if (rows == 0 || out_features == 0) return out;
   const float* x_data = input.data_ptr<float>();
-  const float* w_data = blocks_weight.data_ptr<float>();
+  const float* w_data = weight.data_ptr<float>();
   const float* b_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
-  at::parallel_for(0, blocks, kGrainBlocks, [&](int64_t first, int64_t last) {
+  const int64_t units = (out_features + kShareUnit - 1) / kShareUnit;
+  at::parallel_for(0, units, kGrainUnits, [&](int64_t first, int64_t last) {
+    const int64_t begin = first * kShareUnit, end = std::min(out_features, last * kShareUnit);
     for (int64_t r = 0; r < rows; r += kPassRows) {
       const int64_t pass_rows = std::min(kPassRows, rows - r);
-      kPasses[pass_rows - 1](x_data + r * in, in, w_data, out_features, b_data, out_data + r * out_features, first,
-                             last);
+      kPasses[pass_rows - 1](x_data + r * in, in, w_data, out_features, b_data, out_data + r * out_features, begin,
+                             end);
     }
   });
   return out;
 }
 
 }  // namespace
-#endif
 
-#if defined(FASTGEN_F32_ROWS)
 TORCH_LIBRARY_FRAGMENT(fastgen, m) {
   m.def("f32_rows_pack(Tensor weight) -> Tensor");
   m.def("f32_rows_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
