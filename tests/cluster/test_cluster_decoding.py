@@ -78,11 +78,18 @@ def assert_unchanged_by_projection(task, model, decoder, beam, common_options=No
     stats = projection.statistics.as_dict()
     assert stats["projection_steps"] > 0 and stats["projection_active_fraction_mean"] == 1.0
     assert sorted(projected) == sorted(plain) and len(plain) >= SENTENCES
+    # the compiled step's log-softmax (inside its unit) against the projection's (eager): the same bits where the
+    # processor has AVX-512; with AVX2 only, inductor's vectorized sums and ATen's add in other orders, so there
+    # the scores agree to float32's rounding (the tokens still bit for bit)
+    same_bits = common_options.get("step_engine") != "compiled" or torch.cpu._is_avx512_supported()
     for sentence_id, expected in plain.items():
         got = projected[sentence_id]
         assert torch.equal(got["tokens"], expected["tokens"]), sentence_id
-        assert torch.equal(got["score"], expected["score"]), sentence_id
-        assert torch.equal(got["positional_scores"], expected["positional_scores"]), sentence_id
+        for scores in ("score", "positional_scores"):
+            if same_bits:
+                assert torch.equal(got[scores], expected[scores]), sentence_id
+            else:
+                assert torch.allclose(got[scores], expected[scores], rtol=1e-5, atol=1e-6), sentence_id
     return projection
 
 

@@ -297,17 +297,23 @@ def test_a_blocks_unit_gives_each_position_the_one_position_units_bits(loaded_kh
 
 def test_blockwise_one_sentence_at_a_time_is_int8_greedy_bit_for_bit(loaded_khead_k2, translate):
     """One sentence a batch (blockwise's use), compiled int8: blockwise's exact mode gives greedy's tokens and
-    its scores, bit for bit, for every sentence of the test split.  (In larger batches rows that kept different
-    numbers of positions are left-padded, which moves a row's positions in the softmax's vectorized sum:
-    test_blockwise_exact_mode_is_greedy_on_compiled_int8 allows near-ties there.)"""
+    its scores, bit for bit, for every sentence of the test split, where the processor has AVX-512; with AVX2 only
+    the tokens bit for bit and the scores to float32's rounding (inductor's vectorized float sums of the block's
+    rows and of one row take other orders there: a sentence in about a hundred differed in its last bits).  (In
+    larger batches rows that kept different numbers of positions are left-padded, which moves a row's positions in
+    the softmax's vectorized sum: test_blockwise_exact_mode_is_greedy_on_compiled_int8 allows near-ties there.)"""
     options = dict(beam=1, quantize="int8", step_engine="compiled")
     greedy = decode(loaded_khead_k2, translate, 1, decoder="greedy", **options)
     blockwise = decode(loaded_khead_k2, translate, 1, decoder="blockwise", **options)
     assert sorted(blockwise) == sorted(greedy) and len(greedy) >= 100
+    same_bits = torch.cpu._is_avx512_supported()
     for sentence, hypotheses in greedy.items():
         got, expected = blockwise[sentence][0], hypotheses[0]
         assert torch.equal(got["tokens"], expected["tokens"]), sentence
-        assert torch.equal(got["positional_scores"], expected["positional_scores"]), sentence
+        if same_bits:
+            assert torch.equal(got["positional_scores"], expected["positional_scores"]), sentence
+        else:
+            assert torch.allclose(got["positional_scores"], expected["positional_scores"], rtol=1e-5, atol=1e-6)
 
 
 def test_int8_proposals_read_the_units_own_int8_rows(loaded_khead_k2, translate):
