@@ -28,6 +28,11 @@
 #include <cstdint>
 #include <type_traits>
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define FASTGEN_F32_ROWS 1  // a build that holds the kernel
+#endif
+
+#if defined(FASTGEN_F32_ROWS)
 namespace {
 
 void check_weight(const at::Tensor& weight) {
@@ -40,9 +45,9 @@ void check_inputs(const at::Tensor& x, const at::Tensor& packed) {
 }
 
 }  // namespace
+#endif
 
 #if defined(__AVX512F__)
-#define FASTGEN_F32_ROWS 1
 #include <immintrin.h>
 
 namespace {
@@ -119,8 +124,7 @@ constexpr int64_t kGrainUnits = kGrainGroups;
 
 }  // namespace
 
-#elif defined(__AVX2__) && defined(__FMA__)
-#define FASTGEN_F32_ROWS 1
+#elif defined(FASTGEN_F32_ROWS)  // AVX2 with FMA
 #include <immintrin.h>
 
 namespace {
@@ -160,24 +164,18 @@ inline void block_sums(const float* x, int64_t in, const float* w, const float* 
   if (k < in) add_products(k);
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) {
-      __m256 sum = sums[r][b];
       float* row_out = out + r * out_stride + b * kLanes;
-      if (bias != nullptr) {
-        if ((b + 1) * kLanes <= valid) {
-          sum = _mm256_add_ps(sum, _mm256_loadu_ps(bias + b * kLanes));
-        } else {
-          alignas(32) float tail_bias[kLanes] = {0};
-          for (int64_t j = b * kLanes; j < valid; ++j) tail_bias[j - b * kLanes] = bias[j];
-          sum = _mm256_add_ps(sum, _mm256_load_ps(tail_bias));
-        }
+      const float* row_bias = bias == nullptr ? nullptr : bias + b * kLanes;
+      const int64_t count = valid - b * kLanes;  // this block's outputs that are the weight's (8, but at its end)
+      if (count >= kLanes) {
+        const __m256 sum = sums[r][b];
+        _mm256_storeu_ps(row_out, row_bias == nullptr ? sum : _mm256_add_ps(sum, _mm256_loadu_ps(row_bias)));
+        continue;
       }
-      if ((b + 1) * kLanes <= valid) {
-        _mm256_storeu_ps(row_out, sum);
-      } else {  // the weight's last block: plain stores of its valid outputs (AMD's masked stores are slow)
-        alignas(32) float tail[kLanes];
-        _mm256_store_ps(tail, sum);
-        for (int64_t j = b * kLanes; j < valid; ++j) row_out[j - b * kLanes] = tail[j - b * kLanes];
-      }
+      // the weight's last block: plain stores of its valid outputs (AMD's masked stores are slow)
+      alignas(32) float tail[kLanes];
+      _mm256_store_ps(tail, sums[r][b]);
+      for (int64_t j = 0; j < count; ++j) row_out[j] = row_bias == nullptr ? tail[j] : tail[j] + row_bias[j];
     }
 }
 

@@ -44,6 +44,8 @@ INPUT_LEVELS = 127 if VNNI else 63
 # AMX's int8 tiles (Intel Xeon from Sapphire Rapids on): the VNNI build also multiplies 16 or more rows in tiles
 # (FASTGEN_INT8_TILES=0 leaves them out, to measure what they bring)
 AMX = VNNI and torch.cpu._is_amx_tile_supported() and os.environ.get("FASTGEN_INT8_TILES", "1") != "0"
+# FASTGEN_F32_ROWS=0 leaves the float32 kernel of a few rows out of the compiled units, to measure what it brings
+F32_ROWS_PERMITTED = os.environ.get("FASTGEN_F32_ROWS", "1") != "0"
 INSTRUCTIONS = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
                 + (["-mamx-tile", "-mamx-int8"] if AMX else [])) if VNNI else ["-mavx2", "-mfma"]
 FLAGS = ["-O3", *INSTRUCTIONS, f"-DFASTGEN_INPUT_LEVELS={INPUT_LEVELS}", "-ffp-contract=off", "-fopenmp"]
@@ -112,8 +114,8 @@ def register_output_shape():
 
 def f32_rows_available() -> bool:
     """Whether ``torch.ops.fastgen.f32_rows_linear`` runs here (built and loaded with the int8 kernel on the first
-    call; ``FASTGEN_F32_ROWS=0`` leaves it out of the compiled units, to measure what it brings)."""
-    return available() and hasattr(torch.ops.fastgen, "f32_rows_linear") and os.environ.get("FASTGEN_F32_ROWS") != "0"
+    call; not under ``FASTGEN_F32_ROWS=0``: ``F32_ROWS_PERMITTED``)."""
+    return F32_ROWS_PERMITTED and available() and hasattr(torch.ops.fastgen, "f32_rows_linear")
 
 
 def pack_rows(integers: Tensor) -> Tuple[Tensor, Tensor]:
