@@ -1,6 +1,8 @@
 """The toy transformer and the toy transformer_khead loaded in-process, with their test split."""
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +32,14 @@ def load(checkpoint, data_bin) -> LoadedToy:
         model.eval()
     task.load_dataset("test")
     return LoadedToy(models, task, cfg)
+
+
+def shared_test_dir(tmp_path_factory, name: str) -> Path:
+    """A folder of this test run that every pytest-xdist worker shares (their base folders are siblings): units
+    compiled there by one worker are loaded by the other, not compiled again (the engine's file lock makes the
+    second wait for the first)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
 
 
 @pytest.fixture(scope="session")

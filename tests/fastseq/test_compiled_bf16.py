@@ -19,6 +19,7 @@ from fairseq_fastgen.ops.precision_linear import bf16_linear, precision_refusal
 from tests.fastseq.test_compiled_int8 import (
     assert_blockwise_is_greedy_on_compiled, assert_var_stream_is_var_batch_on_compiled, runner_of,
 )
+from tests.fastseq.conftest import shared_test_dir
 from tests.fastseq.test_precision_decoding import best_tokens, decode
 
 needs_bf16 = pytest.mark.skipif(precision_refusal("bf16") is not None, reason="no bfloat16 products on this CPU")
@@ -37,7 +38,7 @@ def one_row_bucket(monkeypatch, tmp_path_factory):
     """The units of this file are compiled into a folder of their own, one row bucket (1 row) and the step for more
     rows (each bucket is one more unit to compile, minutes on CI)."""
     monkeypatch.setattr(compiled, "FROZEN_MAX_ROWS", 1)
-    monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path_factory.getbasetemp() / "compiled-bf16"))
+    monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(shared_test_dir(tmp_path_factory, "compiled-bf16")))
 
 
 @needs_bf16

@@ -25,7 +25,7 @@ from fairseq_fastgen.engine.fused_weights import FusedWeightsCache
 from fairseq_fastgen.ops import int8_kernel, precision_linear
 from fairseq_fastgen.ops.onednn_linear import onednn_available
 from fairseq_fastgen.ops.precision_linear import Int8Rows
-from tests.fastseq.conftest import LoadedToy, load
+from tests.fastseq.conftest import LoadedToy, load, shared_test_dir
 from tests.fastseq.test_precision_decoding import best_tokens, decode
 from tests.models.khead_toy import khead_k2  # noqa: F401  (fixture)
 
@@ -42,7 +42,7 @@ def every_layer_in_int8(monkeypatch, tmp_path_factory):
     rows (each bucket is one more unit to compile, minutes on CI)."""
     monkeypatch.setattr(precision_linear, "MIN_INT8_WEIGHT", 0)
     monkeypatch.setattr(compiled, "FROZEN_MAX_ROWS", 1)
-    monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path_factory.getbasetemp() / "compiled-int8"))
+    monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(shared_test_dir(tmp_path_factory, "compiled-int8")))
 
 
 def assert_tokens_match_up_to_near_ties(got, expected):
@@ -82,7 +82,7 @@ def test_compiled_units_compute_int8_and_give_static_int8s_tokens(loaded_toy, tr
     eager step, and gives the tokens static int8 gives (up to near-ties); the int8 products did change float32's."""
     assert engine_setting(PluginOptions(step_engine="compiled", quantize="int8")) == "compiled"
     static = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, quantize="int8")
-    float32 = decode(loaded_toy, translate, 16, decoder="greedy", beam=1, step_engine="compiled")
+    float32 = decode(loaded_toy, translate, 16, decoder="greedy", beam=1)  # static: the compiled engine's tokens
     generator = loaded_toy.task.build_generator(loaded_toy.models, GenerationConfig(
         decoder="greedy", beam=1, quantize="int8", step_engine="compiled"))
     runner = runner_of(generator)
