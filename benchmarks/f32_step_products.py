@@ -1,5 +1,5 @@
-"""What one base-size decoder step's float32 products cost at 1 to 8 rows, on one thread: the plugin's kernel of a
-few rows beside ``F.linear`` and oneDNN's packed product.
+"""What one base-size decoder step's float32 products cost at a few rows (or more), on one thread: the plugin's
+kernel of a few rows beside ``F.linear`` and oneDNN's packed product.
 
     python benchmarks/f32_step_products.py [--rows 1,2,4,8] [--vocab 32000] [--dim 512] [--ffn 2048] [--layers 6]
 
@@ -8,9 +8,10 @@ weight) and ``F.linear`` over every product of a decoder step of ``transformer_w
 fused query/key/value rows, the self-attention's output, the encoder-decoder attention's query and output, the two
 feed-forward layers; then the vocabulary projection), random weights, each product after the others so that its
 weights come from memory as in a decode.  Blockwise verifies a block of 4 positions in one pass: it pays where 4 rows
-cost about what 1 costs.  ``--rows 64`` shows what a batch of 64 rows' products cost (the kernel serves up to 8
-rows; above that only ``F.linear`` and oneDNN's packed product, ``--onednn-linear``'s and the compiled units').  Each row count is timed in three rounds; the middle one is printed.  Not part of the
-product: a measuring aid for docs/benchmarks.md.
+cost about what 1 costs.  ``--rows 64`` shows what a batch of 64 rows' products cost (the kernel serves the units
+of up to ``f32_rows_weights.MAX_ROWS`` rows; above that only ``F.linear`` and oneDNN's packed product, the one of
+``--onednn-linear`` and of the compiled units).  Each row count is timed in three rounds; the middle one is printed.
+Not part of the product: a measuring aid for docs/benchmarks.md.
 """
 
 import time
@@ -18,6 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fairseq_fastgen.engine.f32_rows_weights import MAX_ROWS
 from fairseq_fastgen.ops import int8_kernel
 from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear, pack_weight
 from int8_step_products import step_shapes, step_shapes_parser  # this folder's: the same step's shapes
@@ -55,16 +57,16 @@ def main():
     megabytes = sum(out * inp for out, inp in shapes) * 4 / 1e6
     gflop = sum(2 * out * inp for out, inp in shapes) / 1e9  # one row's
     print(f"one step's float32 weights: {megabytes:.0f} MB")
-    one_row = {}
+    first = {}  # each product's milliseconds at the first row count
     for rows in row_counts:
         inputs = [torch.randn(rows, inp) for _, inp in shapes]
         for name, products in candidates:
-            if name == "kernel" and rows > 8:
+            if name == "kernel" and rows > MAX_ROWS:
                 continue
             milliseconds = sorted(step_milliseconds(products, inputs, args.steps) for _ in range(3))[1]
-            one_row.setdefault(name, milliseconds)
+            first.setdefault(name, milliseconds)
             print(f"{name:8s} {rows} row{'s' if rows > 1 else ' '}: {milliseconds:.2f} ms a step "
-                  f"({milliseconds / one_row[name]:.2f}x the first row count's, {megabytes / milliseconds:.1f} GB/s, "
+                  f"({milliseconds / first[name]:.2f}x the first row count's, {megabytes / milliseconds:.1f} GB/s, "
                   f"{rows * gflop / milliseconds * 1e3:.1f} GFLOP/s)")
 
 

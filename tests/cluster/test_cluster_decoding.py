@@ -17,6 +17,7 @@ from fairseq_fastgen.adapters.output_layer import attached_projection
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
 from fairseq_fastgen.cluster.projection import nearest_clusters
 from fairseq_fastgen.sequence_generators import DECODERS
+from tests.float_scores import SAME_BITS_ACROSS_UNITS, assert_same_scores
 
 K_HEAD_DECODERS = {"blockwise", "blockwise-stream"}  # need a transformer_khead model: the toy k-head model below
 EXPECTED_PLAIN_DECODERS = ["beam", "greedy", "greedy-stream", "var-batch", "var-stream", "fixed-stream"]
@@ -81,15 +82,12 @@ def assert_unchanged_by_projection(task, model, decoder, beam, common_options=No
     # the compiled step's log-softmax (inside its unit) against the projection's (eager): the same bits where the
     # processor has AVX-512; with AVX2 only, inductor's vectorized sums and ATen's add in other orders, so there
     # the scores agree to float32's rounding (the tokens still bit for bit)
-    same_bits = common_options.get("step_engine") != "compiled" or torch.cpu._is_avx512_supported()
+    same_bits = common_options.get("step_engine") != "compiled" or SAME_BITS_ACROSS_UNITS
     for sentence_id, expected in plain.items():
         got = projected[sentence_id]
         assert torch.equal(got["tokens"], expected["tokens"]), sentence_id
         for scores in ("score", "positional_scores"):
-            if same_bits:
-                assert torch.equal(got[scores], expected[scores]), sentence_id
-            else:
-                assert torch.allclose(got[scores], expected[scores], rtol=1e-5, atol=1e-6), sentence_id
+            assert_same_scores(got[scores], expected[scores], same_bits, sentence_id)
     return projection
 
 

@@ -16,10 +16,10 @@ from fairseq_fastgen.engine.bf16_weights import Bf16Layer, Bf16Weights
 from fairseq_fastgen.engine.fused_weights import FusedWeightsCache
 from fairseq_fastgen.ops.onednn_linear import onednn_available
 from fairseq_fastgen.ops.precision_linear import bf16_linear, precision_refusal
+from tests.fastseq.conftest import shared_test_dir
 from tests.fastseq.test_compiled_int8 import (
     assert_blockwise_is_greedy_on_compiled, assert_var_stream_is_var_batch_on_compiled, runner_of,
 )
-from tests.fastseq.conftest import shared_test_dir
 from tests.fastseq.test_precision_decoding import best_tokens, decode
 
 needs_bf16 = pytest.mark.skipif(precision_refusal("bf16") is not None, reason="no bfloat16 products on this CPU")

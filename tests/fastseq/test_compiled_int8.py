@@ -27,6 +27,7 @@ from fairseq_fastgen.ops.onednn_linear import onednn_available
 from fairseq_fastgen.ops.precision_linear import Int8Rows
 from tests.fastseq.conftest import LoadedToy, load, shared_test_dir
 from tests.fastseq.test_precision_decoding import best_tokens, decode
+from tests.float_scores import SAME_BITS_ACROSS_UNITS, assert_same_scores
 from tests.models.khead_toy import khead_k2  # noqa: F401  (fixture)
 
 pytestmark = [
@@ -306,14 +307,10 @@ def test_blockwise_one_sentence_at_a_time_is_int8_greedy_bit_for_bit(loaded_khea
     greedy = decode(loaded_khead_k2, translate, 1, decoder="greedy", **options)
     blockwise = decode(loaded_khead_k2, translate, 1, decoder="blockwise", **options)
     assert sorted(blockwise) == sorted(greedy) and len(greedy) >= 100
-    same_bits = torch.cpu._is_avx512_supported()
     for sentence, hypotheses in greedy.items():
         got, expected = blockwise[sentence][0], hypotheses[0]
         assert torch.equal(got["tokens"], expected["tokens"]), sentence
-        if same_bits:
-            assert torch.equal(got["positional_scores"], expected["positional_scores"]), sentence
-        else:
-            assert torch.allclose(got["positional_scores"], expected["positional_scores"], rtol=1e-5, atol=1e-6)
+        assert_same_scores(got["positional_scores"], expected["positional_scores"], SAME_BITS_ACROSS_UNITS, sentence)
 
 
 def test_int8_proposals_read_the_units_own_int8_rows(loaded_khead_k2, translate):
