@@ -27,6 +27,7 @@ import fairseq_fastgen  # noqa: F401  (checkpoint loading with torch >= 2.6)
 from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.engine import build_runner, compiled
+from fairseq_fastgen.ops.heap import reuse_large_allocations
 
 
 def run_steps(runner, encoder_out, rows, steps, capacity):
@@ -112,6 +113,7 @@ def main():
                         help="target positions a cache holds (fairseq-generate's default --max-len-b 200, bos, eos)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    reuse_large_allocations()  # large buffers from the heap, as the generators take them
     if args.compiled_max_rows is not None:
         compiled.COMPILED_MAX_ROWS = compiled.FROZEN_MAX_ROWS = compiled.CUDA_MAX_ROWS = args.compiled_max_rows
     models, _, _ = checkpoint_utils.load_model_ensemble_and_task([args.path], arg_overrides={"data": args.data})

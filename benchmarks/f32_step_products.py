@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from fairseq_fastgen.engine.f32_rows_weights import MAX_ROWS
 from fairseq_fastgen.ops import int8_kernel
+from fairseq_fastgen.ops.heap import reuse_large_allocations
 from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear, pack_weight
 from int8_step_products import step_shapes, step_shapes_parser  # this folder's: the same step's shapes
 
@@ -45,6 +46,7 @@ def main():
     if not int8_kernel.f32_rows_available():
         parser.error("the float32 kernel of a few rows is not built here (it needs AVX-512 or AVX2)")
     torch.set_num_threads(1)
+    reuse_large_allocations()  # large buffers (the vocabulary's logits of many rows) from the heap, as in a decode
     shapes = step_shapes(args)
     weights = [(torch.randn(out, inp) / inp ** 0.5, torch.randn(out)) for out, inp in shapes]
     packed = [(torch.ops.fastgen.f32_rows_pack(weight), bias, weight.size(0)) for weight, bias in weights]

@@ -14,12 +14,14 @@ from torch import Tensor
 
 from fairseq import utils
 
+from fairseq_fastgen.engine.fused_weights import plain_output_projection
 from fairseq_fastgen.engine.int8_proposals import Int8Proposer
 from fairseq_fastgen.engine.row_plans import (KeepRows, LeftJustifySources, NarrowSources, PlaceRows, ReleaseRows,
                                               WidenSources)
 from fairseq_fastgen.engine.runner_types import PlacesRows
 from fairseq_fastgen.fastseq.shared_cache import (encoder_attention_modules, encoder_keys_shared_by_beams,
                                                   supports_shared_cache)
+from fairseq_fastgen.ops.aligned_rows import aligned_rows_linear
 
 
 def encoder_output(states: Tensor, padding: Tensor, **fields) -> Dict[str, List[Tensor]]:
@@ -34,6 +36,16 @@ def encoder_output(states: Tensor, padding: Tensor, **fields) -> Dict[str, List[
 def sources_of(encoder_out):
     """(states (src_len, rows, dim), padding (rows, src_len) bool) of fairseq's encoder-output dict."""
     return encoder_out["encoder_out"][0], encoder_out["encoder_padding_mask"][0]
+
+
+def vocabulary_logits(decoder, features: Tensor) -> Tensor:
+    """``decoder.output_layer(features)``: (rows, n, dim) -> (rows, n, vocab); a plain projection with no stand-in
+    product attached (``--onednn-linear``, ``--quantize``) writes its logits in aligned rows, the same bits
+    (``ops/aligned_rows.py``)."""
+    projection = plain_output_projection(decoder)
+    if projection is None or "forward" in projection.__dict__:
+        return decoder.output_layer(features)
+    return aligned_rows_linear(features, projection.weight)
 
 
 class SentenceKeysCache(dict):
@@ -350,7 +362,7 @@ class ModelRunner:
         if project is not None:
             logits = project(features)
         elif self.projection is None:
-            logits = decoder.output_layer(features)
+            logits = vocabulary_logits(decoder, features)
         else:
             logits = self.projection(features, decoder)
         if self.temperature != 1.0:
