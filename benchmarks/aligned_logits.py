@@ -4,15 +4,13 @@ after it) into a contiguous (rows, vocabulary) result beside the same product in
 
     python benchmarks/aligned_logits.py [--vocab 32003,32000] [--dim 512] [--rows 1,8,64,320]
 
-Prints milliseconds (median of 5 rounds) and GFLOP/s of the product, and whether the two give the same bits, for
+Prints milliseconds (median of ROUNDS timed calls) and GFLOP/s of the product, and whether the two give the same bits, for
 each vocabulary size and row count.  The weight is a parameter, as a model's (torch multiplies the step's rows as one
 matrix), and buffers come from the heap as in a decode (``ops/heap.py``).  Not part of the product: a measuring aid
 for docs/benchmarks.md.
 """
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -20,17 +18,9 @@ from torch import nn
 
 from fairseq_fastgen.ops.aligned_rows import aligned_rows_linear
 from fairseq_fastgen.ops.heap import reuse_large_allocations
+from onednn_products import median_ms  # this folder's: the median of timed calls after warm-up ones
 
-
-def milliseconds(fn, rounds=5, calls=4):
-    fn()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(times)
+ROUNDS = 9  # timed calls of each product
 
 
 def main():
@@ -47,10 +37,10 @@ def main():
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(1, rows, args.dim).transpose(0, 1)  # (rows, 1, dim), as a step's features
             with torch.inference_mode():
-                plain = milliseconds(lambda: F.linear(x, weight))
-                aligned = milliseconds(lambda: aligned_rows_linear(x, weight))
-                plain_lp = milliseconds(lambda: F.log_softmax(F.linear(x, weight), dim=-1))
-                aligned_lp = milliseconds(lambda: F.log_softmax(aligned_rows_linear(x, weight), dim=-1))
+                plain = median_ms(lambda: F.linear(x, weight), ROUNDS)
+                aligned = median_ms(lambda: aligned_rows_linear(x, weight), ROUNDS)
+                plain_lp = median_ms(lambda: F.log_softmax(F.linear(x, weight), dim=-1), ROUNDS)
+                aligned_lp = median_ms(lambda: F.log_softmax(aligned_rows_linear(x, weight), dim=-1), ROUNDS)
                 same = torch.equal(F.linear(x, weight), aligned_rows_linear(x, weight))
             gflop = 2 * rows * vocab * args.dim / 1e9
             print(f"{vocab:5d}  {rows:4d}  {plain:8.2f} ({gflop / plain * 1e3:4.0f})  {aligned:13.2f} ({gflop / aligned * 1e3:4.0f})"

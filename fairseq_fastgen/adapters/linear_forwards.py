@@ -19,7 +19,7 @@ from torch import nn
 from fairseq.modules import MultiheadAttention
 
 from fairseq_fastgen.adapters.generate import generate_within, give_attributes
-from fairseq_fastgen.ops.linear_forward import LinearForward
+from fairseq_fastgen.ops.linear_forward import LinearForward, has_stand_in
 from fairseq_fastgen.ops.onednn_linear import PackedForward, onednn_available
 from fairseq_fastgen.ops.precision_linear import FORWARDS, LibraryInt8Forward, precision_refusal
 
@@ -51,7 +51,7 @@ class LinearForwards:
         attached, attentions = [], []
         try:
             for linear in self.linears():  # looked up each time: a layer may have been replaced
-                if "forward" in linear.__dict__:
+                if has_stand_in(linear):
                     continue  # someone else's stand-in: leave it
                 forward = self.forwards.get(id(linear))
                 if forward is None or forward.linear is not linear:

@@ -22,6 +22,7 @@ from fairseq_fastgen.engine.runner_types import PlacesRows
 from fairseq_fastgen.fastseq.shared_cache import (encoder_attention_modules, encoder_keys_shared_by_beams,
                                                   supports_shared_cache)
 from fairseq_fastgen.ops.aligned_rows import aligned_rows_linear
+from fairseq_fastgen.ops.linear_forward import has_stand_in
 
 
 def encoder_output(states: Tensor, padding: Tensor, **fields) -> Dict[str, List[Tensor]]:
@@ -43,7 +44,7 @@ def vocabulary_logits(decoder, features: Tensor) -> Tensor:
     product attached (``--onednn-linear``, ``--quantize``) writes its logits in aligned rows, the same bits
     (``ops/aligned_rows.py``)."""
     projection = plain_output_projection(decoder)
-    if projection is None or "forward" in projection.__dict__:
+    if projection is None or has_stand_in(projection):
         return decoder.output_layer(features)
     return aligned_rows_linear(features, projection.weight)
 

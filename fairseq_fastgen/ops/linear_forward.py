@@ -17,6 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def has_stand_in(linear: nn.Module) -> bool:
+    """Whether a stand-in (this module's kind, or anyone's) shadows ``linear.forward`` now: an instance attribute."""
+    return "forward" in linear.__dict__
+
+
 class LinearForward:
     """Stands in for ``linear.forward``: ``F.linear`` through ``self.packed``, the prepared weight."""
 

@@ -39,13 +39,12 @@ def test_aligned_logits_give_stock_hypotheses(loaded_toy, translate, odd_vocabul
                       step_engine="fairseq")
     restore_ensemble(stock)  # fairseq's own ensemble and decoder calls: its output_layer, F.linear's product
     expected = translate(loaded_toy, stock, batch_size, models=[model])
-    aligned_calls = []
+    aligned_calls, aligned_rows_linear = [], fairseq_runner.aligned_rows_linear
 
     def counted(features, weight):
         aligned_calls.append(aligns(features, weight))
         return aligned_rows_linear(features, weight)
 
-    aligned_rows_linear = fairseq_runner.aligned_rows_linear
     monkeypatch.setattr(fairseq_runner, "aligned_rows_linear", counted)
     engine = generator(task, model, beam=beam, decoder=decoder, step_engine="static")
     assert_bitwise_equal(expected, translate(loaded_toy, engine, batch_size, models=[model]))
