@@ -28,7 +28,8 @@ class PluginOptions(FairseqDataclass):
         metadata={"help": "what runs each decoder step: 'auto' (default: on the CPU in float32, int8 or bf16 "
                           "'compiled' with --compiled-freezing --compile-in-background: a first run on a new model "
                           "decodes at once, eager, while a child process compiles the steps and stores them on "
-                          "disk; later runs load them; on CUDA and in half precision 'static'; "
+                          "disk; later runs load them; above the row buckets, on processors without AVX-512, "
+                          "the static engine's step (--compiled-many-rows); on CUDA and in half precision 'static'; "
                           "$FASTGEN_STEP_ENGINE names another engine for 'auto'), "
                           "'static' (keys/values in preallocated "
                           "buffers, eager; bitwise fairseq's hypotheses), 'fairseq' (fairseq's own incremental "
@@ -59,6 +60,16 @@ class PluginOptions(FairseqDataclass):
                           "switch to it once it is ready; the child finishes and stores it even if the decode "
                           "ends first (later runs load it), so a first run on a new model or machine does not "
                           "wait for the compiler"},
+    )
+    compiled_many_rows: ChoiceEnum(["auto", "unit", "static"]) = field(
+        default="auto",
+        metadata={"help": "--step-engine compiled on the CPU in float32 (and auto where it runs compiled): what "
+                          "runs a one-position step of more rows than the row buckets (batches, beam search): "
+                          "'unit' (one step for every row count, compiled ahead of time, oneDNN's prepacked "
+                          "products), 'static' (the static engine's step, eager: torch's products, the "
+                          "vocabulary's logits in aligned rows; no unit to compile for those rows) or 'auto' "
+                          "(default: 'static' on processors without AVX-512, where it was measured faster at "
+                          "batch 64 and in beam search, else 'unit')"},
     )
     decoder_stats_json: Optional[str] = field(
         default=None,

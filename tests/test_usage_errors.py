@@ -24,6 +24,8 @@ MISUSES = {
     "engine background": (["--decoder", "greedy", "--beam", "1", "--step-engine", "static",
                            "--compile-in-background"],
                           "--compile-in-background applies to --step-engine compiled; got --step-engine static"),
+    "engine many rows": (["--decoder", "greedy", "--beam", "1", "--step-engine", "static", "--compiled-many-rows",
+                          "unit"], "--compiled-many-rows applies to --step-engine compiled; got --step-engine static"),
     "streaming option": (["--decoder", "var-stream", "--beam", "4", "--stream-eps", "2"], "--stream-eps"),
     # 0 was read as "every head"; refused before the model loads, whatever the model
     "block size 0": (["--decoder", "blockwise", "--beam", "1", "--blockwise-block-size", "0"],

@@ -5,7 +5,8 @@ and the runner built.
 ``auto`` runs the fastest path measured where it keeps every decoder's exactness promise: on the CPU, in float32,
 int8 or bfloat16, ``compiled`` with its row buckets frozen (``--compiled-freezing``) and every unit not on disk yet
 compiled by a child process while the decode runs those steps eager (``--compile-in-background``): a first run on a new
-model does not wait for the compiler, later runs load the units.  Elsewhere (CUDA, where the compiled engine's
+model does not wait for the compiler, later runs load the units; above the row buckets, on a processor without AVX-512,
+the static engine's step (``compiled_many_rows``).  Elsewhere (CUDA, where the compiled engine's
 buckets compile in the decoding process, half precision) ``static``.  ``$FASTGEN_STEP_ENGINE``
 names the engine ``auto`` runs instead (``static`` for bitwise fairseq's hypotheses in a whole pipeline without
 editing its commands)."""
@@ -76,6 +77,12 @@ def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
         if getattr(options, name) and engine not in ("compiled", "auto"):
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} applies to --step-engine compiled; got --step-engine {engine}")
+    many_rows = many_rows_setting(options)
+    if many_rows != "auto" and engine not in ("compiled", "auto"):
+        raise ValueError(f"--compiled-many-rows applies to --step-engine compiled; got --step-engine {engine}")
+    if many_rows == "static" and compiled_precision(options) is not None:
+        raise ValueError(f"--compiled-many-rows static runs float32 steps; the compiled engine's units compute "
+                         f"--quantize {options.quantize}: leave it out")
     if engine == "auto":
         configured = os.environ.get(AUTO_ENGINE_ENV)
         if not configured:
@@ -142,7 +149,7 @@ def build_runner(model, options: PluginOptions, temperature: float, projection):
         engine = "fairseq"
     return make_runner(engine, model, temperature, projection, choice.freezing,
                        background=choice.background, blocks_by_position=options.quantize == "int8",
-                       precision=compiled_precision(options))
+                       precision=compiled_precision(options), many_rows=compiled_many_rows(options))
 
 
 def compiled_precision(options: PluginOptions) -> Optional[str]:
@@ -156,16 +163,38 @@ def compiled_precision(options: PluginOptions) -> Optional[str]:
     return options.quantize
 
 
+def many_rows_setting(options: PluginOptions) -> str:
+    """``--compiled-many-rows`` as given: auto, unit or static."""
+    return str(getattr(options, "compiled_many_rows", "auto"))
+
+
+def compiled_many_rows(options: PluginOptions) -> str:
+    """What runs the compiled engine's one-position steps above its row buckets under ``options``: "unit" (one
+    step compiled ahead of time for every row count) or "static" (the static engine's step, eager):
+    ``--compiled-many-rows``, its ``auto`` resolved: "static" in float32 on a processor without AVX-512 (there the
+    unit's oneDNN products ran slower than torch's at 64 and 320 rows: docs/benchmarks.md), else "unit"."""
+    setting = many_rows_setting(options)
+    if setting != "auto":
+        return setting
+    return "unit" if compiled_precision(options) is not None or avx512_processor() else "static"
+
+
+def avx512_processor() -> bool:
+    """Whether torch's CPU kernels run AVX-512 instructions on this processor."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
 def make_runner(engine: str, model, temperature: float, projection, freezing: bool = False, beams: int = 1,
-                background: bool = False, blocks_by_position: bool = False, precision: Optional[str] = None):
+                background: bool = False, blocks_by_position: bool = False, precision: Optional[str] = None,
+                many_rows: str = "unit"):
     """The runner of ``engine`` for ``model`` (no checks: build_runner's and serve_stock_search's job);
     ``beams``: the rows of a sentence in fairseq's beam search (sharing their encoder-decoder keys);
     ``freezing``, ``background``: --compiled-freezing, --compile-in-background;
     ``blocks_by_position``: the static engine's blocks attend position by position (--quantize int8:
     ``DecoderStep``'s exact form); ``precision``: what the compiled engine's units compute in
-    (``compiled_precision``)."""
+    (``compiled_precision``); ``many_rows``: what runs its steps above its row buckets (``compiled_many_rows``)."""
     if engine == "static":
         return StaticRunner(model, temperature, projection, blocks_by_position, beams)
     if engine == "compiled":
-        return CompiledRunner(model, temperature, projection, freezing, beams, background, precision)
+        return CompiledRunner(model, temperature, projection, freezing, beams, background, precision, many_rows)
     return ModelRunner(model, temperature, projection, beams)

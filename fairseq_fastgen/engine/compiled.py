@@ -18,8 +18,10 @@ lengths (``step_rows``: streaming refills) and rows holding left padding take th
 attending only its own positions (``StaticCache.attended``).  Blockwise verification (``step_block``) runs a
 unit of its own for a block of positions per row, shorter blocks padded to the widest.  Where no unit serves,
 the step runs eager in the decoder step's fast form (the exact form for blocks and left padding), its
-products through oneDNN on the CPU (``ops/onednn_linear.py``).  On the CPU the encoder runs a unit compiled
-ahead of time too (``encoder_pass.py``).
+products through oneDNN on the CPU (``ops/onednn_linear.py``).  With ``--compiled-many-rows static`` (its default
+on processors without AVX-512, in float32) the one-position steps above the buckets run the static engine's step
+instead, on this runner's cache: its exact form, torch's products, the logits in aligned rows; no unit is built for
+them.  On the CPU the encoder runs a unit compiled ahead of time too (``encoder_pass.py``).
 
 On CUDA the row buckets go up to ``CUDA_MAX_ROWS`` rows (powers of two), all served by one compilation
 whose shapes are symbolic, each bucket replayed as a CUDA graph: a step of a small model there costs its
@@ -96,7 +98,7 @@ class CompiledRunner(StaticRunner):
     kept_row_multiple = 1
 
     def __init__(self, model, temperature: float = 1.0, projection=None, freezing: bool = False, beams: int = 1,
-                 background: bool = False, precision: Optional[str] = None):
+                 background: bool = False, precision: Optional[str] = None, many_rows: str = "unit"):
         # beams: above max_rows, on the CPU, the step for many rows reads keys/values held once per sentence
         # int8: a block's positions run as rows of one position (block_rows.py), so blockwise's exact mode is greedy
         by_position = precision in ("int8", "int8-layers")
@@ -112,6 +114,9 @@ class CompiledRunner(StaticRunner):
         # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
         # products for a few rows); it is compiled again when any decoder parameter changes
         self.freezing = (freezing or self.precision is not None) and on_cpu
+        # --compiled-many-rows static (on the CPU, in float32): a one-position step of more rows than max_rows runs
+        # the static engine's step (its exact form, torch's products, the logits in aligned rows), no unit for it
+        self.static_many_rows = many_rows == "static" and on_cpu and self.precision is None
         # on the CPU, steps compiled ahead of time and kept on disk (aot_step.py): above max_rows one for every row
         # count, with --compiled-freezing one per row bucket
         packages = on_cpu and onednn_available()
@@ -138,7 +143,8 @@ class CompiledRunner(StaticRunner):
         # run eager; on CUDA one compilation with symbolic shapes serves every bucket (a CUDA graph per bucket)
         self.units = CompiledUnits(step, encoder_pass, max_rows, self.freezing, packages, symbolic=self.on_cuda,
                                    background=background, eager_products=self.eager_products,
-                                   reduced_weights=self.reduced_weights if self.precision else None)
+                                   reduced_weights=self.reduced_weights if self.precision else None,
+                                   many_rows_units=not self.static_many_rows)
 
     def reduced_weights(self, fused: FusedWeights) -> LayerWeights:
         """The decoder's linear layers in ``self.precision`` (``fused``: its fused query/key/value weights)."""
@@ -161,6 +167,13 @@ class CompiledRunner(StaticRunner):
     def eager_products(self):
         """The context in which eager work computes its products: oneDNN's on the CPU."""
         return self.eager_linears.attached() if self.eager_linears else contextlib.nullcontext()
+
+    def many_rows_products(self, rows: int):
+        """The context of an eager step's products for ``rows`` rows: torch's own above max_rows with
+        --compiled-many-rows static (the static engine's step), else ``eager_products``."""
+        if rows > self.max_rows and self.static_many_rows:
+            return contextlib.nullcontext()
+        return self.eager_products()
 
     def encode(self, net_input):
         """fairseq's encoder output; on the CPU through a unit compiled ahead of time (one for a row, one for
@@ -271,11 +284,13 @@ class CompiledRunner(StaticRunner):
     def shares_encoder_keys(self, origin: Tensor, cache: StaticCache) -> bool:
         """Whether a cache whose rows' encoder states have ``origin`` (rows,) holds its encoder-decoder keys once
         per sentence: the rows are sentences of ``beams`` equal rows each (fairseq's beam search), more than
-        the row buckets take, and the step that reads them is compiled (on the CPU)."""
+        the row buckets take, and the step that reads them is the static engine's or a compiled one (on the CPU)."""
         beams = self.beams
-        if beams <= self.max_rows or not self.many_rows_on_cpu or not shared_by_beams(origin, beams):
+        if beams <= self.max_rows or not shared_by_beams(origin, beams):
             return False
-        return self.units.package_unit(None, beams, 1, cache.capacity) is not None
+        if self.static_many_rows:
+            return True
+        return self.many_rows_on_cpu and self.units.package_unit(None, beams, 1, cache.capacity) is not None
 
     # ---- one decoder step ---------------------------------------------------------------------------
     @property
@@ -304,7 +319,10 @@ class CompiledRunner(StaticRunner):
         return self.padded_step(unit, last_tokens, positions, encoder_out, cache)
 
     def padded_unit(self, rows: int, cache: StaticCache):
-        """What runs the padded step of ``rows`` rows (``CompiledUnits.step_unit``; None: the eager step)."""
+        """What runs the padded step of ``rows`` rows (``CompiledUnits.step_unit``; None: the eager step, always
+        above max_rows with --compiled-many-rows static)."""
+        if rows > self.max_rows and self.static_many_rows:
+            return None
         return self.units.step_unit(rows, cache.self_keys[0].size(0), cache.beams, cache.capacity, self.fused)
 
     def padded_step(self, unit, last_tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):
@@ -352,12 +370,14 @@ class CompiledRunner(StaticRunner):
 
     def eager_step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         """A step of more than ``max_rows`` rows without a compiled unit: the fast form (the exact form over
-        rows holding left padding), products through oneDNN on the CPU."""
+        rows holding left padding), products through oneDNN on the CPU; with --compiled-many-rows static the
+        static engine's step (its exact form, torch's products)."""
         # the eager forms never read unwritten positions: keeping them zero (a memset of most of every buffer
         # at each beam reorder) would be work for nothing; the next compiled step zeroes them again
         cache.zeroed = False
-        with self.eager_products():
-            form = self.decoder_step.exact if cache.self_padding is not None else self.fast_form
+        with self.many_rows_products(tokens.size(0)):
+            exact = cache.self_padding is not None or self.static_many_rows
+            form = self.decoder_step.exact if exact else self.fast_form
             features, attn = self.next_position(tokens, encoder_out, cache, form)
             lprobs = self.lprobs(features)
         return lprobs, attn[:, -1, : encoder_out["encoder_out"][0].size(0)]
@@ -419,7 +439,7 @@ class CompiledRunner(StaticRunner):
             features, lprobs = outputs if self.scores_blocks else (outputs, None)
             return features[:, :n], attn[:, :n, :src_len], None if lprobs is None else lprobs[:, :n]
         rows_index = padded_index(torch.arange(rows, device=tokens.device), self.max_rows)  # the cache's rows
-        with self.eager_products():
+        with self.many_rows_products(rows):
             features, attn = super().step_block(tokens.index_select(0, rows_index),
                                                 positions.index_select(0, rows_index), encoder_out, cache)
         return features[:rows], attn[:rows, :, :src_len], None

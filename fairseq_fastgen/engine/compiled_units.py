@@ -37,11 +37,13 @@ class CompiledUnits:
     """The units of one runner: ``step`` is its padded step (one position, no beams); ``encoder_pass`` its
     encoder's (None: fairseq's encoder always); ``max_rows`` its largest row bucket; ``packages``: whether
     units are compiled ahead of time (on the CPU, where oneDNN serves); ``symbolic``: one torch.compile
-    compilation for every bucket (CUDA); ``eager_products``: the context of eager work's products."""
+    compilation for every bucket (CUDA); ``eager_products``: the context of eager work's products;
+    ``many_rows_units``: whether steps above ``max_rows`` take a unit (else the runner's static step serves them)."""
 
     def __init__(self, step: PaddedStep, encoder_pass, max_rows: int, freezing: bool, packages: bool,
-                 symbolic: bool, background: bool, eager_products, reduced_weights=None):
+                 symbolic: bool, background: bool, eager_products, reduced_weights=None, many_rows_units=True):
         self.step, self.encoder_pass, self.max_rows = step, encoder_pass, max_rows
+        self.many_rows_units = many_rows_units
         self.freezing, self.packages, self.symbolic = freezing, packages, symbolic
         self.compile_in_background, self.eager_products = background, eager_products
         # --quantize: fused weights -> the decoder's layers in int8 or bfloat16 (layer_weights.LayerWeights), which
@@ -128,7 +130,9 @@ class CompiledUnits:
         signature = tensors_signature(self.step.decoder_step.decoder.parameters())
         if signature == self.decoder_signature:
             return
-        self.decoder_signature, self.background = signature, None
+        self.decoder_signature = signature
+        if self.background is not None and not is_encoder(self.background[0]):  # an encoder's goes on
+            self.background = None
         self.packaged = {key: unit for key, unit in self.packaged.items() if is_encoder(key)}
         self.step.decoder_step.fused_buffers = FusedBuffers(fused)  # a submodule: its buffers freeze
         if self.reduced_weights is not None:
@@ -214,7 +218,8 @@ class CompiledUnits:
     # ---- the encoder ------------------------------------------------------------------------------
     def encoder_unit(self, rows: int):
         """The encoder compiled ahead of time for ``rows`` rows (1, or any more), or None (fairseq's encoder).
-        With --compile-in-background the steps' units come first: a decode spends more on its steps."""
+        With --compile-in-background the steps' units come first (a decode spends more on its steps), unless
+        the steps of more rows than ``max_rows`` take none (--compiled-many-rows static) and ``rows`` are more."""
         if self.encoder_pass is None:
             return None
         key = ("encoder", 1 if rows == 1 else None)
@@ -229,7 +234,9 @@ class CompiledUnits:
         if self.compile_in_background:
             if self.background is not None:
                 return self.poll_background(key)
-            if not any(unit is not None for name, unit in self.packaged.items() if not is_encoder(name)):
+            steps_first = self.many_rows_units or rows <= self.max_rows
+            if steps_first and not any(unit is not None for name, unit in self.packaged.items()
+                                       if not is_encoder(name)):
                 return None
         what = f"the encoder for {'one row' if rows == 1 else 'more rows'}"
         return self.built(key, what, lambda: aot_step.EncoderPackage(self.encoder_pass, key[1]))

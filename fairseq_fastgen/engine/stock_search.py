@@ -25,7 +25,7 @@ from fairseq.sequence_generator import EnsembleModel, SequenceGenerator
 
 from fairseq_fastgen.adapters.ensemble import use_ensemble
 from fairseq_fastgen.config import PluginOptions
-from fairseq_fastgen.engine.choice import compiled_precision, engine_choice, make_runner
+from fairseq_fastgen.engine.choice import compiled_many_rows, compiled_precision, engine_choice, make_runner
 from fairseq_fastgen.engine.decoder_step import unsupported_reason
 
 logger = logging.getLogger("fairseq_fastgen.engine")
@@ -86,18 +86,20 @@ def stock_search_refusal(generator, models) -> Optional[str]:
 
 def run_stock_search_on_engine(generator, models, engine: str, freezing: bool = False,
                                background: bool = False, share_keys: bool = True,
-                               precision: Optional[str] = None) -> bool:
+                               precision: Optional[str] = None, many_rows: str = "unit") -> bool:
     """Give ``generator`` (fairseq's ``--decoder beam``) an :class:`EngineEnsemble` of ``engine``'s
     runner (:func:`fairseq_fastgen.adapters.ensemble.use_ensemble`); returns whether it did (otherwise one line
     says why, and fairseq's step runs).  ``share_keys``: the beams of a sentence share its encoder-decoder
-    keys/values in the runner's cache, else each beam keeps its copy; ``precision``: ``choice.compiled_precision``'s."""
+    keys/values in the runner's cache, else each beam keeps its copy; ``precision``, ``many_rows``:
+    ``choice.compiled_precision``'s, ``choice.compiled_many_rows``'s."""
     refusal = stock_search_refusal(generator, models)
     if refusal:
         if engine != "fairseq":  # under fairseq's engine, fairseq's ensemble is what was asked for
             logger.warning(f"--step-engine {engine}: {refusal}; using --step-engine fairseq")
         return False
     runner = make_runner(engine, models[0], generator.temperature, getattr(generator, "projection", None), freezing,
-                         generator.beam_size if share_keys else 1, background, precision=precision)
+                         generator.beam_size if share_keys else 1, background, precision=precision,
+                         many_rows=many_rows)
     use_ensemble(generator, EngineEnsemble(models, runner, generator.max_len + 2))  # undone by restore_ensemble
     return True
 
@@ -110,4 +112,5 @@ def serve_stock_search(generator, models, options: PluginOptions) -> bool:
     ``--no-shared-encoder-cache``: every beam keeps its own copy of the encoder-decoder keys/values."""
     choice = engine_choice(options, models[0])
     return run_stock_search_on_engine(generator, models, choice.engine, choice.freezing, choice.background,
-                                      not options.no_shared_encoder_cache, compiled_precision(options))
+                                      not options.no_shared_encoder_cache, compiled_precision(options),
+                                      compiled_many_rows(options))

@@ -46,7 +46,7 @@ def test_rows_above_the_row_buckets_share_one_compiled_step(toy, monkeypatch):
     buckets."""
     monkeypatch.setattr(compiled, "COMPILED_MAX_ROWS", 4)
     _, expected = decode(toy, SENTENCES, 32, step_engine="fairseq", decoder="var-batch", beam=4)
-    generator = toy.generator(step_engine="compiled", decoder="var-batch", beam=4)
+    generator = toy.generator(step_engine="compiled", compiled_many_rows="unit", decoder="var-batch", beam=4)
     runner = generator.runner
     eager_rows = []
     fast_form = runner.fast_form
@@ -87,7 +87,7 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
     _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
     outcomes = []
     for _ in range(2):
-        generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled")
+        generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_many_rows="unit")
         with caplog.at_level(logging.INFO, logger="fairseq_fastgen.engine"):
             assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
         outcomes.append(None in generator.runner.units.compiled_now)
@@ -155,7 +155,7 @@ def test_compiled_steps_compile_in_the_background_while_the_decode_runs_eager(to
     ids, batch, key = SENTENCES[:16], case["batch"], case["key"]
     _, expected = decode(toy, ids, batch, step_engine="fairseq", decoder="greedy", beam=1)
     options = dict(decoder="greedy", beam=1, step_engine="compiled", compile_in_background=True,
-                   compiled_freezing=case["freezing"])
+                   compiled_freezing=case["freezing"], compiled_many_rows="unit")
     generator = toy.generator(**options)
     runner = generator.runner
     units = runner.units
@@ -209,7 +209,8 @@ def test_a_step_that_cannot_be_compiled_runs_eager_with_one_line(toy, tmp_path, 
     ids = SENTENCES[:24]
     _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
     with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
-        generator, actual = decode(toy, ids, 8, step_engine="compiled", decoder="greedy", beam=1)
+        generator, actual = decode(toy, ids, 8, step_engine="compiled", compiled_many_rows="unit", decoder="greedy",
+                                   beam=1)
     assert_same_tokens_close_scores(expected, actual)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
         "--step-engine compiled: the encoder for more rows could not be compiled ahead of time (RuntimeError: no "
@@ -297,7 +298,7 @@ def test_compilations_stay_at_the_buckets(toy, options):
     """A whole decode at batch 64 compiles once per (rows, positions, source) bucket, not per batch or step."""
     torch._dynamo.reset()
     counters.clear()
-    generator, _ = decode(toy, list(range(200)), 64, step_engine="compiled", **options)
+    generator, _ = decode(toy, list(range(200)), 64, step_engine="compiled", compiled_many_rows="unit", **options)
     shapes = generator.runner.units.compiled_shapes
     # dynamo's graphs are the fixed-shape buckets; one more step, compiled ahead of time, serves every row
     # count above them (on the CPU with oneDNN)
@@ -353,7 +354,8 @@ def test_frozen_weights_follow_a_weight_change(toy, monkeypatch, freezing, batch
     monkeypatch.setattr(aot_step.StepPackage, "__init__", lambda self, step, table, rows=None: products.append(
         (rows, type(step.decoder_step.reduced).__name__)) or package(self, step, table, rows))
     ids = SENTENCES[:24]
-    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_freezing=freezing)
+    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_freezing=freezing,
+                              compiled_many_rows="unit")
     runner = generator.runner
     assert type(runner) is CompiledRunner and runner.freezing == freezing
     if not runner.many_rows_on_cpu:

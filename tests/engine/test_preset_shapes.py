@@ -10,7 +10,8 @@ at batch 1 and 7.
 The compiled engine runs on the base preset only, blockwise at batch 1 (its block unit and its row buckets, scores
 within 1e-4): compiling every unit of both presets took about 20 minutes of a 2-core CPU (greedy's 1-row bucket
 alone, or its frozen unit, about 2 minutes on a fresh cache), and the big preset differs from the base one in its
-head count alone, which the static engine's cases cover bitwise; the compiled engine's greedy units, frozen ones,
+head count alone, which the static engine's cases cover bitwise; stock beam 5 on it at batch 7 runs the static
+engine's step above the row buckets (--compiled-many-rows static). The compiled engine's greedy units, frozen ones,
 its step above the row buckets and stock beam 5 on it are exercised on the toy models (test_compiled_engine.py).
 """
 
@@ -24,6 +25,7 @@ from fairseq_fastgen.engine.compiled import CompiledRunner
 from fairseq_fastgen.engine.runners import StaticRunner
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from tests.engine.test_compiled_engine import assert_same_tokens_close_scores
+from tests.engine.test_compiled_many_rows import record_static_steps
 from tests.engine.test_static_engine import SENTENCES, decode, translate_batches
 from tests.models.khead_toy import one_thread  # noqa: F401  (fixture)
 from tests.models.preset_toy import BLOCK_SIZE, preset_toy  # noqa: F401  (fixture)
@@ -100,3 +102,18 @@ def test_exact_blockwise_gives_the_bases_greedy_tokens(preset, engine, batch_siz
     assert type(generator.runner) is RUNNERS[engine]
     assert_same_tokens_close_scores(preset.greedy, actual)
     assert generator.counters.as_dict()["mean_accepted_block_size"] > 2  # blocks were accepted, not one token at a time
+
+
+def test_stock_beam5_on_the_compiled_engine_runs_the_static_step_above_its_buckets(preset, monkeypatch):
+    """--compiled-many-rows static (the default on processors without AVX-512): stock beam 5's rows, always above the
+    row buckets, run the static engine's step on the compiled engine's cache, each sentence's encoder-decoder keys
+    held once for its 5 beams; stock's tokens, scores within 1e-4, and no unit built for those rows."""
+    compiled_on_this_preset(preset, "compiled")
+    options = dict(decoder="beam", beam=5, **SOURCE_LENGTH)
+    _, expected = decode(preset.base, IDS, 7, step_engine="fairseq", **options)
+    generator = preset.base.generator(step_engine="compiled", compiled_many_rows="static", **options)
+    runner = generator.model.runner
+    calls = record_static_steps(runner, monkeypatch)
+    assert_same_tokens_close_scores(expected, translate_batches(preset.base, generator, IDS, 7))
+    assert calls and {beams for _, beams, _ in calls} == {5} and not any(stand_in for _, _, stand_in in calls)
+    assert runner.many_rows_step is None

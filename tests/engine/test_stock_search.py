@@ -97,7 +97,7 @@ def test_the_beams_of_a_sentence_share_its_encoder_keys_on_the_compiled_engine(t
         pytest.skip("the step for many rows is compiled on the CPU with oneDNN only")
     ids = SENTENCES[:40]
     _, expected = decode(toy, ids, 8, prefix_size, decoder="beam", beam=beam, step_engine="fairseq")
-    generator = toy.generator(decoder="beam", beam=beam, step_engine="compiled")
+    generator = toy.generator(decoder="beam", beam=beam, step_engine="compiled", compiled_many_rows="unit")
     runner = generator.model.runner
     shapes = recorded_cache_shapes(runner)
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8, prefix_size))
@@ -147,7 +147,8 @@ def test_stock_beam5_on_the_compiled_engine_compiles_one_step(toy):
 
     torch._dynamo.reset()
     counters.clear()
-    engine, _ = decode(toy, list(range(200)), 64, decoder="beam", beam=5, step_engine="compiled")
+    engine, _ = decode(toy, list(range(200)), 64, decoder="beam", beam=5, step_engine="compiled",
+                       compiled_many_rows="unit")
     runner = engine.model.runner
     assert type(runner) is CompiledRunner and runner.units.compiled_shapes == {} and runner.units._bucket_step is None
     assert counters["stats"]["unique_graphs"] == 0  # the step for many rows is compiled ahead of time

@@ -397,7 +397,8 @@ def test_compiled_engine_steps_joined_rows_in_its_compiled_unit(toy, monkeypatch
     ids = list(range(0, TEST_SENTENCES, 2))
     greedy = translate_in_batches(toy, toy.generator(decoder="greedy", **SOURCE_LENGTH), ids, 25)
     generator = toy.generator(decoder="greedy-stream", stream_capacity=CAPACITY, stream_eps=7 / 8,
-                              stream_join_lengths=True, step_engine="compiled", **SOURCE_LENGTH)
+                              stream_join_lengths=True, step_engine="compiled", compiled_many_rows="unit",
+                              **SOURCE_LENGTH)
     runner = generator.runner
     eager = RowLog(runner, monkeypatch)
     compiled_rows, unread_room, padded_step = [], [], runner.padded_step

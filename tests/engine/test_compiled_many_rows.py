@@ -1,0 +1,131 @@
+"""--compiled-many-rows: what runs the compiled engine's one-position steps above its row buckets.  ``static`` (the
+default on processors without AVX-512) runs the static engine's step there: its exact form, eager, torch's products
+(no oneDNN stand-in attached), reading the compiled engine's cache (rows padded to the buckets below them, sources
+padded to SOURCE_BUCKET, a beam-search sentence's encoder-decoder keys held once), and no unit is built for those
+rows; ``unit`` runs the step compiled ahead of time for every row count (test_compiled_engine.py,
+test_stock_search.py).  Either way fairseq's tokens, scores within 1e-4.  The preset shapes of the reference
+models (``transformer_wmt_en_de``) take the same path in test_preset_shapes.py."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from fairseq_fastgen.config import PluginOptions
+from fairseq_fastgen.engine import choice
+from fairseq_fastgen.engine.choice import compiled_many_rows, compiled_precision, engine_choice
+from fairseq_fastgen.engine.compiled import CompiledRunner
+from fairseq_fastgen.ops.linear_forward import has_stand_in
+from fairseq_fastgen.ops.onednn_linear import onednn_available
+from tests.engine.test_compiled_engine import assert_same_tokens_close_scores
+from tests.engine.test_static_engine import SENTENCES, decode, translate_batches
+from tests.sequence_generators.test_var_beam import toy  # noqa: F401  (fixture)
+
+
+def processor_flags() -> set:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def test_the_processor_is_told_apart_by_its_avx512_instructions():
+    flags = processor_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags here")
+    if "avx512f" not in flags:
+        assert not choice.avx512_processor()
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        assert choice.avx512_processor()
+
+
+@pytest.mark.parametrize("avx512,expected", [(True, "unit"), (False, "static")])
+def test_auto_runs_the_static_step_above_the_buckets_on_processors_without_avx512(monkeypatch, avx512, expected):
+    monkeypatch.setattr(choice, "avx512_processor", lambda: avx512)
+    assert compiled_many_rows(PluginOptions()) == expected
+    assert compiled_many_rows(PluginOptions(step_engine="compiled")) == expected
+    for setting in ("unit", "static"):  # as given, on either processor
+        assert compiled_many_rows(PluginOptions(compiled_many_rows=setting)) == setting
+
+
+def test_auto_keeps_the_units_where_they_compute_int8(monkeypatch):
+    monkeypatch.setattr(choice, "avx512_processor", lambda: False)
+    options = PluginOptions(quantize="int8", step_engine="compiled")
+    if compiled_precision(options) is None:
+        pytest.skip("the compiled engine's int8 units do not run here")
+    assert compiled_many_rows(options) == "unit"
+    options.compiled_many_rows = "static"
+    with pytest.raises(ValueError, match=r"^--compiled-many-rows static runs float32 steps; the compiled engine's "
+                                         r"units compute --quantize int8: leave it out$"):
+        engine_choice(options)
+
+
+@pytest.mark.parametrize("engine", ["static", "fairseq"])
+def test_the_option_is_refused_beside_another_engine(engine):
+    with pytest.raises(ValueError, match=rf"^--compiled-many-rows applies to --step-engine compiled; "
+                                         rf"got --step-engine {engine}$"):
+        engine_choice(PluginOptions(step_engine=engine, compiled_many_rows="unit"))
+    assert engine_choice(PluginOptions(step_engine=engine)).engine == engine  # auto: no refusal
+
+
+def record_static_steps(runner: CompiledRunner, monkeypatch) -> list:
+    """(rows, the cache's beams sharing a sentence's keys, whether a stand-in computes the products) of each call
+    of the decoder step's exact form: the static engine's step."""
+    calls, exact = [], runner.decoder_step.exact
+    probe = runner.model.decoder.layers[0].fc1
+
+    def recorded(tokens, position_rows, cache, **options):
+        calls.append((tokens.size(0), cache.beams, has_stand_in(probe)))
+        return exact(tokens, position_rows, cache, **options)
+
+    monkeypatch.setattr(runner.decoder_step, "exact", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("options", [
+    dict(decoder="greedy", beam=1),
+    dict(decoder="beam", beam=5),
+    dict(decoder="var-stream", beam=5, stream_capacity=6, stream_eps=1 / 6),
+], ids=["greedy", "stock-beam5", "var-stream-refills"])
+def test_the_static_step_above_the_buckets_gives_fairseqs_tokens_and_builds_no_unit(toy, monkeypatch, options):
+    ids = SENTENCES[:48]
+    _, expected = decode(toy, ids, 16, step_engine="fairseq", **options)
+    generator = toy.generator(step_engine="compiled", compiled_many_rows="static", **options)
+    runner = generator.model.runner if options["decoder"] == "beam" else generator.runner
+    assert type(runner) is CompiledRunner and runner.static_many_rows
+    calls = record_static_steps(runner, monkeypatch)
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 16))
+    assert calls and all(rows > runner.max_rows for rows, _, _ in calls)
+    assert len({rows for rows, _, _ in calls}) > 2  # rows finished and left (or were refilled)
+    assert not any(stand_in for _, _, stand_in in calls)  # torch's products, not oneDNN's
+    beams = options["beam"] if options["decoder"] == "beam" else 1  # stock beam search: keys held per sentence
+    assert {cache_beams for _, cache_beams, _ in calls} == {beams}
+    assert runner.many_rows_step is None
+    assert not [key for key in runner.units.packaged if key is None or key[0] == "beams"]
+
+
+def test_in_the_background_the_encoder_comes_first_where_the_steps_take_no_unit(toy, tmp_path, monkeypatch):
+    """--compile-in-background: where the steps above the row buckets take no unit (--compiled-many-rows static), a
+    decode of 8 rows hands the encoder's unit for more rows to the child process at once (with units above the
+    buckets, the steps' come first: test_compiled_engine.py), and uses it once stored; fairseq's tokens meanwhile
+    and after."""
+    if not onednn_available():
+        pytest.skip("the encoder is compiled ahead of time on the CPU with oneDNN only")
+    monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path))
+    ids = SENTENCES[:16]
+    _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
+    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compile_in_background=True,
+                              compiled_many_rows="static")
+    units, encoder = generator.runner.units, ("encoder", None)
+    first = translate_batches(toy, generator, ids[:8], 8)
+    assert units.background is not None and units.background[0] == encoder
+    deadline = time.monotonic() + 600
+    while encoder not in units.packaged:  # what the decode's encoder calls poll: the test waits, a decode does not
+        assert time.monotonic() < deadline, "the background compilation did not end"
+        units.poll_background(encoder)
+        time.sleep(0.2)
+    unit, calls = units.packaged[encoder], []
+    assert unit is not None and len(list(tmp_path.glob("encoder-*.pt2"))) == 1
+    units.packaged[encoder] = lambda *inputs: calls.append(inputs[0].size(0)) or unit(*inputs)
+    assert_same_tokens_close_scores(expected, {**first, **translate_batches(toy, generator, ids[8:], 8)})
+    assert calls == [8] and units.many_rows_unit(1) is None
