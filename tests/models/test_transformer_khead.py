@@ -11,6 +11,7 @@ from torch.nn import functional as F
 import fairseq_fastgen  # noqa: F401  (registers the model)
 from fairseq import checkpoint_utils
 from fairseq.dataclass.configs import GenerationConfig
+from omegaconf import OmegaConf
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY
 from fairseq.models.transformer import TransformerDecoderBase
 from fairseq_fastgen.models.transformer_khead import KHeadTransformerModel
@@ -221,6 +222,27 @@ def test_freeze_base_trains_only_the_head_layer(toy_model, khead_k2):
     changed = [key for key in base if not torch.equal(base[key], trained[key])]
     assert changed == []
     assert trained["decoder.heads.fc2.weight"].abs().sum() > 0  # the head layer did train
+
+
+def test_a_frozen_base_multiplies_a_steps_rows_as_its_base_does_once_prepared_for_inference(toy_model, khead_k2):
+    """fairseq-generate, -interactive and the hub interface prepare a model for inference: a frozen base's parameters
+    (--freeze-base) then need a gradient again, so a step's transposed (rows, 1, dim) features go through the
+    vocabulary projection as one matrix, in the base transformer's own sums (exact blockwise verifies with them);
+    frozen, torch multiplied them row by row, in other sums."""
+    data = {"data": str(toy_model.data_bin)}
+    (student,), _, _ = checkpoint_utils.load_model_ensemble_and_task([str(khead_k2.checkpoint)], arg_overrides=data)
+    (base,), _, _ = checkpoint_utils.load_model_ensemble_and_task([str(toy_model.checkpoint)], arg_overrides=data)
+    assert not student.decoder.output_projection.weight.requires_grad
+    torch.manual_seed(0)
+    features = torch.randn(1, 64, student.decoder.output_embed_dim).transpose(0, 1)  # (rows, 1, dim), a step's
+    with torch.no_grad():
+        expected = base.decoder.output_layer(features)
+        frozen = student.decoder.output_layer(features)
+        student.prepare_for_inference_(OmegaConf.create({"generation": {"beam": 1}}))
+        prepared = student.decoder.output_layer(features)
+    assert not torch.equal(frozen, expected)  # row by row: other sums
+    assert all(parameter.requires_grad for parameter in student.parameters())
+    assert torch.equal(prepared, expected)
 
 
 def validation_losses(train_log):
