@@ -69,17 +69,26 @@ def test_the_option_is_refused_beside_another_engine(engine):
 
 
 def record_static_steps(runner: CompiledRunner, monkeypatch) -> list:
-    """(rows, the cache's beams sharing a sentence's keys, whether a stand-in computes the products) of each call
-    of the decoder step's exact form: the static engine's step."""
+    """(rows, the cache's beams sharing a sentence's keys, whether a stand-in computes the products, the positions
+    the cache held) of each call of the decoder step's exact form: the static engine's step."""
     calls, exact = [], runner.decoder_step.exact
     probe = runner.model.decoder.layers[0].fc1
 
     def recorded(tokens, position_rows, cache, **options):
-        calls.append((tokens.size(0), cache.beams, has_stand_in(probe)))
+        calls.append((tokens.size(0), cache.beams, has_stand_in(probe), cache.length))
         return exact(tokens, position_rows, cache, **options)
 
     monkeypatch.setattr(runner.decoder_step, "exact", recorded)
     return calls
+
+
+def assert_beams_start_once(calls: list, batch_size: int, beams: int):
+    """A beam search's first step of each batch ran one row per sentence (its beams' bos are one), every later step
+    all the beams of its sentences, reading keys held once per sentence."""
+    first_steps = [(rows, cache_beams) for rows, cache_beams, _, length in calls if length == 0]
+    assert first_steps and set(first_steps) == {(batch_size, 1)}
+    later = [(rows, cache_beams) for rows, cache_beams, _, length in calls if length > 0]
+    assert later and all(rows % beams == 0 and cache_beams == beams for rows, cache_beams in later)
 
 
 @pytest.mark.parametrize("options", [
@@ -95,11 +104,13 @@ def test_the_static_step_above_the_buckets_gives_fairseqs_tokens_and_builds_no_u
     assert type(runner) is CompiledRunner and runner.static_many_rows
     calls = record_static_steps(runner, monkeypatch)
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 16))
-    assert calls and all(rows > runner.max_rows for rows, _, _ in calls)
-    assert len({rows for rows, _, _ in calls}) > 2  # rows finished and left (or were refilled)
-    assert not any(stand_in for _, _, stand_in in calls)  # torch's products, not oneDNN's
-    beams = options["beam"] if options["decoder"] == "beam" else 1  # stock beam search: keys held per sentence
-    assert {cache_beams for _, cache_beams, _ in calls} == {beams}
+    assert calls and all(rows > runner.max_rows for rows, _, _, _ in calls)
+    assert len({rows for rows, _, _, _ in calls}) > 2  # rows finished and left (or were refilled)
+    assert not any(stand_in for _, _, stand_in, _ in calls)  # torch's products, not oneDNN's
+    if options["decoder"] == "beam":  # stock beam search: keys held per sentence, shared by its 5 beams
+        assert_beams_start_once(calls, 16, 5)
+    else:
+        assert {cache_beams for _, cache_beams, _, _ in calls} == {1}
     assert runner.many_rows_step is None
     assert not [key for key in runner.units.packaged if key is None or key[0] == "beams"]
 
