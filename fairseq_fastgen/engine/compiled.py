@@ -21,7 +21,8 @@ the step runs eager in the decoder step's fast form (the exact form for blocks a
 products through oneDNN on the CPU (``ops/onednn_linear.py``).  With ``--compiled-many-rows static`` (its default
 on processors without AVX-512, in float32) the one-position steps above the buckets run the static engine's step
 instead, on this runner's cache: its exact form, torch's products, the logits in aligned rows; no unit is built for
-them, and a beam search's first step runs one row per sentence (``first_step_of_beams``).  On the CPU the encoder runs a unit compiled ahead of time too (``encoder_pass.py``).
+them, and a beam search's first step runs one row per sentence (``first_step_of_beams``).  On the CPU the encoder
+runs a unit compiled ahead of time too (``encoder_pass.py``).
 
 On CUDA the row buckets go up to ``CUDA_MAX_ROWS`` rows (powers of two), all served by one compilation
 whose shapes are symbolic, each bucket replayed as a CUDA graph: a step of a small model there costs its
