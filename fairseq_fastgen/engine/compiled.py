@@ -172,9 +172,11 @@ class CompiledRunner(StaticRunner):
     def many_rows_products(self, rows: int):
         """The context of an eager step's products for ``rows`` rows: torch's own above max_rows with
         --compiled-many-rows static (the static engine's step), else ``eager_products``."""
-        if rows > self.max_rows and self.static_many_rows:
-            return contextlib.nullcontext()
-        return self.eager_products()
+        return contextlib.nullcontext() if self.runs_static_step(rows) else self.eager_products()
+
+    def runs_static_step(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows is the static engine's (--compiled-many-rows static, above max_rows)."""
+        return self.static_many_rows and rows > self.max_rows
 
     def encode(self, net_input):
         """fairseq's encoder output; on the CPU through a unit compiled ahead of time (one for a row, one for
@@ -302,7 +304,7 @@ class CompiledRunner(StaticRunner):
     def step(self, tokens: Tensor, encoder_out, cache: StaticCache):
         if not cache.started:
             self.start_cache(cache, encoder_out)
-        if cache.length == 0 and self.starts_beams_once(cache):
+        if self.starts_beams_once(cache):
             return self.first_step_of_beams(tokens, encoder_out, cache)
         unit = self.padded_unit(tokens.size(0), cache)
         if unit is None:
@@ -311,9 +313,9 @@ class CompiledRunner(StaticRunner):
         return self.padded_step(unit, tokens[:, -1:], positions, encoder_out, cache)
 
     def starts_beams_once(self, cache: StaticCache) -> bool:
-        """Whether the first step of a cache whose sentences' beams share their encoder-decoder keys (fairseq's beam
-        search) runs one row per sentence: where the static engine's step serves that many rows."""
-        return cache.beams > 1 and self.static_many_rows and cache.real_rows // cache.beams > self.max_rows
+        """Whether the next step is the first of a cache whose sentences' beams share their encoder-decoder keys
+        (fairseq's beam search) and runs one row per sentence: where the static engine's step serves that many rows."""
+        return cache.length == 0 and cache.beams > 1 and self.runs_static_step(cache.real_rows // cache.beams)
 
     def first_step_of_beams(self, tokens: Tensor, encoder_out, cache: StaticCache):
         """The first step of sentences of ``cache.beams`` beams: every beam of a sentence holds the same bos, so the
@@ -323,8 +325,7 @@ class CompiledRunner(StaticRunner):
         sentences = StaticCache(1)
         sentences.start(cache.cross_keys, cache.cross_values, cache.cross_mask, step.heads, step.head_dim)
         lprobs, attn = self.eager_step(tokens[::beams], encoder_out, sentences)  # (sentences, vocab), (sentences, src)
-        cache.ensure_room(1)
-        cache.zeroed = False  # only the first position is written
+        cache.zeroed = False  # only the first position is written (a new cache holds POSITION_STEP)
         for whole, first in zip(cache.self_keys + cache.self_values, sentences.self_keys + sentences.self_values):
             whole[:, :, :1] = first[:, :, :1].repeat_interleave(beams, dim=0)  # (rows, heads, 1, head_dim)
         cache.length = 1
@@ -344,8 +345,6 @@ class CompiledRunner(StaticRunner):
     def padded_unit(self, rows: int, cache: StaticCache):
         """What runs the padded step of ``rows`` rows (``CompiledUnits.step_unit``; None: the eager step, always
         above max_rows with --compiled-many-rows static)."""
-        if rows > self.max_rows and self.static_many_rows:
-            return None
         return self.units.step_unit(rows, cache.self_keys[0].size(0), cache.beams, cache.capacity, self.fused)
 
     def padded_step(self, unit, last_tokens: Tensor, positions: Tensor, encoder_out, cache: StaticCache):

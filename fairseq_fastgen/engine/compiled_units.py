@@ -66,11 +66,12 @@ class CompiledUnits:
     # ---- the decoder step ---------------------------------------------------------------------------
     def step_unit(self, rows: int, bucket: int, beams: int, capacity: int, fused: FusedWeights):
         """What runs the padded step of ``rows`` rows (the cache holding ``bucket`` rows of ``capacity`` target
-        positions): above ``max_rows`` the unit for every row count (None where it
-        cannot be built or off the CPU: eager), else the bucket's frozen unit with --compiled-freezing (its
-        padded form, eager, while a child compiles it), or torch.compile's."""
+        positions): above ``max_rows`` the unit for every row count (None where it cannot be built, off the CPU
+        or without ``many_rows_units``: the runner's eager step), else the bucket's frozen unit with
+        --compiled-freezing (its padded form, eager, while a child compiles it), or torch.compile's."""
         if rows > self.max_rows:
-            return self.package_unit(None, beams, 1, capacity) if self.packages else None
+            serves = self.packages and self.many_rows_units
+            return self.package_unit(None, beams, 1, capacity) if serves else None
         if self.freezing and self.packages:
             unit = self.package_unit(bucket, 1, 1, capacity)
             if unit is not None:
