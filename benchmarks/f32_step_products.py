@@ -8,9 +8,10 @@ weight) and ``F.linear`` over every product of a decoder step of ``transformer_w
 fused query/key/value rows, the self-attention's output, the encoder-decoder attention's query and output, the two
 feed-forward layers; then the vocabulary projection), random weights, each product after the others so that its
 weights come from memory as in a decode.  Blockwise verifies a block of 4 positions in one pass: it pays where 4 rows
-cost about what 1 costs.  ``--rows 64`` shows what a batch of 64 rows' products cost (the kernel serves the units
-of up to ``f32_rows_weights.MAX_ROWS`` rows; above that only ``F.linear`` and oneDNN's packed product, the one of
-``--onednn-linear`` and of the compiled units).  Each row count is timed in three rounds; the middle one is printed.
+cost about what 1 costs.  ``--rows 64,320`` shows what a batch of 64 rows' products cost, and beam 5's (the kernel serves
+the frozen units of up to ``f32_rows_weights.MAX_ROWS`` rows and, with AVX2, the step of many rows of
+``--compiled-many-rows kernel``; oneDNN's packed product is the one of ``--onednn-linear`` and of the units for many
+rows).  Each row count is timed in three rounds; the middle one is printed.
 Not part of the product: a measuring aid for docs/benchmarks.md.
 """
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from fairseq_fastgen.engine.f32_rows_weights import MAX_ROWS
+from fairseq_fastgen.ops.f32_rows_linear import many_rows_kernel_available
 from fairseq_fastgen.ops import int8_kernel
 from fairseq_fastgen.ops.heap import reuse_large_allocations
 from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear, pack_weight
@@ -63,8 +65,8 @@ def main():
     for rows in row_counts:
         inputs = [torch.randn(rows, inp) for _, inp in shapes]
         for name, products in candidates:
-            if name == "kernel" and rows > MAX_ROWS:
-                continue
+            if name == "kernel" and rows > MAX_ROWS and not many_rows_kernel_available():
+                continue  # the AVX-512 build's passes are for a few rows
             milliseconds = sorted(step_milliseconds(products, inputs, args.steps) for _ in range(3))[1]
             first.setdefault(name, milliseconds)
             print(f"{name:8s} {rows} row{'s' if rows > 1 else ' '}: {milliseconds:.2f} ms a step "

@@ -61,15 +61,16 @@ class PluginOptions(FairseqDataclass):
                           "ends first (later runs load it), so a first run on a new model or machine does not "
                           "wait for the compiler"},
     )
-    compiled_many_rows: ChoiceEnum(["auto", "unit", "static"]) = field(
+    compiled_many_rows: ChoiceEnum(["auto", "unit", "static", "kernel"]) = field(
         default="auto",
         metadata={"help": "--step-engine compiled on the CPU in float32 (and auto where it runs compiled): what "
                           "runs a one-position step of more rows than the row buckets (batches, beam search): "
                           "'unit' (one step for every row count, compiled ahead of time, oneDNN's prepacked "
                           "products), 'static' (the static engine's step, eager: torch's products, the "
-                          "vocabulary's logits in aligned rows; no unit to compile for those rows) or 'auto' "
-                          "(default: 'static' on processors without AVX-512, where it was measured faster at "
-                          "batch 64 and in beam search, else 'unit')"},
+                          "vocabulary's logits in aligned rows; no unit to compile for those rows), 'kernel' (that "
+                          "step with the plugin's float32 kernel's products, on AVX2: another sum order than "
+                          "torch's) or 'auto' (default: 'kernel' on processors without AVX-512, where it was "
+                          "measured fastest at batch 64 and in beam search, else 'unit')"},
     )
     decoder_stats_json: Optional[str] = field(
         default=None,

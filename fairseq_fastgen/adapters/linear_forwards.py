@@ -12,13 +12,14 @@ take fairseq's own path, which calls the projections.  The products, their refer
 """
 
 import contextlib
-from typing import Dict, Iterable, Type
+from typing import Callable, Dict, Iterable, Optional, Type
 
-from torch import nn
+from torch import Tensor, nn
 
 from fairseq.modules import MultiheadAttention
 
 from fairseq_fastgen.adapters.generate import generate_within, give_attributes
+from fairseq_fastgen.ops.f32_rows_linear import F32RowsForward
 from fairseq_fastgen.ops.linear_forward import LinearForward, has_stand_in
 from fairseq_fastgen.ops.onednn_linear import PackedForward, onednn_available
 from fairseq_fastgen.ops.precision_linear import FORWARDS, LibraryInt8Forward, precision_refusal
@@ -42,6 +43,9 @@ class LinearForwards:
         self.kept = {id(module) for module in kept}  # layers that keep their own product
         self.forwards: Dict[int, LinearForward] = {}
 
+    def make_forward(self, linear: nn.Linear) -> LinearForward:
+        return self.forward_class(linear)
+
     def linears(self):
         return [m for m in self.model.modules() if isinstance(m, nn.Linear) and id(m) not in self.kept]
 
@@ -55,7 +59,7 @@ class LinearForwards:
                     continue  # someone else's stand-in: leave it
                 forward = self.forwards.get(id(linear))
                 if forward is None or forward.linear is not linear:
-                    forward = self.forwards[id(linear)] = self.forward_class(linear)
+                    forward = self.forwards[id(linear)] = self.make_forward(linear)
                 linear.__dict__["forward"] = forward  # an instance attribute, without nn.Module's setattr checks
                 attached.append(linear)
             for attention in self.model.modules() if self.attention_through_projections else ():
@@ -78,6 +82,18 @@ class OneDNNLinears(LinearForwards):
             raise ValueError("--onednn-linear needs a torch built with oneDNN (mkldnn); this one has none: "
                              "leave the option out")
         super().__init__(model, PackedForward)
+
+
+class F32RowsLinears(LinearForwards):
+    """``--compiled-many-rows kernel``: the decoder's linear layers through the plugin's float32 kernel, on the
+    kernel's layout of each weight that ``shared_layout(linear)`` gives (the compiled units' copy), else their own."""
+
+    def __init__(self, model: nn.Module, shared_layout: Callable[[nn.Linear], Optional[Tensor]]):
+        super().__init__(model.decoder, F32RowsForward)
+        self.shared_layout = shared_layout
+
+    def make_forward(self, linear: nn.Linear) -> LinearForward:
+        return F32RowsForward(linear, self.shared_layout)
 
 
 def output_projections(model: nn.Module):

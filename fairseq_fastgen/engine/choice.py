@@ -6,7 +6,7 @@ and the runner built.
 int8 or bfloat16, ``compiled`` with its row buckets frozen (``--compiled-freezing``) and every unit not on disk yet
 compiled by a child process while the decode runs those steps eager (``--compile-in-background``): a first run on a new
 model does not wait for the compiler, later runs load the units; above the row buckets, on a processor without AVX-512,
-the static engine's step (``compiled_many_rows``).  Elsewhere (CUDA, where the compiled engine's
+the static engine's step with the plugin's float32 kernel's products (``compiled_many_rows``).  Elsewhere (CUDA, where the compiled engine's
 buckets compile in the decoding process, half precision) ``static``.  ``$FASTGEN_STEP_ENGINE``
 names the engine ``auto`` runs instead (``static`` for bitwise fairseq's hypotheses in a whole pipeline without
 editing its commands)."""
@@ -24,6 +24,7 @@ from fairseq_fastgen.engine.decoder_step import unsupported_reason
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 from fairseq_fastgen.engine.runners import StaticRunner
 from fairseq_fastgen.ops import int8_kernel, precision_linear
+from fairseq_fastgen.ops.f32_rows_linear import many_rows_kernel_available
 
 ENGINES = ("auto", "fairseq", "static", "compiled")
 AUTO_ENGINE_ENV = "FASTGEN_STEP_ENGINE"  # the engine --step-engine auto runs, where set
@@ -80,9 +81,12 @@ def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
     many_rows = many_rows_setting(options)
     if many_rows != "auto" and engine not in ("compiled", "auto"):
         raise ValueError(f"--compiled-many-rows applies to --step-engine compiled; got --step-engine {engine}")
-    if many_rows == "static" and compiled_precision(options) is not None:
-        raise ValueError(f"--compiled-many-rows static runs float32 steps; the compiled engine's units compute "
+    if many_rows in ("static", "kernel") and compiled_precision(options) is not None:
+        raise ValueError(f"--compiled-many-rows {many_rows} runs float32 steps; the compiled engine's units compute "
                          f"--quantize {options.quantize}: leave it out")
+    if many_rows == "kernel" and not many_rows_kernel_available():
+        raise ValueError("--compiled-many-rows kernel runs the plugin's float32 kernel for AVX2, which this machine "
+                         "does not build or run: use static or unit")
     if engine == "auto":
         configured = os.environ.get(AUTO_ENGINE_ENV)
         if not configured:
@@ -164,19 +168,21 @@ def compiled_precision(options: PluginOptions) -> Optional[str]:
 
 
 def many_rows_setting(options: PluginOptions) -> str:
-    """``--compiled-many-rows`` as given: auto, unit or static."""
+    """``--compiled-many-rows`` as given: auto, unit, static or kernel."""
     return str(getattr(options, "compiled_many_rows", "auto"))
 
 
 def compiled_many_rows(options: PluginOptions) -> str:
     """What runs the compiled engine's one-position steps above its row buckets under ``options``: "unit" (one
-    step compiled ahead of time for every row count) or "static" (the static engine's step, eager):
-    ``--compiled-many-rows``, its ``auto`` resolved: "static" in float32 on a processor without AVX-512 (there the
-    unit's oneDNN products ran slower than torch's at 64 and 320 rows: docs/benchmarks.md), else "unit"."""
+    step compiled ahead of time for every row count), "static" (the static engine's step, eager) or "kernel" (that
+    step with the plugin's float32 kernel's products; the runner takes torch's where the kernel does not run):
+    ``--compiled-many-rows``, its ``auto`` resolved: "kernel" in float32 on a processor without AVX-512 (there the
+    unit's oneDNN products ran slower than torch's at 64 and 320 rows, and the kernel's faster than both:
+    docs/benchmarks.md), else "unit"."""
     setting = many_rows_setting(options)
     if setting != "auto":
         return setting
-    return "unit" if compiled_precision(options) is not None or avx512_processor() else "static"
+    return "unit" if compiled_precision(options) is not None or avx512_processor() else "kernel"
 
 
 def avx512_processor() -> bool:

@@ -39,9 +39,9 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from fairseq_fastgen.adapters.linear_forwards import OneDNNLinears
+from fairseq_fastgen.adapters.linear_forwards import F32RowsLinears, OneDNNLinears
 from fairseq_fastgen.engine.compiled_step import PaddedStep
 from fairseq_fastgen.engine.compiled_units import CompiledUnits
 from fairseq_fastgen.engine.encoder_pass import EncoderPass, unsupported_encoder_reason
@@ -55,6 +55,7 @@ from fairseq_fastgen.engine.bf16_weights import Bf16Weights
 from fairseq_fastgen.engine.int8_weights import Int8Layer, Int8Weights, takes_int8
 from fairseq_fastgen.engine.layer_weights import LayerWeights
 from fairseq_fastgen.engine.static_cache import StaticCache
+from fairseq_fastgen.ops.f32_rows_linear import many_rows_kernel_available
 from fairseq_fastgen.ops.onednn_linear import onednn_available, onednn_linear, onednn_serves, pack_weight
 
 POSITION_BUCKET = 32  # target positions of a row bucket's buffers: this, doubled as rows grow past it
@@ -117,7 +118,12 @@ class CompiledRunner(StaticRunner):
         self.freezing = (freezing or self.precision is not None) and on_cpu
         # --compiled-many-rows static (on the CPU, in float32): a one-position step of more rows than max_rows runs
         # the static engine's step (its exact form, torch's products, the logits in aligned rows), no unit for it
-        self.static_many_rows = many_rows == "static" and on_cpu and self.precision is None
+        self.static_many_rows = many_rows in ("static", "kernel") and on_cpu and self.precision is None
+        # --compiled-many-rows kernel: that step's products through the plugin's float32 kernel, on the frozen
+        # units' copies of the weights in its layout where they hold them
+        self.kernel_linears = (F32RowsLinears(model, self.units_kernel_layout)
+                               if self.static_many_rows and many_rows == "kernel" and many_rows_kernel_available()
+                               else None)
         # on the CPU, steps compiled ahead of time and kept on disk (aot_step.py): above max_rows one for every row
         # count, with --compiled-freezing one per row bucket
         packages = on_cpu and onednn_available()
@@ -155,6 +161,11 @@ class CompiledRunner(StaticRunner):
         return Int8Weights(decoder, fused.qkv_weights, fused.qkv_biases,
                            float32_vocabulary=self.precision == "int8-layers")
 
+    def units_kernel_layout(self, linear: nn.Linear) -> Optional[Tensor]:
+        """The kernel's layout of ``linear``'s current weight where the units of a few rows hold it, else None."""
+        step = self.units.few_rows_step
+        return None if step is None else step.reduced.packed(linear)
+
     @property
     def max_rows(self) -> int:
         """The largest row bucket: more rows run the step for every row count (or eager)."""
@@ -172,7 +183,9 @@ class CompiledRunner(StaticRunner):
     def many_rows_products(self, rows: int):
         """The context of an eager step's products for ``rows`` rows: torch's own above max_rows with
         --compiled-many-rows static (the static engine's step), else ``eager_products``."""
-        return contextlib.nullcontext() if self.runs_static_step(rows) else self.eager_products()
+        if not self.runs_static_step(rows):
+            return self.eager_products()
+        return self.kernel_linears.attached() if self.kernel_linears else contextlib.nullcontext()
 
     def runs_static_step(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows is the static engine's (--compiled-many-rows static, above max_rows)."""

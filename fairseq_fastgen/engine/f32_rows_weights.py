@@ -47,6 +47,17 @@ class F32RowsWeights(LayerWeights):
 
     def __init__(self, decoder: nn.Module, qkv_weights: List[Tensor], qkv_biases: List[Optional[Tensor]]):
         super().__init__(decoder, qkv_weights, qkv_biases, F32RowsLayer, takes=lambda linear: True)
+        # each linear layer held: (its name, the data and version of its weight packed)
+        self.sources = {id(module): (name, module.weight.data_ptr(), module.weight._version)
+                        for name, module in decoder.named_modules() if self.layer(name) is not None}
+
+    def packed(self, linear: nn.Linear) -> Optional[Tensor]:
+        """The kernel's layout of ``linear``'s weight as these layers hold it, where it is the weight's current
+        one (``--compiled-many-rows kernel`` reads it rather than packing a copy of its own), else None."""
+        name, data, version = self.sources.get(id(linear), (None, None, None))
+        if name is None or (data, version) != (linear.weight.data_ptr(), linear.weight._version):
+            return None
+        return self.layer(name).weight
 
 
 def serves(rows: Optional[int], block: int) -> bool:

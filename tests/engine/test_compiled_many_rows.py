@@ -1,10 +1,11 @@
-"""--compiled-many-rows: what runs the compiled engine's one-position steps above its row buckets.  ``static`` (the
-default on processors without AVX-512) runs the static engine's step there: its exact form, eager, torch's products
-(no oneDNN stand-in attached), reading the compiled engine's cache (rows padded to the buckets below them, sources
-padded to SOURCE_BUCKET, a beam-search sentence's encoder-decoder keys held once), and no unit is built for those
-rows; ``unit`` runs the step compiled ahead of time for every row count (test_compiled_engine.py,
-test_stock_search.py).  Either way fairseq's tokens, scores within 1e-4.  The preset shapes of the reference
-models (``transformer_wmt_en_de``) take the same path in test_preset_shapes.py."""
+"""--compiled-many-rows: what runs the compiled engine's one-position steps above its row buckets.  ``static`` runs
+the static engine's step there: its exact form, eager, torch's products (no stand-in attached), reading the compiled
+engine's cache (rows padded to the buckets below them, sources padded to SOURCE_BUCKET, a beam-search sentence's
+encoder-decoder keys held once), and no unit is built for those rows; ``kernel`` (the default on processors without
+AVX-512) the same step with the plugin's float32 kernel's products, on the frozen units' copies of the weights in its
+layout where they hold them; ``unit`` runs the step compiled ahead of time for every row count
+(test_compiled_engine.py, test_stock_search.py).  Each gives fairseq's tokens, scores within 1e-4.  The preset shapes
+of the reference models (``transformer_wmt_en_de``) take the same path in test_preset_shapes.py."""
 
 import os
 import time
@@ -16,6 +17,7 @@ from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.engine import choice
 from fairseq_fastgen.engine.choice import compiled_many_rows, compiled_precision, engine_choice
 from fairseq_fastgen.engine.compiled import CompiledRunner
+from fairseq_fastgen.ops.f32_rows_linear import F32RowsForward, many_rows_kernel_available
 from fairseq_fastgen.ops.linear_forward import has_stand_in
 from fairseq_fastgen.ops.onednn_linear import onednn_available
 from tests.engine.test_compiled_engine import assert_same_tokens_close_scores
@@ -40,13 +42,21 @@ def test_the_processor_is_told_apart_by_its_avx512_instructions():
         assert choice.avx512_processor()
 
 
-@pytest.mark.parametrize("avx512,expected", [(True, "unit"), (False, "static")])
-def test_auto_runs_the_static_step_above_the_buckets_on_processors_without_avx512(monkeypatch, avx512, expected):
+@pytest.mark.parametrize("avx512,expected", [(True, "unit"), (False, "kernel")])
+def test_auto_runs_the_kernels_step_above_the_buckets_on_processors_without_avx512(monkeypatch, avx512, expected):
     monkeypatch.setattr(choice, "avx512_processor", lambda: avx512)
     assert compiled_many_rows(PluginOptions()) == expected
     assert compiled_many_rows(PluginOptions(step_engine="compiled")) == expected
-    for setting in ("unit", "static"):  # as given, on either processor
+    for setting in ("unit", "static", "kernel"):  # as given, on either processor
         assert compiled_many_rows(PluginOptions(compiled_many_rows=setting)) == setting
+
+
+def test_the_kernel_is_refused_where_it_does_not_run(monkeypatch):
+    monkeypatch.setattr(choice, "many_rows_kernel_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^--compiled-many-rows kernel runs the plugin's float32 kernel for AVX2, "
+                                         r"which this machine does not build or run: use static or unit$"):
+        engine_choice(PluginOptions(step_engine="compiled", compiled_many_rows="kernel"))
+    assert engine_choice(PluginOptions(step_engine="compiled")).engine == "compiled"  # auto: the runner's fallback
 
 
 def test_auto_keeps_the_units_where_they_compute_int8(monkeypatch):
@@ -55,10 +65,11 @@ def test_auto_keeps_the_units_where_they_compute_int8(monkeypatch):
     if compiled_precision(options) is None:
         pytest.skip("the compiled engine's int8 units do not run here")
     assert compiled_many_rows(options) == "unit"
-    options.compiled_many_rows = "static"
-    with pytest.raises(ValueError, match=r"^--compiled-many-rows static runs float32 steps; the compiled engine's "
-                                         r"units compute --quantize int8: leave it out$"):
-        engine_choice(options)
+    for setting in ("static", "kernel"):
+        options.compiled_many_rows = setting
+        with pytest.raises(ValueError, match=rf"^--compiled-many-rows {setting} runs float32 steps; the compiled "
+                                             rf"engine's units compute --quantize int8: leave it out$"):
+            engine_choice(options)
 
 
 @pytest.mark.parametrize("engine", ["static", "fairseq"])
@@ -70,13 +81,14 @@ def test_the_option_is_refused_beside_another_engine(engine):
 
 
 def record_static_steps(runner: CompiledRunner, monkeypatch) -> list:
-    """(rows, the cache's beams sharing a sentence's keys, whether a stand-in computes the products, the positions
-    the cache held) of each call of the decoder step's exact form: the static engine's step."""
+    """(rows, the cache's beams sharing a sentence's keys, the stand-in computing the products (None: torch's), the
+    positions the cache held) of each call of the decoder step's exact form: the static engine's step."""
     calls, exact = [], runner.decoder_step.exact
     probe = runner.model.decoder.layers[0].fc1
 
     def recorded(tokens, position_rows, cache, **options):
-        calls.append((tokens.size(0), cache.beams, has_stand_in(probe), cache.length))
+        stand_in = probe.__dict__["forward"] if has_stand_in(probe) else None
+        calls.append((tokens.size(0), cache.beams, stand_in, cache.length))
         return exact(tokens, position_rows, cache, **options)
 
     monkeypatch.setattr(runner.decoder_step, "exact", recorded)
@@ -92,28 +104,65 @@ def assert_beams_start_once(calls: list, batch_size: int, beams: int):
     assert later and all(rows % beams == 0 and cache_beams == beams for rows, cache_beams in later)
 
 
+@pytest.mark.parametrize("many_rows", ["static", "kernel"])
 @pytest.mark.parametrize("options", [
     dict(decoder="greedy", beam=1),
     dict(decoder="beam", beam=5),
     dict(decoder="var-stream", beam=5, stream_capacity=6, stream_eps=1 / 6),
 ], ids=["greedy", "stock-beam5", "var-stream-refills"])
-def test_the_static_step_above_the_buckets_gives_fairseqs_tokens_and_builds_no_unit(toy, monkeypatch, options):
+def test_the_static_step_above_the_buckets_gives_fairseqs_tokens_and_builds_no_unit(toy, monkeypatch, options,
+                                                                                     many_rows):
+    if many_rows == "kernel" and not many_rows_kernel_available():
+        pytest.skip("the plugin's float32 kernel for AVX2 does not run here")
     ids = SENTENCES[:48]
     _, expected = decode(toy, ids, 16, step_engine="fairseq", **options)
-    generator = toy.generator(step_engine="compiled", compiled_many_rows="static", **options)
+    generator = toy.generator(step_engine="compiled", compiled_many_rows=many_rows, **options)
     runner = generator.model.runner if options["decoder"] == "beam" else generator.runner
     assert type(runner) is CompiledRunner and runner.static_many_rows
     calls = record_static_steps(runner, monkeypatch)
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 16))
     assert calls and all(rows > runner.max_rows for rows, _, _, _ in calls)
     assert len({rows for rows, _, _, _ in calls}) > 2  # rows finished and left (or were refilled)
-    assert not any(stand_in for _, _, stand_in, _ in calls)  # torch's products, not oneDNN's
+    if many_rows == "static":  # torch's products, not oneDNN's
+        assert not any(stand_in for _, _, stand_in, _ in calls)
+    else:  # the kernel's, on every step above the buckets
+        assert all(type(stand_in) is F32RowsForward for _, _, stand_in, _ in calls)
     if options["decoder"] == "beam":  # stock beam search: keys held per sentence, shared by its 5 beams
         assert_beams_start_once(calls, 16, 5)
     else:
         assert {cache_beams for _, cache_beams, _, _ in calls} == {1}
     assert runner.many_rows_step is None
     assert not [key for key in runner.units.packaged if key is None or key[0] == "beams"]
+
+
+def test_the_kernels_step_reads_the_frozen_units_copies_of_the_weights(toy):
+    """--compiled-many-rows kernel with --compiled-freezing: each linear layer the frozen units of a few rows hold in
+    the kernel's layout (every one but each self-attention's query, key and value, which they hold fused, and the
+    encoder-decoder keys and values, computed once per decode) is read from the units' copy by the step of many
+    rows, not packed again; fairseq's tokens at batch 16 (many rows) and 2
+    (the units)."""
+    if not many_rows_kernel_available() or not onednn_available():
+        pytest.skip("the plugin's float32 kernel for AVX2 and the frozen units do not run here")
+    ids = SENTENCES[:18]
+    _, expected = decode(toy, ids, 16, step_engine="fairseq", decoder="greedy", beam=1)
+    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_freezing=True,
+                              compiled_many_rows="kernel")
+    runner = generator.runner
+    assert_same_tokens_close_scores(expected, {**translate_batches(toy, generator, ids[:16], 16),
+                                               **translate_batches(toy, generator, ids[16:], 2)})
+    units_layers = runner.units.few_rows_step.reduced
+    names = {id(module): name for name, module in runner.model.decoder.named_modules()}
+    shared, own = [], []
+    for forward in runner.kernel_linears.forwards.values():
+        held = units_layers.layer(names[id(forward.linear)])
+        (shared if held is not None else own).append(names[id(forward.linear)])
+        if held is not None:
+            assert forward.packed is held.weight  # the units' copy itself
+    layers = len(runner.model.decoder.layers)
+    assert "output_projection" in shared and len(shared) == 5 * layers + 1  # out, enc q, enc out, fc1, fc2; vocab
+    own_ones = [f"layers.{i}.self_attn.{p}_proj" for i in range(layers) for p in "qkv"]  # the units': fused
+    own_ones += [f"layers.{i}.encoder_attn.{p}_proj" for i in range(layers) for p in "kv"]  # outside the units
+    assert sorted(own) == sorted(own_ones)
 
 
 def test_in_the_background_the_encoder_comes_first_where_the_steps_take_no_unit(toy, tmp_path, monkeypatch):

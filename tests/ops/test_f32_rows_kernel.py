@@ -1,7 +1,8 @@
-"""The plugin's float32 kernel of a few rows (``kernels/f32_rows_cpu.cpp``, ``torch.ops.fastgen.f32_rows_linear``):
-F.linear's result within float32 rounding at every row count and shape, with and without bias; each row's outputs
-bitwise the same whatever rows are multiplied beside it and on one thread or two (blockwise's verification of a
-block and a one-position step read the same products); misuse is a one-line error.  Where the processor has
+"""The plugin's float32 kernel (``kernels/f32_rows_cpu.cpp``, ``torch.ops.fastgen.f32_rows_linear``): F.linear's
+result within float32 rounding at every row count and shape, with and without bias, a few rows and many (the passes
+of many rows over the weights of 256 outputs at a time, on AVX2); each row's outputs bitwise the same whatever rows
+are multiplied beside it and on one thread or two (blockwise's verification of a block and a one-position step read
+the same products; a sentence's outputs do not depend on its batch); misuse is a one-line error.  Where the processor has
 AVX-512 or AVX2 the kernel must be there (the AVX2 build sums 8 lanes, the AVX-512 build 16)."""
 
 import pytest
@@ -40,8 +41,8 @@ def test_the_kernel_is_built_with_avx512_or_avx2():
 # (out, in): the base model's attention and fused query/key/value, FFN in and out, its 32k vocabulary (a prime);
 # shapes that are not whole groups of 4 outputs nor whole 16-float loads of inputs
 @pytest.mark.parametrize("shape", [(512, 512), (1536, 512), (2048, 512), (512, 2048), (32003, 512), (7, 3), (70, 33)])
-# one pass of up to 4 rows, two, and a pass of 1 to 3 rows after whole ones
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+# one pass of up to 4 rows, and many: passes of 6 rows and a pass of 1 to 5 after whole ones (13, 64)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, 13, 64])
 def test_the_kernel_gives_linears_products_and_each_rows_bits_alone(shape, rows):
     weight, bias, x = weight_bias_inputs(*shape, rows)
     for with_bias in (bias, None):
@@ -56,8 +57,9 @@ def test_the_kernel_gives_linears_products_and_each_rows_bits_alone(shape, rows)
         assert torch.equal(got, reversed_rows)
 
 
-def test_two_threads_give_one_threads_bits():
-    weight, bias, x = weight_bias_inputs(32003, 512, 4)
+@pytest.mark.parametrize("rows", [4, 64])
+def test_two_threads_give_one_threads_bits(rows):
+    weight, bias, x = weight_bias_inputs(32003, 512, rows)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
