@@ -147,8 +147,7 @@ constexpr int64_t kGrainBlocks = 32;  // blocks per thread's share at least (a 5
 template <int R>
 constexpr int64_t blocks_for() { return R <= 2 ? 4 : 3; }
 
-// out[lane] = sum[lane] + bias[lane] for the first ``count`` lanes (8, but at the weight's end); a sum by value, so
-// that the sums stay in registers while they are formed
+// out[lane] = sum[lane] + bias[lane] for the first ``count`` lanes (8, but at the weight's end)
 inline void store_block(__m256 sum, float* out, const float* bias, int64_t count) {
   if (count >= kLanes) {
     _mm256_storeu_ps(out, bias == nullptr ? sum : _mm256_add_ps(sum, _mm256_loadu_ps(bias)));
@@ -158,6 +157,20 @@ inline void store_block(__m256 sum, float* out, const float* bias, int64_t count
   alignas(32) float tail[kLanes];
   _mm256_store_ps(tail, sum);
   for (int64_t j = 0; j < count; ++j) out[j] = bias == nullptr ? tail[j] : tail[j] + bias[j];
+}
+
+// out[r * out_stride + b * 8 + lane] = sums[r][b][lane] + bias[b * 8 + lane] for the first ``valid`` outputs of the
+// blocks; always inlined, so that the sums stay in registers while they are formed (a call taking the array kept
+// gcc 12 storing them to the stack at every product: 43 GFLOP/s at 64 rows against 87-90)
+template <int R, int B>
+__attribute__((always_inline)) inline void store_sums(const __m256 (&sums)[R][B], float* out, int64_t out_stride,
+                                                      const float* bias, int64_t valid) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b)
+      store_block(sums[r][b], out + r * out_stride + b * kLanes, bias == nullptr ? nullptr : bias + b * kLanes,
+                  valid - b * kLanes);
 }
 
 // Sums of ``R`` input rows (``x`` row-major, ``in`` wide) with the ``B`` blocks at ``w`` (each (in, 8));
@@ -185,17 +198,12 @@ inline void block_sums(const float* x, int64_t in, const float* w, const float* 
     add_products(k + 1);
   }
   if (k < in) add_products(k);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int b = 0; b < B; ++b)
-      store_block(sums[r][b], out + r * out_stride + b * kLanes, bias == nullptr ? nullptr : bias + b * kLanes,
-                  valid - b * kLanes);
+  store_sums<R, B>(sums, out, out_stride, bias, valid);
 }
 
 // block_sums's sums for the passes of many rows, whose blocks come from the cache after the first pass: no
-// prefetch, and each sum stays in a register from its first product to its store (block_sums' lambda and array
-// kept gcc 12 storing them to the stack at every k: 43 GFLOP/s at 64 rows against 87-90 here)
+// prefetch, and each sum in a register from its first product to its store (with block_sums' lambda gcc 12 kept
+// storing them to the stack)
 template <int R, int B>
 inline void tile_sums(const float* x, int64_t in, const float* w, float* out, int64_t out_stride, const float* bias,
                       int64_t valid) {
@@ -215,12 +223,7 @@ inline void tile_sums(const float* x, int64_t in, const float* w, float* out, in
       for (int b = 0; b < B; ++b) sums[r][b] = _mm256_fmadd_ps(weights[b], input, sums[r][b]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int b = 0; b < B; ++b)
-      store_block(sums[r][b], out + r * out_stride + b * kLanes, bias == nullptr ? nullptr : bias + b * kLanes,
-                  valid - b * kLanes);
+  store_sums<R, B>(sums, out, out_stride, bias, valid);
 }
 
 // Outputs [begin, end) (begin a whole block's first) for ``R`` input rows: their blocks of the packed weight in whole
