@@ -116,8 +116,8 @@ class CompiledRunner(StaticRunner):
         # --compiled-freezing: the weights are constants of the compiled code (inductor's freezing and its C++
         # products for a few rows); it is compiled again when any decoder parameter changes
         self.freezing = (freezing or self.precision is not None) and on_cpu
-        # --compiled-many-rows static (on the CPU, in float32): a one-position step of more rows than max_rows runs
-        # the static engine's step (its exact form, torch's products, the logits in aligned rows), no unit for it
+        # --compiled-many-rows static or kernel (on the CPU, in float32): a one-position step of more rows than
+        # max_rows runs the static engine's step (its exact form, the logits in aligned rows), no unit for it
         self.static_many_rows = many_rows in ("static", "kernel") and on_cpu and self.precision is None
         # --compiled-many-rows kernel: that step's products through the plugin's float32 kernel, on the frozen
         # units' copies of the weights in its layout where they hold them
@@ -181,14 +181,16 @@ class CompiledRunner(StaticRunner):
         return self.eager_linears.attached() if self.eager_linears else contextlib.nullcontext()
 
     def many_rows_products(self, rows: int):
-        """The context of an eager step's products for ``rows`` rows: torch's own above max_rows with
-        --compiled-many-rows static (the static engine's step), else ``eager_products``."""
+        """The context of an eager step's products for ``rows`` rows: above max_rows with --compiled-many-rows
+        static or kernel (the static engine's step) torch's own or the kernel's (``kernel_linears``), else
+        ``eager_products``."""
         if not self.runs_static_step(rows):
             return self.eager_products()
         return self.kernel_linears.attached() if self.kernel_linears else contextlib.nullcontext()
 
     def runs_static_step(self, rows: int) -> bool:
-        """Whether a step of ``rows`` rows is the static engine's (--compiled-many-rows static, above max_rows)."""
+        """Whether a step of ``rows`` rows is the static engine's (--compiled-many-rows static or kernel, above
+        max_rows)."""
         return self.static_many_rows and rows > self.max_rows
 
     def encode(self, net_input):
