@@ -85,11 +85,12 @@ class OneDNNLinears(LinearForwards):
 
 
 class F32RowsLinears(LinearForwards):
-    """``--compiled-many-rows kernel``: the decoder's linear layers through the plugin's float32 kernel, on the
-    kernel's layout of each weight that ``shared_layout(linear)`` gives (the compiled units' copy), else their own."""
+    """``--compiled-many-rows kernel``: the linear layers of ``module`` (the decoder, the encoder) through the plugin's
+    float32 kernel, on the kernel's layout of each weight that ``shared_layout(linear)`` gives (the compiled units'
+    copy), else their own."""
 
-    def __init__(self, model: nn.Module, shared_layout: Callable[[nn.Linear], Optional[Tensor]]):
-        super().__init__(model.decoder, F32RowsForward)
+    def __init__(self, module: nn.Module, shared_layout: Callable[[nn.Linear], Optional[Tensor]] = lambda _: None):
+        super().__init__(module, F32RowsForward)
         self.shared_layout = shared_layout
 
     def make_forward(self, linear: nn.Linear) -> LinearForward:

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.engine import choice
@@ -190,3 +192,41 @@ def test_in_the_background_the_encoder_comes_first_where_the_steps_take_no_unit(
     units.packaged[encoder] = lambda *inputs: calls.append(inputs[0].size(0)) or unit(*inputs)
     assert_same_tokens_close_scores(expected, {**first, **translate_batches(toy, generator, ids[8:], 8)})
     assert calls == [8] and units.many_rows_unit(1) is None
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+def test_with_the_kernel_the_encoder_runs_its_pass_through_the_kernel_and_no_unit(toy, monkeypatch, batch_size):
+    """--compiled-many-rows kernel: every batch's encoder runs the encoder's pass eager, each of its linear layers'
+    products through the kernel (a batch's source positions its rows), and no encoder unit is built; the states agree
+    with fairseq's encoder within float rounding at the real positions, and a decode gives fairseq's tokens."""
+    if not many_rows_kernel_available():
+        pytest.skip("the plugin's float32 kernel for AVX2 does not run here")
+    ids = SENTENCES[:16]
+    _, expected = decode(toy, ids, batch_size, step_engine="fairseq", decoder="greedy", beam=1)
+    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_many_rows="kernel")
+    runner = generator.runner
+    assert runner.units.encoder_pass is None and runner.kernel_encoder is not None
+    encoder_linears = [m for m in runner.model.encoder.modules() if isinstance(m, nn.Linear)]
+    products = []  # (the layer, its input's rows) of each product the kernel ran
+    kernel_product = F32RowsForward.product
+
+    def recorded(self, x, packed, bias):
+        products.append((self.linear, x.reshape(-1, x.size(-1)).size(0)))
+        return kernel_product(self, x, packed, bias)
+
+    monkeypatch.setattr(F32RowsForward, "product", recorded)
+    sample = toy.sample(ids[:batch_size])
+    with torch.inference_mode():
+        encoder_out = runner.encode(sample["net_input"])
+        src_tokens = sample["net_input"]["src_tokens"]
+        reference = runner.model.encoder(src_tokens, sample["net_input"]["src_lengths"])
+    in_encoder = [(linear, rows) for linear, rows in products if any(linear is m for m in encoder_linears)]
+    assert len(in_encoder) == len(encoder_linears) == 6 * len(runner.model.encoder.layers)  # q, k, v, out, fc1, fc2
+    assert {rows for _, rows in in_encoder} == {src_tokens.numel()}  # every source position a row
+    real = ~reference["encoder_padding_mask"][0].t()  # (src_len, rows)
+    states, expected_states = encoder_out["encoder_out"][0], reference["encoder_out"][0]
+    assert states.shape == expected_states.shape
+    torch.testing.assert_close(states[real], expected_states[real], rtol=1e-5, atol=1e-5)
+    assert torch.equal(encoder_out["encoder_padding_mask"][0], reference["encoder_padding_mask"][0])
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, batch_size))
+    assert not [key for key in runner.units.packaged if key is not None and key[0] == "encoder"]
