@@ -129,6 +129,8 @@ class CompiledRunner(StaticRunner):
         # products (on a Zen 3, 14-token sentences: 13 ms for one against the compiled unit's 18, 410 ms for 64
         # against 530-600), and the encoder-decoder keys through the kernel too; no encoder unit is built
         self.kernel_encoder: Optional[Tuple[EncoderPass, F32RowsLinears]] = None
+        # and a beam search's beams of a sentence attend to its keys in one product (not torch's bits anyway)
+        self.decoder_step.beams_together = self.kernel_linears is not None
         if self.kernel_linears is not None and unsupported_encoder_reason(model.encoder) is None:
             self.kernel_encoder = EncoderPass(model.encoder), F32RowsLinears(model.encoder)
         # on the CPU, steps compiled ahead of time and kept on disk (aot_step.py): above max_rows one for every row

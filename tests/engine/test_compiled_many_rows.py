@@ -230,3 +230,29 @@ def test_with_the_kernel_the_encoder_runs_its_pass_through_the_kernel_and_no_uni
     assert torch.equal(encoder_out["encoder_padding_mask"][0], reference["encoder_padding_mask"][0])
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, batch_size))
     assert not [key for key in runner.units.packaged if key is not None and key[0] == "encoder"]
+
+
+def test_with_the_kernel_a_sentences_beams_attend_to_its_keys_in_one_product(toy):
+    """--compiled-many-rows kernel: the exact form's beams of a sentence (keys held once per sentence) attend in one
+    product per layer; its outputs and weights are the per-beam products' (fairseq's order) within float rounding,
+    laid out alike, the padding masked; with static the per-beam products (fairseq's bits) stay."""
+    if not many_rows_kernel_available():
+        pytest.skip("the plugin's float32 kernel for AVX2 does not run here")
+    kernel = toy.generator(decoder="beam", beam=5, step_engine="compiled", compiled_many_rows="kernel").model.runner
+    static = toy.generator(decoder="beam", beam=5, step_engine="compiled", compiled_many_rows="static").model.runner
+    assert kernel.decoder_step.beams_together and not static.decoder_step.beams_together
+    step, sentences, beams, src_len = kernel.decoder_step, 3, 5, 7
+    heads, head_dim = step.heads, step.head_dim
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(sentences * beams * heads, 1, head_dim, generator=generator)
+    keys, values = (torch.randn(sentences * heads, src_len, head_dim, generator=generator) for _ in range(2))
+    mask = torch.zeros(sentences, src_len, dtype=torch.bool)
+    mask[1, 5:] = True  # the second sentence is shorter
+    together, together_weights = step.attend_beams_together(q, keys, values, mask, beams)
+    per_beam, per_beam_weights = step.attend_per_beam(q, keys, values, mask, beams)
+    assert together.shape == per_beam.shape == (sentences * beams * heads, 1, head_dim)
+    assert together_weights.shape == per_beam_weights.shape == (sentences * beams * heads, 1, src_len)
+    torch.testing.assert_close(together, per_beam, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(together_weights, per_beam_weights, rtol=1e-6, atol=1e-6)
+    weights = together_weights.view(sentences, beams, heads, src_len)
+    assert torch.all(weights[1, :, :, 5:] == 0) and torch.all(weights[0] > 0)
