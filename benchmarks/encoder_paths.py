@@ -53,7 +53,8 @@ def main():
         print(f"batch size {batch_size} ({len(inputs)} batches):")
         median = print_medians(seconds, sum(len(batch["id"]) for batch in batches))
         reference = outputs["fairseq's encoder"]
-        differences = {way: max(map(largest_difference, outputs[way], reference)) for way in ("compiled unit", "kernel")}
+        differences = {way: max(map(largest_difference, outputs[way], reference))
+                       for way in ("compiled unit", "kernel")}
         print(f"the kernel's pass: {median['compiled unit'] / median['kernel']:.2f}x the unit; largest difference of "
               f"the states from fairseq's: unit {differences['compiled unit']:.1e}, kernel {differences['kernel']:.1e}")
 

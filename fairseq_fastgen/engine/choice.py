@@ -6,10 +6,10 @@ and the runner built.
 int8 or bfloat16, ``compiled`` with its row buckets frozen (``--compiled-freezing``) and every unit not on disk yet
 compiled by a child process while the decode runs those steps eager (``--compile-in-background``): a first run on a new
 model does not wait for the compiler, later runs load the units; above the row buckets, on a processor without AVX-512,
-the static engine's step with the plugin's float32 kernel's products (``compiled_many_rows``).  Elsewhere (CUDA, where the compiled engine's
-buckets compile in the decoding process, half precision) ``static``.  ``$FASTGEN_STEP_ENGINE``
-names the engine ``auto`` runs instead (``static`` for bitwise fairseq's hypotheses in a whole pipeline without
-editing its commands)."""
+the static engine's step with the plugin's float32 kernel's products, and the encoder through them
+(``compiled_many_rows``).  Elsewhere (CUDA, where the compiled engine's buckets compile in the decoding process, half
+precision) ``static``.  ``$FASTGEN_STEP_ENGINE`` names the engine ``auto`` runs instead (``static`` for bitwise
+fairseq's hypotheses in a whole pipeline without editing its commands)."""
 
 import logging
 import os
