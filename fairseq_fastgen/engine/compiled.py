@@ -125,12 +125,12 @@ class CompiledRunner(StaticRunner):
         self.kernel_linears = (F32RowsLinears(model.decoder, self.units_kernel_layout)
                                if self.static_many_rows and many_rows == "kernel" and many_rows_kernel_available()
                                else None)
-        # and the encoder: its pass (encoder_pass.py) eager, a batch's source positions the rows of the kernel's
-        # products (on a Zen 3, 14-token sentences: 13 ms for one against the compiled unit's 18, 410 ms for 64
-        # against 530-600), and the encoder-decoder keys through the kernel too; no encoder unit is built
-        self.kernel_encoder: Optional[Tuple[EncoderPass, F32RowsLinears]] = None
         # and a beam search's beams of a sentence attend to its keys in one product (not torch's bits anyway)
         self.decoder_step.beams_together = self.kernel_linears is not None
+        # and the encoder: its pass (encoder_pass.py) eager, a batch's source positions the rows of the kernel's
+        # products (on a Zen 3: 1.03x the compiled unit at one sentence, 1.22-1.24x at 8 and 64,
+        # benchmarks/encoder_paths.py), and the encoder-decoder keys through the kernel too; no encoder unit is built
+        self.kernel_encoder: Optional[Tuple[EncoderPass, F32RowsLinears]] = None
         if self.kernel_linears is not None and unsupported_encoder_reason(model.encoder) is None:
             self.kernel_encoder = EncoderPass(model.encoder), F32RowsLinears(model.encoder)
         # on the CPU, steps compiled ahead of time and kept on disk (aot_step.py): above max_rows one for every row
