@@ -58,5 +58,6 @@ def main():
         print(f"the kernel's pass: {median['compiled unit'] / median['kernel']:.2f}x the unit; largest difference of "
               f"the states from fairseq's: unit {differences['compiled unit']:.1e}, kernel {differences['kernel']:.1e}")
 
+
 if __name__ == "__main__":
     main()
