@@ -8,8 +8,8 @@ weight) and ``F.linear`` over every product of a decoder step of ``transformer_w
 fused query/key/value rows, the self-attention's output, the encoder-decoder attention's query and output, the two
 feed-forward layers; then the vocabulary projection), random weights, each product after the others so that its
 weights come from memory as in a decode.  Blockwise verifies a block of 4 positions in one pass: it pays where 4 rows
-cost about what 1 costs.  ``--rows 64,320`` shows what a batch of 64 rows' products cost, and beam 5's (the kernel serves
-the frozen units of up to ``f32_rows_weights.MAX_ROWS`` rows and, with AVX2, the step of many rows of
+cost about what 1 costs.  ``--rows 64,320`` shows what a batch of 64 rows' products cost, and beam 5's (the kernel
+serves the frozen units of up to ``f32_rows_weights.MAX_ROWS`` rows and the step of many rows of
 ``--compiled-many-rows kernel``; oneDNN's packed product is the one of ``--onednn-linear`` and of the units for many
 rows).  Each row count is timed in three rounds; the middle one is printed.
 Not part of the product: a measuring aid for docs/benchmarks.md.

@@ -68,10 +68,10 @@ class PluginOptions(FairseqDataclass):
                           "'unit' (one step for every row count, compiled ahead of time, oneDNN's prepacked "
                           "products), 'static' (the static engine's step, eager: torch's products, the "
                           "vocabulary's logits in aligned rows; no unit to compile for those rows), 'kernel' (that "
-                          "step with the plugin's float32 kernel's products, on AVX2: another sum order than "
+                          "step with the plugin's float32 kernel's products (AVX2 and FMA): another sum order than "
                           "torch's; the encoder runs eager through the kernel too, no unit compiled for it) or "
                           "'auto' (default: 'kernel' on processors without AVX-512, where it was measured fastest "
-                          "at batch 64 and in beam search, else 'unit')"},
+                          "at batch 64 and in beam search, else 'unit', measured faster there)"},
     )
     decoder_stats_json: Optional[str] = field(
         default=None,

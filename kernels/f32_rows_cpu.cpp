@@ -1,6 +1,6 @@
-// float32 products of a few rows on the CPU (AVX-512, or AVX2 with FMA): x (rows, in) times the transpose of a
-// weight (out, in), plus a bias.  The torch reference is F.linear; the compiled engine's units of a block of
-// positions call it (fairseq_fastgen/engine/f32_rows_weights.py), built beside the int8 kernel
+// float32 products of a few rows on the CPU (AVX2 with FMA, which every AVX-512 processor has): x (rows, in) times
+// the transpose of a weight (out, in), plus a bias.  The torch reference is F.linear; the compiled engine's units of a
+// block of positions call it (fairseq_fastgen/engine/f32_rows_weights.py), built beside the int8 kernel
 // (fairseq_fastgen/ops/int8_kernel.py); the frozen units of one position at 1 to 4 rows call it too.
 //
 // Why a kernel of our own: blockwise verification at batch 1 multiplies 4 rows (a block of 4 positions) with every
@@ -9,21 +9,20 @@
 // product at about two thirds.  Here each group of weights is read once for every input row, so that the loads stay
 // in flight while the sums are formed.
 //
-// f32_rows_pack(weight) gives the layout the kernel reads, once per weight: with AVX-512 the weight itself in
-// torch's (out, in) layout (read in place, each group of 4 weight rows read once and the next group prefetched);
-// with AVX2 a copy in blocks of 8 outputs, (ceil(out / 8), in, 8), which streams from memory in order (on an AMD Zen
-// 3, 1.5x the rate of reading 4 weight rows side by side).
+// f32_rows_pack(weight) gives the layout the kernel reads, once per weight: a copy in blocks of 8 outputs,
+// (ceil(out / 8), in, 8), which streams from memory in order.  On an AMD Zen 3 that read 1.5x the rate of reading 4
+// weight rows side by side; on an AMD Zen 5 (AVX-512) a base decoder step's products at one row took 6.6-6.8 ms
+// against 11.3 for an AVX-512 build that read the weight in place, 4 rows side by side, and 12.8 for oneDNN's packed
+// product (4 rows: 8.2-8.6 against 13.7 and 9.5), so both builds run these passes.
 //
-// More than 4 rows (AVX2): passes of up to 6 rows by 16 outputs, 12 sums in registers, over the weights of 256
-// outputs at a time, so that every pass after the first reads them from the cache: a batch's or a beam search's
-// products, faster than torch's (MKL's sgemm) on an AMD Zen 3 (the compiled engine's --compiled-many-rows kernel,
-// fairseq_fastgen/ops/f32_rows_linear.py).
+// More than 4 rows: passes of up to 6 rows by 16 outputs, 12 sums in registers, over the weights of 256 outputs at a
+// time, so that every pass after the first reads them from the cache: a batch's or a beam search's products, faster
+// than torch's (MKL's sgemm) on an AMD Zen 3 and as fast as oneDNN's on a Zen 5 (the compiled engine's
+// --compiled-many-rows kernel, fairseq_fastgen/ops/f32_rows_linear.py).
 //
 // Each output is the same sum in the same order whatever the number of rows and threads, so a row's outputs are
-// bitwise the same alone or among others.  AVX-512: 16 lanes accumulate in[k] * w[k] over k = lane, lane + 16, ...
-// (masked past the last whole 16), then _mm512_reduce_add_ps adds the lanes, then the bias.  AVX2: each output is
-// one lane, summing in[k] * w[k] over k in order, then the bias.  (The two builds differ in the last bits; each
-// machine builds one.)
+// bitwise the same alone or among others: each output is one lane, summing in[k] * w[k] over k in order, then the
+// bias.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -34,11 +33,13 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX2__) && defined(__FMA__)
 #define FASTGEN_F32_ROWS 1  // a build that holds the kernel
 #endif
 
 #if defined(FASTGEN_F32_ROWS)
+#include <immintrin.h>
+
 namespace {
 
 void check_weight(const at::Tensor& weight) {
@@ -49,95 +50,6 @@ void check_weight(const at::Tensor& weight) {
 void check_inputs(const at::Tensor& x, const at::Tensor& packed) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "f32_rows_linear: float32 only");
 }
-
-}  // namespace
-#endif
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-namespace {
-
-constexpr int64_t kGroup = 4;        // weight rows read together: kGroup x kPassRows sums in registers
-constexpr int64_t kPassRows = 4;     // input rows per pass over the weight
-constexpr int64_t kAhead = 1;        // the group after the one being summed is prefetched (2 or more: slower)
-constexpr int64_t kGrainGroups = 64; // groups per thread's share at least (a 512 x 512 weight: 128 groups)
-
-// Sums of ``R`` input rows (``x`` row-major, ``in`` wide) with the ``G`` weight rows at ``w``; out[r * out_stride + g].
-template <int R, int G>
-inline void group_sums(const float* x, int64_t in, const float* w, const float* prefetched, float* out,
-                       int64_t out_stride, const float* bias) {
-  __m512 sums[R][G];
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) sums[r][g] = _mm512_setzero_ps();
-  const int64_t whole = in / 16 * 16;
-  for (int64_t k = 0; k < whole; k += 16) {
-    if (prefetched != nullptr)
-      for (int g = 0; g < G; ++g) _mm_prefetch(reinterpret_cast<const char*>(prefetched + g * in + k), _MM_HINT_T0);
-    __m512 weights[G];
-    for (int g = 0; g < G; ++g) weights[g] = _mm512_loadu_ps(w + g * in + k);
-    for (int r = 0; r < R; ++r) {
-      const __m512 input = _mm512_loadu_ps(x + r * in + k);
-      for (int g = 0; g < G; ++g) sums[r][g] = _mm512_fmadd_ps(weights[g], input, sums[r][g]);
-    }
-  }
-  if (whole < in) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (in - whole)) - 1);
-    __m512 weights[G];
-    for (int g = 0; g < G; ++g) weights[g] = _mm512_maskz_loadu_ps(mask, w + g * in + whole);
-    for (int r = 0; r < R; ++r) {
-      const __m512 input = _mm512_maskz_loadu_ps(mask, x + r * in + whole);
-      for (int g = 0; g < G; ++g) sums[r][g] = _mm512_fmadd_ps(weights[g], input, sums[r][g]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      const float sum = _mm512_reduce_add_ps(sums[r][g]);
-      out[r * out_stride + g] = bias == nullptr ? sum : sum + bias[g];
-    }
-}
-
-// Weight rows [first, last) for ``R`` input rows: whole groups of kGroup, then the rows left one at a time.
-template <int R>
-void rows_pass(const float* x, int64_t in, const float* w, int64_t out_features, const float* bias, float* out,
-               int64_t first, int64_t last) {
-  int64_t o = first;
-  for (; o + kGroup <= last; o += kGroup) {
-    const int64_t ahead = o + kAhead * kGroup;
-    const float* prefetched = ahead + kGroup <= last ? w + ahead * in : nullptr;
-    group_sums<R, kGroup>(x, in, w + o * in, prefetched, out + o, out_features, bias == nullptr ? nullptr : bias + o);
-  }
-  for (; o < last; ++o)
-    group_sums<R, 1>(x, in, w + o * in, nullptr, out + o, out_features, bias == nullptr ? nullptr : bias + o);
-}
-
-using Pass = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
-constexpr Pass kPasses[kPassRows] = {rows_pass<1>, rows_pass<2>, rows_pass<3>, rows_pass<4>};
-
-at::Tensor f32_rows_pack(const at::Tensor& weight) {
-  check_weight(weight);
-  return weight.contiguous();  // the weight itself where it is contiguous: no copy
-}
-
-void check_layout(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && x.size(1) == packed.size(1) && packed.size(0) == out_features,
-              "f32_rows_linear: x (rows, in) and f32_rows_pack's weight (out, in), got ", x.sizes(), " and ",
-              packed.sizes(), " for ", out_features, " outputs");
-}
-
-constexpr int64_t kShareUnit = kGroup;  // a thread's share of the outputs is whole groups
-// many rows: passes of 4 rows over a share's whole weights, as for a few (no passes of their own in this build)
-constexpr int64_t kChunkOutputs = std::numeric_limits<int64_t>::max() / 2;
-constexpr int64_t kManyPassRows = kPassRows;
-constexpr const Pass* kManyPasses = kPasses;
-constexpr int64_t kGrainUnits = kGrainGroups;
-
-}  // namespace
-
-#elif defined(FASTGEN_F32_ROWS)  // AVX2 with FMA
-#include <immintrin.h>
-
-namespace {
 
 constexpr int64_t kLanes = 8;       // outputs of a block of the packed layout: one AVX2 register
 constexpr int64_t kPassRows = 4;    // input rows per pass over the weight

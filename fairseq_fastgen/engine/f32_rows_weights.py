@@ -5,8 +5,8 @@ Such a unit multiplies a few rows with every weight of the decoder, and its time
 oneDNN's prepacked products and inductor's C++ GEMM template read the weights more slowly at 4 rows than at one
 (and the template's unit holds its own packed copy of them); the plugin's kernel of a few rows
 (``kernels/f32_rows_cpu.cpp``, ``torch.ops.fastgen.f32_rows_linear``) reads each weight once for all of them.  The
-units read its layout of the weights in place (``shares_constants``): with AVX-512 the decoder's own weights, with
-AVX2 one copy in blocks of 8 outputs (``f32_rows_pack``) that every unit shares; no copy of the weights per unit.
+units read its layout of the weights in place (``shares_constants``): one copy in blocks of 8 outputs
+(``f32_rows_pack``, streamed from memory in order) that every unit shares; no copy of the weights per unit.
 
 A unit of more than ``MAX_ROWS`` rows of products keeps oneDNN's (the kernel holds 4 input rows per pass over a
 weight).  A row's products are the same bits alone or among others, so a block's verification and a one-position
@@ -24,8 +24,8 @@ MAX_ROWS = 8  # rows of a unit's products (rows x positions) up to which the ker
 
 
 class F32RowsLayer(nn.Module):
-    """A linear layer's weight in the kernel's layout (with AVX-512 the weight itself, not a copy; with AVX2 a copy
-    in blocks of 8 outputs) and its own bias: ``self(x)`` is its product, x (..., in) -> (..., out)."""
+    """A linear layer's weight in the kernel's layout (a copy in blocks of 8 outputs) and its own bias: ``self(x)``
+    is its product, x (..., in) -> (..., out)."""
 
     def __init__(self, weight: Tensor, bias: Optional[Tensor]):
         super().__init__()

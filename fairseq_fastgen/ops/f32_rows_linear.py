@@ -8,8 +8,8 @@ for many rows (six rows by 16 outputs of sums in registers, the weights of a few
 from the cache by every six rows) at 87-90 and 89-94 (``python benchmarks/f32_step_products.py --rows 64,320``).
 Each output is the kernel's one sum in input order whatever the row count: a row's outputs are the same bits alone or
 among others, not torch's bits (a product in other sums; the share of identical hypotheses is measured in
-docs/benchmarks.md).  The weight is packed once (the kernel's AVX2 layout, a copy in blocks of 8 outputs) and again
-when it changes (:class:`~fairseq_fastgen.ops.linear_forward.LinearForward`).
+docs/benchmarks.md).  The weight is packed once (the kernel's layout, a copy in blocks of 8 outputs) and again when
+it changes (:class:`~fairseq_fastgen.ops.linear_forward.LinearForward`).
 """
 
 from typing import Callable, Optional
@@ -23,8 +23,9 @@ from fairseq_fastgen.ops.linear_forward import LinearForward
 
 
 def many_rows_kernel_available() -> bool:
-    """Whether the kernel's passes for many rows run here: its AVX2 build (with AVX-512 it has none of its own)."""
-    return not int8_kernel.VNNI and int8_kernel.f32_rows_available()
+    """Whether the kernel's passes for many rows run here: wherever the kernel does (its one build, AVX2 with FMA, runs
+    on AVX-512 processors too)."""
+    return int8_kernel.f32_rows_available()
 
 
 class F32RowsForward(LinearForward):

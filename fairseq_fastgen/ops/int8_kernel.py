@@ -13,8 +13,8 @@ The C++ source is compiled by torch's extension builder (ninja, the system's C++
 ``$FASTGEN_CACHE/int8-kernel-<key>`` (the key: the source, torch's version and the flags), then loaded from there;
 its op is ``torch.ops.fastgen.int8_rows_linear``, with its output's shape registered for tracing, so that the
 compiled engine's units call it (``engine/int8_weights.py``).  Both builds also hold
-``torch.ops.fastgen.f32_rows_linear`` (``f32_rows_available()``; AVX-512, or AVX2 with FMA, which every AVX2
-processor of Intel's and AMD's has), which the compiled engine's frozen float32 units of a few rows call
+``torch.ops.fastgen.f32_rows_linear`` (``f32_rows_available()``; AVX2 with FMA, which every AVX2 processor of
+Intel's and AMD's has), which the compiled engine's frozen float32 units of a few rows call
 (``engine/f32_rows_weights.py``).  Where the processor lacks AVX2, or the build fails (one
 warning line says why), ``available()`` is False and int8 products stay on fbgemm's and oneDNN's kernels
 (``--int8-library-kernels`` asks for those anyway, for comparison).
@@ -46,7 +46,8 @@ INPUT_LEVELS = 127 if VNNI else 63
 AMX = VNNI and torch.cpu._is_amx_tile_supported() and os.environ.get("FASTGEN_INT8_TILES", "1") != "0"
 # FASTGEN_F32_ROWS=0 leaves the float32 kernel of a few rows out of the compiled units, to measure what it brings
 F32_ROWS_PERMITTED = os.environ.get("FASTGEN_F32_ROWS", "1") != "0"
-INSTRUCTIONS = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+# (-mfma: gcc does not imply it with -mavx512f, and the float32 kernel's AVX2 passes, which both builds run, use it)
+INSTRUCTIONS = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
                 + (["-mamx-tile", "-mamx-int8"] if AMX else [])) if VNNI else ["-mavx2", "-mfma"]
 FLAGS = ["-O3", *INSTRUCTIONS, f"-DFASTGEN_INPUT_LEVELS={INPUT_LEVELS}", "-ffp-contract=off", "-fopenmp"]
 GROUP = 64  # output rows per group of the packed layout (the kernel's kGroup)

@@ -1,9 +1,9 @@
 """The plugin's float32 kernel (``kernels/f32_rows_cpu.cpp``, ``torch.ops.fastgen.f32_rows_linear``): F.linear's
 result within float32 rounding at every row count and shape, with and without bias, a few rows and many (the passes
-of many rows over the weights of 256 outputs at a time, on AVX2); each row's outputs bitwise the same whatever rows
-are multiplied beside it and on one thread or two (blockwise's verification of a block and a one-position step read
-the same products; a sentence's outputs do not depend on its batch); misuse is a one-line error.  Where the processor has
-AVX-512 or AVX2 the kernel must be there (the AVX2 build sums 8 lanes, the AVX-512 build 16)."""
+of many rows over the weights of 256 outputs at a time); each row's outputs bitwise the same whatever rows are
+multiplied beside it and on one thread or two (blockwise's verification of a block and a one-position step read the
+same products; a sentence's outputs do not depend on its batch); misuse is a one-line error.  Where the processor has
+AVX-512 or AVX2 the kernel must be there (its one build, AVX2 with FMA, runs on both)."""
 
 import pytest
 import torch
