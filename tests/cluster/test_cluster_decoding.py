@@ -17,7 +17,7 @@ from fairseq_fastgen.adapters.output_layer import attached_projection
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
 from fairseq_fastgen.cluster.projection import nearest_clusters
 from fairseq_fastgen.sequence_generators import DECODERS
-from tests.float_scores import SAME_BITS_ACROSS_UNITS, assert_same_scores
+from tests.float_scores import assert_same_scores
 
 K_HEAD_DECODERS = {"blockwise", "blockwise-stream"}  # need a transformer_khead model: the toy k-head model below
 EXPECTED_PLAIN_DECODERS = ["beam", "greedy", "greedy-stream", "var-batch", "var-stream", "fixed-stream"]
@@ -79,10 +79,10 @@ def assert_unchanged_by_projection(task, model, decoder, beam, common_options=No
     stats = projection.statistics.as_dict()
     assert stats["projection_steps"] > 0 and stats["projection_active_fraction_mean"] == 1.0
     assert sorted(projected) == sorted(plain) and len(plain) >= SENTENCES
-    # the compiled step's log-softmax (inside its unit) against the projection's (eager): the same bits where the
-    # processor has AVX-512; with AVX2 only, inductor's vectorized sums and ATen's add in other orders, so there
-    # the scores agree to float32's rounding (the tokens still bit for bit)
-    same_bits = common_options.get("step_engine") != "compiled" or SAME_BITS_ACROSS_UNITS
+    # the compiled step's log-softmax (inside its unit) against the projection's (eager): inductor's vectorized sums
+    # and ATen's may add in other orders (with AVX2 only; with AVX-512 on an AMD Zen 5 too, one sentence in about a
+    # hundred), so there the scores agree to float32's rounding (the tokens still bit for bit)
+    same_bits = common_options.get("step_engine") != "compiled"
     for sentence_id, expected in plain.items():
         got = projected[sentence_id]
         assert torch.equal(got["tokens"], expected["tokens"]), sentence_id
