@@ -30,7 +30,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -198,13 +197,6 @@ constexpr int64_t kChunkOutputs = 256;
 constexpr int64_t kManyPassRows = 6;
 constexpr Pass kManyPasses[kManyPassRows] = {tile_pass<1>, tile_pass<2>, tile_pass<3>,
                                              tile_pass<4>, tile_pass<5>, tile_pass<6>};
-constexpr int64_t kGrainUnits = kGrainBlocks;
-
-}  // namespace
-#endif
-
-#if defined(FASTGEN_F32_ROWS)
-namespace {
 
 // x (rows, in) times the weight in f32_rows_pack's layout: the outputs shared among the threads in whole units of
 // kShareUnit, each share's rows in passes of up to kPassRows
@@ -222,7 +214,7 @@ at::Tensor f32_rows_linear(const at::Tensor& x, const at::Tensor& packed, const 
   const float* b_data = bias_values.defined() ? bias_values.data_ptr<float>() : nullptr;
   float* out_data = out.data_ptr<float>();
   const int64_t units = (out_features + kShareUnit - 1) / kShareUnit;
-  at::parallel_for(0, units, kGrainUnits, [&](int64_t first, int64_t last) {
+  at::parallel_for(0, units, kGrainBlocks, [&](int64_t first, int64_t last) {
     const int64_t begin = first * kShareUnit, end = std::min(out_features, last * kShareUnit);
     // more rows than a pass holds: the passes of many rows, all of them over a few outputs' weights in turn,
     // which stay in the cache for the passes after the first
