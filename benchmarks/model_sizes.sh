@@ -9,12 +9,12 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 students iteration narrow kernel proposals bs64 beam5 screen clusters relaxed
+# ROWS picks rows by name: "bs1 int8 students iteration narrow kernel prefetch proposals bs64 beam5 screen clusters relaxed
 # relaxed-compiled varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
-ROWS=" ${3:-bs1 int8 students iteration narrow kernel proposals bs64 beam5 screen clusters relaxed relaxed-compiled varbeam big} "
+ROWS=" ${3:-bs1 int8 students iteration narrow kernel prefetch proposals bs64 beam5 screen clusters relaxed relaxed-compiled varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of the same base
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
@@ -75,6 +75,19 @@ if wanted narrow; then
     row "untrained-khead-$WIDTH-bs1" --path "$STUDENT_PATH" --decoders greedy,blockwise --beam 1 --batch-size 1 \
       --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine compiled \
       --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals --variant "int8=--quantize int8"
+  done
+fi
+# the kernels' prefetches of the weights into the L2 cache (T1, the default) and into the L1 (T0): the narrow untrained
+# student, float32 and int8, one process a hint, alternating
+if wanted prefetch; then
+  untrained_student "$UNTRAINED_NARROW" --khead-ffn-dim 512
+  for RUN in 1 2; do
+    for HINT in T1 T0; do
+      FASTGEN_PREFETCH_HINT=$HINT row "untrained-narrow-prefetch$HINT-run$RUN-bs1" --path "$UNTRAINED_NARROW" \
+        --decoders greedy,blockwise --beam 1 --batch-size 1 --max-len-a 0 --max-len-b 25 --max-sentences 60 \
+        --repeat 3 --reference greedy --step-engine compiled --compiled-freezing --no-ctranslate2 \
+        --blockwise-int8-proposals --variant "int8=--quantize int8"
+    done
   done
 fi
 # what the float32 kernel of a few rows (kernels/f32_rows_cpu.cpp) brings to the frozen units, the narrow untrained

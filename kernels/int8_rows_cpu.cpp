@@ -46,6 +46,9 @@ namespace {
 #ifndef FASTGEN_INPUT_LEVELS
 #error "build with -DFASTGEN_INPUT_LEVELS=127 (AVX-512 VNNI) or 63 (AVX2)"
 #endif
+#ifndef FASTGEN_PREFETCH_HINT  // where the weights' next lines go: the L2 cache (as f32_rows_cpu.cpp's)
+#define FASTGEN_PREFETCH_HINT _MM_HINT_T1
+#endif
 constexpr int64_t kGroup = 64;                          // output rows a group holds
 constexpr float kLevels = FASTGEN_INPUT_LEVELS;         // input integers in [-kLevels, kLevels]
 constexpr int32_t kOffset = FASTGEN_INPUT_LEVELS + 1;   // added to each input integer: an unsigned byte
@@ -122,7 +125,7 @@ void group_product(const uint8_t* inputs, int64_t in_padded, const int8_t* group
   const int64_t steps = in_padded / 4;
   for (int64_t s = 0; s < steps; ++s) {
     const int8_t* w = group + s * kGroup * 4;
-    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kGroup * 4), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kGroup * 4), FASTGEN_PREFETCH_HINT);
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
     const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
     FASTGEN_ROW_SUMS(0)
@@ -325,8 +328,9 @@ void half_group_product(const uint8_t* inputs, int64_t in_padded, const int8_t* 
   const int64_t steps = in_padded / 4;
   for (int64_t s = 0; s < steps; ++s) {
     const int8_t* w = group + s * kGroup * 4 + half * kHalf * 4;
-    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kGroup * 4), _MM_HINT_T0);  // both lines the half reads
-    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kGroup * 4 + 64), _MM_HINT_T0);
+    // both lines the half reads
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kGroup * 4), FASTGEN_PREFETCH_HINT);
+    _mm_prefetch(reinterpret_cast<const char*>(w + 16 * kGroup * 4 + 64), FASTGEN_PREFETCH_HINT);
     const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
     const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
     const __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64));

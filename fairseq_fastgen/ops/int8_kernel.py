@@ -49,7 +49,13 @@ F32_ROWS_PERMITTED = os.environ.get("FASTGEN_F32_ROWS", "1") != "0"
 # (-mfma: gcc does not imply it with -mavx512f, and the float32 kernel's AVX2 passes, which both builds run, use it)
 INSTRUCTIONS = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
                 + (["-mamx-tile", "-mamx-int8"] if AMX else [])) if VNNI else ["-mavx2", "-mfma"]
-FLAGS = ["-O3", *INSTRUCTIONS, f"-DFASTGEN_INPUT_LEVELS={INPUT_LEVELS}", "-ffp-contract=off", "-fopenmp"]
+# the kernels prefetch the weights' next lines into the L2 cache (T1); FASTGEN_PREFETCH_HINT=T0 (the L1), T2 or NTA
+# builds them with another hint, to measure what it changes (benchmarks/model_sizes.sh, row "prefetch")
+PREFETCH_HINT = os.environ.get("FASTGEN_PREFETCH_HINT", "T1")
+if PREFETCH_HINT not in ("T0", "T1", "T2", "NTA"):
+    raise SystemExit(f"FASTGEN_PREFETCH_HINT={PREFETCH_HINT}: one of T0, T1, T2, NTA")
+FLAGS = ["-O3", *INSTRUCTIONS, f"-DFASTGEN_INPUT_LEVELS={INPUT_LEVELS}",
+         f"-DFASTGEN_PREFETCH_HINT=_MM_HINT_{PREFETCH_HINT}", "-ffp-contract=off", "-fopenmp"]
 GROUP = 64  # output rows per group of the packed layout (the kernel's kGroup)
 
 

@@ -4,6 +4,10 @@ without bias, on one thread and two; misuse is a one-line error.  Where the proc
 kernel must build (the build for the processor: inputs in [-127, 127] with VNNI, [-63, 63] with AVX2): a failed
 build fails here instead of silently falling back."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -32,6 +36,16 @@ def test_the_kernel_builds_where_the_processor_has_the_instructions():
     assert Int8Rows(torch.randn(64, 64)).kernel is not None  # --quantize int8 takes it by default
     # where the processor has AMX (and FASTGEN_INT8_TILES does not leave it out), 16 rows or more run on its tiles
     assert torch.ops.fastgen.int8_rows_tiles() == int8_kernel.AMX
+
+
+def test_the_prefetch_hint_is_one_of_the_four_or_the_import_ends_in_one_line():
+    # the kernels are built with FASTGEN_PREFETCH_HINT's hint (T1 unless set): one the compiler knows, or no build
+    assert "-DFASTGEN_PREFETCH_HINT=_MM_HINT_T1" in int8_kernel.FLAGS or "FASTGEN_PREFETCH_HINT" in os.environ
+    env = dict(os.environ, FASTGEN_PREFETCH_HINT="L1")
+    result = subprocess.run([sys.executable, "-c", "import fairseq_fastgen.ops.int8_kernel"], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == ["FASTGEN_PREFETCH_HINT=L1: one of T0, T1, T2, NTA"]
 
 
 # (out, in): the base model's attention, FFN in and out; a toy model's; shapes that are not whole groups of 64
