@@ -9,8 +9,8 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 students iteration narrow kernel prefetch proposals bs64 beam5 screen clusters relaxed
-# relaxed-compiled varbeam big". CTranslate2 joins when installed.
+# ROWS picks rows by name: "bs1 int8 students iteration narrow kernel prefetch proposals bs64 beam5 screen clusters
+# relaxed relaxed-compiled varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
