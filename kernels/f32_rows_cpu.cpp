@@ -39,10 +39,9 @@
 #if defined(FASTGEN_F32_ROWS)
 #include <immintrin.h>
 
-// The weights' lines are prefetched into the L2 cache (T1), not the L1 (T0): on an AMD Zen 5 a base decoder step at
-// batch 1 ran 10-20% faster so, in float32 and in int8 (benchmarks/model_sizes.sh, row "prefetch").
+// where the weights' next lines are prefetched to: the build's -DFASTGEN_PREFETCH_HINT (int8_kernel.py: the L2 cache)
 #ifndef FASTGEN_PREFETCH_HINT
-#define FASTGEN_PREFETCH_HINT _MM_HINT_T1
+#error "build with -DFASTGEN_PREFETCH_HINT=_MM_HINT_T1 (fairseq_fastgen/ops/int8_kernel.py's FLAGS)"
 #endif
 
 namespace {

@@ -46,8 +46,8 @@ namespace {
 #ifndef FASTGEN_INPUT_LEVELS
 #error "build with -DFASTGEN_INPUT_LEVELS=127 (AVX-512 VNNI) or 63 (AVX2)"
 #endif
-#ifndef FASTGEN_PREFETCH_HINT  // where the weights' next lines go: the L2 cache (as f32_rows_cpu.cpp's)
-#define FASTGEN_PREFETCH_HINT _MM_HINT_T1
+#ifndef FASTGEN_PREFETCH_HINT  // where the weights' next lines are prefetched to (int8_kernel.py: the L2 cache)
+#error "build with -DFASTGEN_PREFETCH_HINT=_MM_HINT_T1 (fairseq_fastgen/ops/int8_kernel.py's FLAGS)"
 #endif
 constexpr int64_t kGroup = 64;                          // output rows a group holds
 constexpr float kLevels = FASTGEN_INPUT_LEVELS;         // input integers in [-kLevels, kLevels]
