@@ -5,8 +5,9 @@
 Stock beam 5 at batch 64 decodes 320 rows a step. At that many rows a base-size step (6 decoder layers, 512 wide,
 FFN 2048, a 32,008-token vocabulary) is bound by multiply-adds, not by reading weights: this prints, on one thread,
 the median milliseconds and GFLOPS of each of the step's products through oneDNN's prepacked kernel (what the
-compiled units call for many rows; large buffers from the heap, as in the decoders), their sum for one step, and the rate of a loop of independent AVX-512
-multiply-adds (a C loop built with ``cc -O3 -march=native``: the most this core does with float32 arithmetic).
+compiled units call for many rows; large buffers from the heap, as in the decoders), their sum for one step, and
+the rate of a loop of independent AVX-512 multiply-adds (a C loop built with ``cc -O3 -march=native``: the most
+this core does with float32 arithmetic).
 The step's attention, softmax, cache reorders and the search come on top of these products.
 """
 
