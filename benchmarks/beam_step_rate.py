@@ -15,10 +15,10 @@ import argparse
 import os
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from onednn_products import median_ms  # (benchmarks/)
 
 from fairseq_fastgen.ops.heap import reuse_large_allocations
 from fairseq_fastgen.ops.onednn_linear import onednn_linear, pack_weight
@@ -53,17 +53,6 @@ def step_products(dim, ffn, layers, vocab):
             ("vocabulary", vocab, dim, 1)]
 
 
-def median_seconds(call, repeat):
-    for _ in range(2):
-        call()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def fma_gflops():
     """The C loop's GFLOPS, or None where it cannot be built (no compiler, no AVX-512)."""
     with tempfile.TemporaryDirectory() as work:
@@ -81,11 +70,11 @@ def fma_gflops():
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=320, help="rows a step (beam x batch)")
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--ffn", type=int, default=2048)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--vocab", type=int, default=32008)
-    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--dim", type=int, default=512, help="model width (base 512, big 1024)")
+    parser.add_argument("--ffn", type=int, default=2048, help="FFN width (base 2048, big 4096)")
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers")
+    parser.add_argument("--vocab", type=int, default=32008, help="vocabulary entries")
+    parser.add_argument("--repeat", type=int, default=9, help="timed calls of each product (after 10 warm-up calls)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -96,7 +85,7 @@ def main():
     for name, out_features, in_features, count in step_products(args.dim, args.ffn, args.layers, args.vocab):
         packed = pack_weight(torch.randn(out_features, in_features) * 0.05)
         x = torch.randn(args.rows, in_features)
-        seconds = median_seconds(lambda: onednn_linear(x, packed, None), args.repeat)
+        seconds = median_ms(lambda: onednn_linear(x, packed, None), args.repeat) / 1e3
         flop = 2.0 * args.rows * in_features * out_features
         total_seconds += count * seconds
         total_flop += count * flop
