@@ -27,8 +27,11 @@ set -euo pipefail
 # started with setsid, as it should be to outlive its terminal, weighs as much as everything else): its group too
 echo 19 2>/dev/null > /proc/self/autogroup || true
 # glibc serves buffers above 32 MiB with fresh pages that fault on first touch: fairseq-train on the CPU spent 40% of
-# its CPU time in the kernel. From the heap (as the plugin's generators take them: fairseq_fastgen/ops/heap.py) 7%.
-export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1073741824} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-2147483647}
+# its CPU time in the kernel. From the heap (as the plugin's generators take them: fairseq_fastgen/ops/heap.py) less,
+# but a base update frees 4-5 GB at the heap's top, which glibc hands back above its trim threshold and faults in
+# again (brk shrinking and growing by GBs each update: 12% of the base's time in the kernel at a 2 GiB threshold);
+# a threshold above the heap's peak (about 10 GB for the base) keeps those pages.
+export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-1073741824} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-68719476736}
 M=${1:-bench_out/multi30k-base}
 BENCH=${2:-bench/base-students}
 PY=.venv/bin/python
