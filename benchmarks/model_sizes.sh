@@ -9,12 +9,12 @@
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
 # cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
-# ROWS picks rows by name: "bs1 int8 students iteration narrow kernel prefetch proposals bs64 beam5 screen clusters
+# ROWS picks rows by name: "bs1 int8 students iteration narrow k8 kernel prefetch proposals bs64 beam5 screen clusters
 # relaxed relaxed-compiled varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
 M=${1:-bench_out/multi30k-base}
 OUT=${2:-bench/sizes}
-ROWS=" ${3:-bs1 int8 students iteration narrow kernel prefetch proposals bs64 beam5 screen clusters relaxed relaxed-compiled varbeam big} "
+ROWS=" ${3:-bs1 int8 students iteration narrow k8 kernel prefetch proposals bs64 beam5 screen clusters relaxed relaxed-compiled varbeam big} "
 BASE=$M/base/checkpoint_best.pt
 KHEAD=${KHEAD:-$M/khead4/checkpoint_last.pt}  # KHEAD=...: another student of the same base
 export FASTGEN_COMPILED_DIR=${FASTGEN_COMPILED_DIR:-$OUT/compiled-steps}
@@ -37,7 +37,8 @@ wanted int8 && row base-blockwise-int8-bs1 --path "$BASE" --khead-path "$KHEAD" 
 # proposals, with and without the screened projection (float32 greedy's tokens), and with --quantize int8 (int8
 # greedy's tokens)
 STUDENTS=${STUDENTS:-k4-frozen-distilled k4-frozen-then-finetuned-distilled-mean k4-frozen-distilled-ffn512
-  k4-frozen-then-finetuned-distilled-mean-ffn512 k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean}
+  k4-frozen-then-finetuned-distilled-mean-ffn512 k8-frozen-distilled-ffn512 k8-frozen-then-finetuned-distilled-mean-ffn512
+  k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean}
 # heads 2..k proposing among the 4,000 tokens most frequent in the training targets (--blockwise-proposal-vocab)
 VOCAB=$M/proposal-vocab4000.txt
 if wanted students; then
@@ -76,6 +77,15 @@ if wanted narrow; then
       --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine compiled \
       --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals --variant "int8=--quantize int8"
   done
+fi
+# k = 8: an untrained narrow student whose block unit verifies 8 positions, 8 rows of the float32 kernel that read
+# each weight once (its heads repeat head 1's token: up to 8 tokens an iteration, outputs capped at 25)
+UNTRAINED_K8=$M/untrained-khead8-ffn512/checkpoint_last.pt
+if wanted k8; then
+  untrained_student "$UNTRAINED_K8" --khead-ffn-dim 512 --block-size 8
+  row untrained-k8-narrow-bs1 --path "$UNTRAINED_K8" --decoders greedy,blockwise --beam 1 --batch-size 1 \
+    --max-len-a 0 --max-len-b 25 --max-sentences 60 --repeat 3 --reference greedy --step-engine compiled \
+    --compiled-freezing --no-ctranslate2 --blockwise-int8-proposals
 fi
 # the kernels' prefetches of the weights into the L2 cache (T1, the default) and into the L1 (T0): the narrow untrained
 # student, float32 and int8, one process a hint, alternating

@@ -15,7 +15,10 @@
 // against 11.3 for an AVX-512 build that read the weight in place, 4 rows side by side, and 12.8 for oneDNN's packed
 // product (4 rows: 8.2-8.6 against 13.7 and 9.5), so both builds run these passes.
 //
-// More than 4 rows: passes of up to 6 rows by 16 outputs, 12 sums in registers, over the weights of 256 outputs at a
+// Up to 8 rows (a block of 8 positions, 2 sentences' blocks of 4) read the weights once, as one row does: 8 rows of
+// a base decoder step's products took 7.5-8.0 ms on an AMD Zen 5 (1.1-1.2x one row) against 14.9-16.1 in the passes
+// of many rows below.
+// More than 8 rows: passes of up to 6 rows by 16 outputs, 12 sums in registers, over the weights of 256 outputs at a
 // time, so that every pass after the first reads them from the cache: a batch's or a beam search's products, faster
 // than torch's (MKL's sgemm) on an AMD Zen 3 and as fast as oneDNN's on a Zen 5 (the compiled engine's
 // --compiled-many-rows kernel, fairseq_fastgen/ops/f32_rows_linear.py).
@@ -56,12 +59,12 @@ void check_inputs(const at::Tensor& x, const at::Tensor& packed) {
 }
 
 constexpr int64_t kLanes = 8;       // outputs of a block of the packed layout: one AVX2 register
-constexpr int64_t kPassRows = 4;    // input rows per pass over the weight
+constexpr int64_t kPassRows = 8;    // input rows of the one pass over the weight of a few rows
 constexpr int64_t kGrainBlocks = 32;  // blocks per thread's share at least (a 512 x 512 weight: 64 blocks)
 
 // blocks of outputs summed together for R input rows: R x B sums, B weights and a broadcast input in the 16 registers
 template <int R>
-constexpr int64_t blocks_for() { return R <= 2 ? 4 : 3; }
+constexpr int64_t blocks_for() { return R <= 2 ? 4 : R <= 4 ? 3 : R <= 6 ? 2 : 1; }
 
 // out[lane] = sum[lane] + bias[lane] for the first ``count`` lanes (8, but at the weight's end)
 inline void store_block(__m256 sum, float* out, const float* bias, int64_t count) {
@@ -177,7 +180,8 @@ void tile_pass(const float* x, int64_t in, const float* w, int64_t out_features,
 }
 
 using Pass = void (*)(const float*, int64_t, const float*, int64_t, const float*, float*, int64_t, int64_t);
-constexpr Pass kPasses[kPassRows] = {rows_pass<1>, rows_pass<2>, rows_pass<3>, rows_pass<4>};
+constexpr Pass kPasses[kPassRows] = {rows_pass<1>, rows_pass<2>, rows_pass<3>, rows_pass<4>,
+                                     rows_pass<5>, rows_pass<6>, rows_pass<7>, rows_pass<8>};
 
 at::Tensor f32_rows_pack(const at::Tensor& weight) {
   check_weight(weight);
