@@ -9,8 +9,9 @@ units read its layout of the weights in place (``shares_constants``): one copy i
 (``f32_rows_pack``, streamed from memory in order) that every unit shares; no copy of the weights per unit.
 
 A unit of more than ``MAX_ROWS`` rows of products keeps oneDNN's (the kernel reads a weight once for up to 8 input
-rows; more take passes over a few outputs' weights at a time).  A row's products are the same bits alone or among others, so a block's verification and a one-position
-step read the same products; their attention is computed apart.
+rows; more take passes over a few outputs' weights at a time).  A row's products are the same bits alone or among
+others, so a block's verification and a one-position step read the same products; their attention is computed
+apart.
 """
 
 from typing import List, Optional
