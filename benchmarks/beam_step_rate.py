@@ -1,23 +1,25 @@
 """How close a beam-search step's products run to this core's multiply-add rate (not part of the product).
 
-    python benchmarks/beam_step_rate.py [--rows 320] [--repeat 9]
+    python benchmarks/beam_step_rate.py [--rows 320] [--steps 9] [--vocab 32000] [--dim 512] [--ffn 2048] [--layers 6]
 
 Stock beam 5 at batch 64 decodes 320 rows a step. At that many rows a base-size step (6 decoder layers, 512 wide,
-FFN 2048, a 32,008-token vocabulary) is bound by multiply-adds, not by reading weights: this prints, on one thread,
-the median milliseconds and GFLOPS of each of the step's products through oneDNN's prepacked kernel (what the
-compiled units call for many rows; large buffers from the heap, as in the decoders), their sum for one step, and
-the rate of a loop of independent AVX-512 multiply-adds (a C loop built with ``cc -O3 -march=native``: the most
-this core does with float32 arithmetic).
+FFN 2048, a 32k-token vocabulary) is bound by multiply-adds, not by reading weights: this prints, on one thread,
+the median milliseconds and GFLOPS of each shape of the step's products (``int8_step_products.step_shapes``: the
+fused query/key/value rows, the attentions' other products, the FFN, the vocabulary) through oneDNN's prepacked
+kernel (what the compiled units call for many rows; large buffers from the heap, as in the decoders), their sum for
+one step, and the rate of a loop of independent AVX-512 multiply-adds (a C loop built with ``cc -O3
+-march=native``: the most this core does with float32 arithmetic).
 The step's attention, softmax, cache reorders and the search come on top of these products.
 """
 
-import argparse
+import collections
 import os
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+from int8_step_products import step_shapes, step_shapes_parser  # (benchmarks/) the same step's shapes
 from onednn_products import median_ms  # (benchmarks/)
 
 from fairseq_fastgen.ops.heap import reuse_large_allocations
@@ -45,14 +47,6 @@ int main(void) {
 """
 
 
-def step_products(dim, ffn, layers, vocab):
-    """(name, out_features, in_features, count) of one decoder step's products: self-attention's q, k, v and output,
-    encoder-decoder attention's q and output (its keys and values are computed once a sentence), the FFN, the
-    vocabulary projection."""
-    return [("attention", dim, dim, 6 * layers), ("fc1", ffn, dim, layers), ("fc2", dim, ffn, layers),
-            ("vocabulary", vocab, dim, 1)]
-
-
 def fma_gflops():
     """The C loop's GFLOPS, or None where it cannot be built (no compiler, no AVX-512)."""
     with tempfile.TemporaryDirectory() as work:
@@ -68,13 +62,8 @@ def fma_gflops():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = step_shapes_parser(__doc__.splitlines()[0], 9)  # --steps: timed calls of each shape (after 10 warm-up)
     parser.add_argument("--rows", type=int, default=320, help="rows a step (beam x batch)")
-    parser.add_argument("--dim", type=int, default=512, help="model width (base 512, big 1024)")
-    parser.add_argument("--ffn", type=int, default=2048, help="FFN width (base 2048, big 4096)")
-    parser.add_argument("--layers", type=int, default=6, help="decoder layers")
-    parser.add_argument("--vocab", type=int, default=32008, help="vocabulary entries")
-    parser.add_argument("--repeat", type=int, default=9, help="timed calls of each product (after 10 warm-up calls)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -82,14 +71,14 @@ def main():
     total_seconds = total_flop = 0.0
     print(f"| product ({args.rows} rows) | ms | GFLOPS | in a step |")
     print("|---|---|---|---|")
-    for name, out_features, in_features, count in step_products(args.dim, args.ffn, args.layers, args.vocab):
+    for (out_features, in_features), count in collections.Counter(step_shapes(args)).items():
         packed = pack_weight(torch.randn(out_features, in_features) * 0.05)
         x = torch.randn(args.rows, in_features)
-        seconds = median_ms(lambda: onednn_linear(x, packed, None), args.repeat) / 1e3
+        seconds = median_ms(lambda: onednn_linear(x, packed, None), args.steps) / 1e3
         flop = 2.0 * args.rows * in_features * out_features
         total_seconds += count * seconds
         total_flop += count * flop
-        print(f"| {name} {out_features}x{in_features} | {1e3 * seconds:.2f} | {flop / seconds / 1e9:.0f} | x{count} |",
+        print(f"| {out_features}x{in_features} | {1e3 * seconds:.2f} | {flop / seconds / 1e9:.0f} | x{count} |",
               flush=True)
     rate = total_flop / total_seconds / 1e9
     print(f"\none step's products: {1e3 * total_seconds:.0f} ms, {total_flop / 1e9:.1f} GFLOP, {rate:.0f} GFLOPS")

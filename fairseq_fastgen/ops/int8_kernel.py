@@ -50,7 +50,7 @@ F32_ROWS_PERMITTED = os.environ.get("FASTGEN_F32_ROWS", "1") != "0"
 INSTRUCTIONS = (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
                 + (["-mamx-tile", "-mamx-int8"] if AMX else [])) if VNNI else ["-mavx2", "-mfma"]
 # the kernels prefetch the weights' next lines into the L2 cache (T1): on an AMD Zen 5 blockwise's block of 4 rows ran
-# 12-25% faster so than with T0 (the L1), in float32 and in int8; FASTGEN_PREFETCH_HINT=T0, T2 or NTA builds them with
+# 12-25% faster than with T0 (the L1), in float32 and in int8; FASTGEN_PREFETCH_HINT=T0, T2 or NTA builds them with
 # another hint, to measure what it changes (benchmarks/model_sizes.sh, row "prefetch")
 PREFETCH_HINT = os.environ.get("FASTGEN_PREFETCH_HINT", "T1")
 if PREFETCH_HINT not in ("T0", "T1", "T2", "NTA"):
