@@ -14,7 +14,7 @@
 #   1. the base transformer (benchmarks/multi30k.py --size base), BLEU of its checkpoint_best.pt in base/bleu.txt;
 #   2. the cluster files of model_sizes.sh's "clusters" rows (1,000 clusters, top 3 and top 20 tokens);
 #   3. the base's beam-5 translations of the training split (fastgen-distill, int8 teacher on the compiled engine);
-#   4. for k = 4, then 8: a frozen-base student on the distilled data, then the same student fine-tuned whole
+#   4. for k = 8, then 4: a frozen-base student on the distilled data, then the same student fine-tuned whole
 #      (the two stages of docs/benchmarks.md, "The students"), first with a k-head layer a quarter as wide
 #      (--khead-ffn-dim 512: an iteration reads 4.2M parameters of it instead of 16.8M; the narrow students gave the
 #      best blockwise figures, and k = 8 is the one that can accept more than 4 tokens an iteration), then the wide;
@@ -74,10 +74,10 @@ students() {
   "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages students --students "k$K-frozen-distilled$suffix" \
     --two-stage "$K-distilled" "$@"
 }
-students 4 --khead-ffn-dim 512
 students 8 --khead-ffn-dim 512
-students 4
+students 4 --khead-ffn-dim 512
 students 8
+students 4
 say "k = 4 frozen student, regular data"
 "$PY" benchmarks/multi30k.py --size base --out "$M" --stop-after khead --khead-k 4 --khead-updates 800
 say "BLEU and accepted blocks"

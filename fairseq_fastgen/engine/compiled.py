@@ -68,7 +68,10 @@ SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple o
 # products): a bucket's compiled step beats the eager step with oneDNN's products at 1 and 2 rows, not from 4 rows
 # (benchmarks/decoder_step_cost.py --compiled-max-rows 1000, and 0)
 COMPILED_MAX_ROWS = 2
-# with --compiled-freezing: the frozen step beats the eager fast form up to 4 rows, not at 8
+# with --compiled-freezing: the frozen step beats the eager fast form up to 4 rows, not at 8. With the kernel's one
+# pass of 8 rows a bucket of 8 took 10.9 ms a step at 8 rows against 14.0 above this (5-6 rows: the same), but beam 5
+# at one sentence (5 rows) then runs padded to 8 instead of its beams' unit: 3.2 against 3.3-3.8 sentences/s
+# (untrained base shapes, Zen 5; benchmarks/decoder_step_cost.py --compiled-max-rows 4 and 8)
 FROZEN_MAX_ROWS = 4
 # on CUDA every row count up to this is padded to a power of two and compiled, its row dimension symbolic (one
 # compilation), each bucket replayed as a CUDA graph: a step of a small model there is bound by its kernel launches,
