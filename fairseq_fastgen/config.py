@@ -84,6 +84,12 @@ class PluginOptions(FairseqDataclass):
                           "multilingual model, from which the file of --source-lang-target-lang is taken, "
                           "else that of --target-lang"},
     )
+    cluster_nearest: int = field(
+        default=1,
+        metadata={"help": "with --cluster-projection: each decoder state takes the active tokens of its N nearest "
+                          "clusters (at most the file's clusters): more outputs the same as without the "
+                          "projection, a wider projection"},
+    )
     cluster_full_normalizer: bool = field(
         default=False,
         metadata={"help": "diagnostic for --cluster-projection: keep its candidate tokens but normalise their "

@@ -136,6 +136,7 @@ GENERATION_OPTIONS = {
     "blockwise_top_k": Check("int", 0),
     "blockwise_epsilon": Check("real", 0, optional=True),
     "blockwise_min_block": Check("int", 1),
+    "cluster_nearest": Check("int", 1),  # at most the cluster file's clusters: checked when it is loaded
 }
 
 

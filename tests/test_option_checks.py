@@ -92,6 +92,7 @@ BAD_GENERATION_OPTIONS = [
     ("blockwise_epsilon", INF, "--blockwise-epsilon must be a finite number >= 0, got inf"),
     ("blockwise_epsilon", -0.5, "--blockwise-epsilon must be a finite number >= 0, got -0.5"),
     ("blockwise_min_block", 0, "--blockwise-min-block must be an integer >= 1, got 0"),
+    ("cluster_nearest", 0, "--cluster-nearest must be an integer >= 1, got 0"),
     ("stream_eps", NAN, "--stream-eps must be a finite number in [0, 1], got nan"),
     ("stream_eps", 1.5, "--stream-eps must be a finite number in [0, 1], got 1.5"),
     ("stream_capacity", 0, "--stream-capacity must be an integer >= 1, got 0"),

@@ -12,10 +12,10 @@ from fairseq_fastgen.config import PluginOptions
 
 def projection_requested(options: PluginOptions) -> bool:
     """Whether the generation options replace the decoder's projection (``--cluster-projection``,
-    ``--screened-projection``, ``--time-projection``; ``--cluster-full-normalizer`` too, so that without a file it
-    is refused)."""
+    ``--screened-projection``, ``--time-projection``; ``--cluster-full-normalizer`` and ``--cluster-nearest`` too, so
+    that without a file they are refused)."""
     return any((options.cluster_projection, options.time_projection, options.cluster_full_normalizer,
-                options.screened_projection))
+                options.screened_projection, options.cluster_nearest != 1))
 
 
 def projection_from_options(options: PluginOptions, temperature: Optional[float], model,
@@ -35,7 +35,10 @@ def projection_from_options(options: PluginOptions, temperature: Optional[float]
     if path:
         temperature = temperature or 1.0
         return load_projection(path, model, FullNormalizer(model.decoder.dictionary.pad(), temperature)
-                               if full_normalizer else None, direction)
+                               if full_normalizer else None, direction, options.cluster_nearest)
+    if options.cluster_nearest != 1:
+        raise ValueError(f"--cluster-nearest {options.cluster_nearest} chooses among the clusters of a file; "
+                         "give it one with --cluster-projection FILE")
     if full_normalizer:
         raise ValueError("--cluster-full-normalizer changes how --cluster-projection normalises; "
                          "give it a cluster file with --cluster-projection FILE")

@@ -116,10 +116,13 @@ class TimedFullProjection:
 class ClusterProjection(TimedFullProjection):
     """``projection(features (rows, n, hidden), decoder) -> logits (rows, n, vocab)``, on the clusters' tokens."""
 
-    def __init__(self, cluster_file: ClusterFile, full_normalizer: Optional["FullNormalizer"] = None):
-        """``full_normalizer``: ``--cluster-full-normalizer``'s, or None (the softmax over the union)."""
+    def __init__(self, cluster_file: ClusterFile, full_normalizer: Optional["FullNormalizer"] = None,
+                 nearest: int = 1):
+        """``full_normalizer``: ``--cluster-full-normalizer``'s, or None (the softmax over the union); ``nearest``:
+        the clusters each state takes the tokens of (``--cluster-nearest``)."""
         super().__init__()
         self.cluster_file = cluster_file
+        self.nearest = nearest
         self.vocab_size = cluster_file.fingerprint.vocab_size
         self.full_normalizer = full_normalizer
         self._tensors_by_device = {}
@@ -129,10 +132,10 @@ class ClusterProjection(TimedFullProjection):
         states = features.reshape(-1, features.size(-1))  # (rows * n, hidden)
         if attached_to(linear):  # --onednn-linear: the distances through oneDNN too, as -2 C h + ||C||^2
             distances = linear_like(linear, states.float(), on_device.minus_twice_centroids, on_device.sqnorms)
-            clusters = distances.argmin(dim=1)  # (rows * n,)
+            clusters = smallest(distances, self.nearest)  # (rows * n,) or (rows * n, nearest)
         else:
-            clusters = nearest_clusters(states, on_device.centroids, on_device.sqnorms)  # (rows * n,)
-        mask, columns = cluster_union_mask(clusters, on_device.active_sets, self.vocab_size)  # (vocab,), (active,)
+            clusters = nearest_clusters(states, on_device.centroids, on_device.sqnorms, self.nearest)
+        mask, columns = cluster_union_mask(clusters.reshape(-1), on_device.active_sets, self.vocab_size)  # (vocab,), (active,)
         logits = project_onto_columns(features, linear, mask, columns)  # (rows, n, vocab)
         if self.full_normalizer is not None and columns.numel() < self.vocab_size:
             self.full_normalizer.put_outside_mass(logits, features, linear, mask)
@@ -178,14 +181,23 @@ class FullNormalizer:
         logits[..., self.pad] = scaled.logsumexp(dim=-1).mul_(self.temperature)
 
 
-def nearest_clusters(states: Tensor, centroids: Tensor, centroid_sqnorms: Tensor) -> Tensor:
-    """Index of the nearest centroid of every state: argmin_c ||C_c||^2 - 2 h.C_c.
+def nearest_clusters(states: Tensor, centroids: Tensor, centroid_sqnorms: Tensor, count: int = 1) -> Tensor:
+    """Index of the nearest centroid of every state: argmin_c ||C_c||^2 - 2 h.C_c (its ``count`` nearest).
 
     states (n, hidden) any float dtype, centroids (clusters, hidden) float32,
-    centroid_sqnorms (clusters,). Returns (n,) long. Distances in float32.
+    centroid_sqnorms (clusters,). Returns (n,) long, or (n, count) nearest first
+    where ``count`` > 1. Distances in float32.
     """
     scores = torch.addmm(centroid_sqnorms, states.float(), centroids.t(), alpha=-2)  # (n, clusters)
-    return scores.argmin(dim=1)
+    return smallest(scores, count)
+
+
+def smallest(distances: Tensor, count: int) -> Tensor:
+    """(n,) the column of each row's smallest entry of ``distances`` (n, clusters); where ``count`` > 1,
+    (n, count) the columns of its ``count`` smallest, smallest first."""
+    if count == 1:
+        return distances.argmin(dim=1)
+    return distances.topk(count, dim=1, largest=False).indices
 
 
 def project_onto_columns(features: Tensor, linear: torch.nn.Linear, mask: Tensor, columns: Tensor) -> Tensor:
@@ -229,11 +241,12 @@ def padded_width(active: int, vocab_size: int) -> int:
 
 
 def load_projection(path, model, full_normalizer: Optional[FullNormalizer] = None,
-                    direction: Optional[Direction] = None) -> ClusterProjection:
+                    direction: Optional[Direction] = None, nearest: int = 1) -> ClusterProjection:
     """Read ``path`` (a cluster file, or a directory of them: the file of ``direction``, the run's
     (source, target) languages), check it against ``model``'s vocabulary projection and against
     ``direction``, and return the projection (normalising over the whole vocabulary with
-    ``full_normalizer``, ``--cluster-full-normalizer``).
+    ``full_normalizer``, ``--cluster-full-normalizer``; each state on its ``nearest`` clusters,
+    ``--cluster-nearest``).
 
     Raises ClusterFileError for a missing, truncated, corrupted or inconsistent
     file, one made for another model, or one of another direction or target language.
@@ -252,7 +265,10 @@ def load_projection(path, model, full_normalizer: Optional[FullNormalizer] = Non
         cluster_file.validate(eos=eos)
     except ClusterFileError as error:
         raise ClusterFileError(f"{path}: {error}") from error
-    return ClusterProjection(cluster_file, full_normalizer)
+    clusters = cluster_file.centroids.size(0)
+    if nearest > clusters:
+        raise ClusterFileError(f"--cluster-nearest {nearest}: {path} has {clusters} clusters")
+    return ClusterProjection(cluster_file, full_normalizer, nearest)
 
 
 class ProjectionCounters(GenerationCounters):

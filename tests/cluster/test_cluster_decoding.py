@@ -197,6 +197,39 @@ def test_greedy_picks_the_best_token_of_its_cluster(toy, model, trained_cluster_
             assert token == int(best), (sentence_id, position)
 
 
+def test_greedy_with_two_nearest_clusters_picks_the_best_token_of_their_union(toy, model, trained_cluster_path):
+    """--cluster-nearest 2 at batch size 1: every greedy token is the argmax of the full logits over the union of
+    the active sets of the state's two nearest centroids (distances computed here, not by the plugin), and the
+    projection is wider than with the nearest cluster alone."""
+    _, narrow = decode(toy.task, model, "greedy", 1, batch_size=1, cluster_projection=str(trained_cluster_path))
+    results, projection = decode(toy.task, model, "greedy", 1, batch_size=1,
+                                 cluster_projection=str(trained_cluster_path), cluster_nearest=2)
+    assert projection.nearest == 2
+    widths = [p.statistics.as_dict()["projection_active_fraction_mean"] for p in (narrow, projection)]
+    assert widths[0] < widths[1] < 1.0
+    cluster_file = ClusterFile.load(trained_cluster_path)
+    for sentence_id, hypothesis in results.items():
+        tokens = hypothesis["tokens"]  # (length,) ending in eos
+        states, logits = teacher_forced(model, toy.task, sentence_id, tokens)
+        distances = torch.cdist(states.double(), cluster_file.centroids.double())  # (length, clusters)
+        two_nearest = distances.argsort(dim=1)[:, :2]  # (length, 2)
+        if tokens.numel() >= model.max_decoder_positions() - 1:
+            tokens = tokens[:-1]  # eos forced at the length limit
+        for position, token in enumerate(tokens.tolist()):
+            allowed = torch.cat([cluster_file.cluster_tokens(c) for c in two_nearest[position].tolist()]).unique()
+            assert token in allowed.tolist(), (sentence_id, position)
+            assert token == int(allowed[logits[position, allowed].argmax()]), (sentence_id, position)
+
+
+def test_cluster_nearest_beyond_the_files_clusters_or_without_a_file_is_refused(toy, model, trained_cluster_path):
+    clusters = ClusterFile.load(trained_cluster_path).centroids.size(0)
+    with pytest.raises(ClusterFileError, match=f"--cluster-nearest {clusters + 1}: .* has {clusters} clusters"):
+        decode(toy.task, model, "greedy", 1, cluster_projection=str(trained_cluster_path),
+               cluster_nearest=clusters + 1)
+    with pytest.raises(ValueError, match="--cluster-nearest 2 chooses among the clusters of a file"):
+        decode(toy.task, model, "greedy", 1, cluster_nearest=2)
+
+
 def test_full_normalizer_keeps_the_tokens_and_scores_them_with_the_full_softmax(toy, model, trained_cluster_path):
     """--cluster-full-normalizer: the same greedy tokens as the cluster projection alone
     (a row's shift does not move its argmax), each scored by the full vocabulary's
