@@ -158,19 +158,25 @@ wanted screen && row base-screen-bs64 --path "$BASE" --decoders greedy --beam 1 
 wanted screen && row base-screen-beam5 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 300 \
   --repeat 3 --step-engine compiled --variant "screen=$SCREEN" --variant "frozen-screen=--compiled-freezing $SCREEN"
 # the cluster-projected vocabulary: 1,000 clusters of 100,000 decoder states of train, teacher-forced, each cluster's
-# active set the top 3 (fastgen-train-clusters' default) and the top 20 tokens of its member states; each row beside
-# the same decoder without it (--reference self)
+# active set the top 3 (fastgen-train-clusters' default) and the top 20 tokens of its member states, each state on its
+# nearest cluster and (n2, n3) on its 2 or 3 nearest (--cluster-nearest); each row beside the same decoder on the same
+# engine without it (--reference self): greedy at batch 1 on the default engine's units, stock beam 5 at batch 64 on
+# the compiled engine, and there --cluster-full-normalizer (the file's tokens, the whole vocabulary's softmax: which
+# outputs change because of the normaliser alone)
 if wanted clusters; then
   for TOP in 3 20; do
     FILE=$M/clusters1000k$TOP.pt
     [ -f "$FILE" ] || .venv/bin/fastgen-train-clusters "$M/bin" --path "$BASE" --output "$FILE" --num-clusters 1000 \
       --top-k $TOP --max-states 100000 --cpu > "$OUT/clusters-k$TOP.log" 2>&1 || tail -5 "$OUT/clusters-k$TOP.log"
   done
-  CP=(--variant "k3=--cluster-projection $M/clusters1000k3.pt" --variant "k20=--cluster-projection $M/clusters1000k20.pt")
-  row base-clusters-bs1 --path "$BASE" --decoders greedy --beam 1 --batch-size 1 --max-sentences 50 --repeat 2 \
-    --reference self --step-engine static --no-ctranslate2 "${CP[@]}"
+  K3=$M/clusters1000k3.pt K20=$M/clusters1000k20.pt
+  CP=(--variant "k3=--cluster-projection $K3" --variant "k3n3=--cluster-projection $K3 --cluster-nearest 3"
+      --variant "k20=--cluster-projection $K20" --variant "k20n2=--cluster-projection $K20 --cluster-nearest 2")
+  row base-clusters-bs1 --path "$BASE" --decoders greedy --beam 1 --batch-size 1 --max-sentences 100 --repeat 2 \
+    --reference self --step-engine compiled --compiled-freezing --no-ctranslate2 "${CP[@]}"
   row base-clusters-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 192 \
-    --repeat 2 --reference self --step-engine fairseq --no-ctranslate2 "${CP[@]}"
+    --repeat 2 --reference self --step-engine compiled --no-ctranslate2 "${CP[@]}" \
+    --variant "k20full=--cluster-projection $K20 --cluster-full-normalizer"
 fi
 # variable-width beams (var-batch) and their stream (var-stream, var-batch's outputs) beside stock beam search at
 # beam 5 and 20, batch 64

@@ -28,6 +28,9 @@ def projection_from_options(options: PluginOptions, temperature: Optional[float]
     fairseq's ``--temperature``, which ``--cluster-full-normalizer`` divides by too."""
     if not projection_requested(options):
         return None
+    if options.cluster_nearest != 1 and not options.cluster_projection:
+        raise ValueError(f"--cluster-nearest {options.cluster_nearest} chooses among the clusters of a file; "
+                         "give it one with --cluster-projection FILE")
     if options.screened_projection:
         return screened_projection(model, certified_top, options)
     path = options.cluster_projection
@@ -36,9 +39,6 @@ def projection_from_options(options: PluginOptions, temperature: Optional[float]
         temperature = temperature or 1.0
         return load_projection(path, model, FullNormalizer(model.decoder.dictionary.pad(), temperature)
                                if full_normalizer else None, direction, options.cluster_nearest)
-    if options.cluster_nearest != 1:
-        raise ValueError(f"--cluster-nearest {options.cluster_nearest} chooses among the clusters of a file; "
-                         "give it one with --cluster-projection FILE")
     if full_normalizer:
         raise ValueError("--cluster-full-normalizer changes how --cluster-projection normalises; "
                          "give it a cluster file with --cluster-projection FILE")
