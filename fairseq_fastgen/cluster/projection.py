@@ -135,7 +135,8 @@ class ClusterProjection(TimedFullProjection):
             clusters = smallest(distances, self.nearest)  # (rows * n,) or (rows * n, nearest)
         else:
             clusters = nearest_clusters(states, on_device.centroids, on_device.sqnorms, self.nearest)
-        mask, columns = cluster_union_mask(clusters.reshape(-1), on_device.active_sets, self.vocab_size)  # (vocab,), (active,)
+        # (vocab,), (active,)
+        mask, columns = cluster_union_mask(clusters.reshape(-1), on_device.active_sets, self.vocab_size)
         logits = project_onto_columns(features, linear, mask, columns)  # (rows, n, vocab)
         if self.full_normalizer is not None and columns.numel() < self.vocab_size:
             self.full_normalizer.put_outside_mass(logits, features, linear, mask)
