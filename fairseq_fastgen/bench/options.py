@@ -270,6 +270,8 @@ def run_config(cfg, config: BenchConfig, cluster_projection: Optional[str], vari
     run_cfg.generation.decoder = config.decoder
     if config.cluster_projection:  # otherwise the common options (None) or the variant's own file
         run_cfg.generation.cluster_projection = cluster_projection
+    elif cluster_projection and not run_cfg.generation.cluster_projection:  # the decoder without the common file:
+        run_cfg.generation.cluster_nearest = 1  # nor its --cluster-nearest
     if time_projection and not run_cfg.generation.cluster_projection:
         run_cfg.generation.time_projection = True
     entry = DECODERS.get(config.decoder)

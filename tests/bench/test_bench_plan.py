@@ -110,6 +110,18 @@ def test_run_config_sets_the_configuration_without_touching_the_shared_one():
     assert (cfg.generation.beam, cfg.generation.decoder, cfg.dataset.batch_size) == (5, "beam", None)
 
 
+def test_the_configuration_without_the_common_cluster_file_drops_its_cluster_nearest():
+    """fastgen-bench --cluster-projection FILE --cluster-nearest 2: the configuration beside it without the file
+    decodes without --cluster-nearest (refused without a file), the one with it keeps it."""
+    cfg = shared_config()
+    cfg.generation.cluster_nearest = 2
+    plain = options.run_config(cfg, BenchConfig("greedy", 1, 16, None), "c.pt")
+    projected = options.run_config(cfg, BenchConfig("greedy", 1, 16, None, cluster_projection=True), "c.pt")
+    assert (plain.generation.cluster_projection, plain.generation.cluster_nearest) == (None, 1)
+    assert (projected.generation.cluster_projection, projected.generation.cluster_nearest) == ("c.pt", 2)
+    assert cfg.generation.cluster_nearest == 2
+
+
 def test_a_variant_brings_its_own_generation_options():
     cfg = shared_config()
     variant_generation = SimpleNamespace(beam=5, decoder="beam", cluster_projection="c16.pt", max_len_b=3,
