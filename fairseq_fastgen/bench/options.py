@@ -250,6 +250,10 @@ def decodes_with_khead(config: BenchConfig, bench) -> bool:
     return bench.khead_path is not None and config.decoder in KHEAD_DECODERS
 
 
+# generation options that only mean something with a cluster file (refused without one), at their defaults
+CLUSTER_FILE_OPTIONS = {"cluster_nearest": 1, "cluster_full_normalizer": False}
+
+
 def run_config(cfg, config: BenchConfig, cluster_projection: Optional[str], variants: Optional[Dict] = None,
                time_projection: bool = False):
     """fairseq's config for one configuration: its options, beam, batching, decoder and projection.
@@ -271,7 +275,8 @@ def run_config(cfg, config: BenchConfig, cluster_projection: Optional[str], vari
     if config.cluster_projection:  # otherwise the common options (None) or the variant's own file
         run_cfg.generation.cluster_projection = cluster_projection
     elif cluster_projection and not run_cfg.generation.cluster_projection:  # the decoder without the common file:
-        run_cfg.generation.cluster_nearest = 1  # nor its --cluster-nearest
+        for name, default in CLUSTER_FILE_OPTIONS.items():  # nor the options that only a file reads
+            setattr(run_cfg.generation, name, default)
     if time_projection and not run_cfg.generation.cluster_projection:
         run_cfg.generation.time_projection = True
     entry = DECODERS.get(config.decoder)
