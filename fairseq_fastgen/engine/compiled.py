@@ -9,7 +9,7 @@ A compiled step is read in three files:
 * this runner: the cache laid out as the units read it, and the step's route through them.
 
 A decode meets few shapes: the cache of a state holds its rows padded up to a row bucket (1 or 2 rows,
-up to ``FROZEN_MAX_ROWS`` with --compiled-freezing; the padding rows repeat row 0 and are never read back),
+up to ``frozen_max_rows`` with --compiled-freezing; the padding rows repeat row 0 and are never read back),
 its target positions up to ``POSITION_BUCKET`` times a power of two (``bucket_capacity``) and its source
 positions up to a multiple of ``SOURCE_BUCKET`` (masked).  Above the buckets, on the CPU, one unit compiled
 ahead of time serves every row count (``aot_step.py``: its shapes symbolic, its weights frozen, oneDNN's
@@ -68,15 +68,26 @@ SOURCE_BUCKET = 16  # source positions of the encoder-decoder keys: a multiple o
 # products): a bucket's compiled step beats the eager step with oneDNN's products at 1 and 2 rows, not from 4 rows
 # (benchmarks/decoder_step_cost.py --compiled-max-rows 1000, and 0)
 COMPILED_MAX_ROWS = 2
-# with --compiled-freezing: the frozen step beats the eager fast form up to 4 rows, not at 8. With the kernel's one
-# pass of 8 rows a bucket of 8 took 10.9 ms a step at 8 rows against 14.0 above this (5-6 rows: the same), but beam 5
-# at one sentence (5 rows) then runs padded to 8 instead of its beams' unit: 3.2 against 3.3-3.8 sentences/s
-# (untrained base shapes, Zen 5; benchmarks/decoder_step_cost.py --compiled-max-rows 4 and 8)
-FROZEN_MAX_ROWS = 4
+# with --compiled-freezing, a runner of one row per sentence and one position per row (greedy, the streams, the
+# plugin's own beam searches; not a k-head model's, which verifies blocks): its frozen buckets go up to this. With
+# the kernel's one pass of 8 rows a bucket of 8 took 10.9 ms a step at 8 rows against 14.0 for the step above the
+# buckets (5-6 rows: the same; untrained base shapes, Zen 5; benchmarks/decoder_step_cost.py --compiled-max-rows)
+FROZEN_MAX_ROWS = 8
+# and the other runners up to the smaller of this and FROZEN_MAX_ROWS: fairseq's beam search (its sentences' beams
+# share their encoder-decoder keys), where at 8 beam 5 at one sentence (5 rows) ran padded to 8 instead of its
+# beams' unit, 3.2 against 3.3-3.8 sentences/s; and a k-head model's, whose blocks of 5-8 rows are more product rows
+# than the kernel's one pass
+FROZEN_MAX_ROWS_OTHERS = 4
 # on CUDA every row count up to this is padded to a power of two and compiled, its row dimension symbolic (one
 # compilation), each bucket replayed as a CUDA graph: a step of a small model there is bound by its kernel launches,
 # not by the padding rows
 CUDA_MAX_ROWS = 512
+
+
+def frozen_max_rows(beams: int, blocks: bool) -> int:
+    """The largest frozen row bucket of a runner whose sentences hold ``beams`` rows each (``blocks``: of a k-head
+    model, which verifies blocks of positions)."""
+    return FROZEN_MAX_ROWS if beams == 1 and not blocks else min(FROZEN_MAX_ROWS, FROZEN_MAX_ROWS_OTHERS)
 
 
 def row_bucket(rows: int, max_rows: int) -> int:
@@ -139,7 +150,9 @@ class CompiledRunner(StaticRunner):
         # on the CPU, steps compiled ahead of time and kept on disk (aot_step.py): above max_rows one for every row
         # count, with --compiled-freezing one per row bucket
         packages = on_cpu and onednn_available()
-        max_rows = CUDA_MAX_ROWS if self.on_cuda else FROZEN_MAX_ROWS if self.freezing else COMPILED_MAX_ROWS
+        heads = getattr(model.decoder, "heads", None)
+        max_rows = (CUDA_MAX_ROWS if self.on_cuda else frozen_max_rows(beams, heads is not None) if self.freezing
+                    else COMPILED_MAX_ROWS)
         self.fused_weights = FusedWeightsCache(model.decoder)
         self.fused: Optional[FusedWeights] = None  # of the decode running now (start_cache)
         # the products of the encoder and of the eager step (None: torch's own, on CUDA)
@@ -151,7 +164,6 @@ class CompiledRunner(StaticRunner):
         self.block_width = 1  # positions per row of the widest block step_block ran: shorter ones are padded to it
         # a block unit also computes the log-probabilities of its features: those of head 1 where head 1 is the
         # base output (an identity-first k-head decoder), with the model's own projection
-        heads = getattr(model.decoder, "heads", None)
         self.scores_blocks = projection is None and bool(getattr(heads, "identity_first", False))
         step = PaddedStep(self.decoder_step, temperature, projection is None, self.scores_blocks)
         # on the CPU the encoder runs a unit compiled ahead of time where it can (encoder_pass.py)

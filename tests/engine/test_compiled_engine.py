@@ -383,6 +383,27 @@ def test_frozen_weights_follow_a_weight_change(toy, monkeypatch, freezing, batch
             weight.copy_(original)
 
 
+def test_frozen_buckets_reach_8_rows_for_one_row_a_sentence_and_4_for_beams_sharing_their_keys(toy):
+    """Greedy at batch 8 with --compiled-freezing: its steps of 5-8 rows run the frozen bucket of 8 rows, none the
+    unit for many rows, and give fairseq's tokens; a runner of fairseq's beam search (beams sharing their
+    encoder-decoder keys) keeps its buckets up to 4 rows, its beams' own unit above them."""
+    from fairseq_fastgen.engine.choice import make_runner
+    from tests.engine.test_static_engine import translate_batches
+
+    ids = SENTENCES[:16]
+    generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_freezing=True,
+                              compiled_many_rows="unit")
+    runner = generator.runner
+    if not runner.many_rows_on_cpu:
+        pytest.skip("steps are compiled ahead of time on the CPU with oneDNN only")
+    assert runner.max_rows == 8
+    _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
+    assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
+    assert runner.units.packaged.get(8) is not None and runner.many_rows_step is None
+    beams = make_runner("compiled", toy.models[0], 1.0, None, freezing=True, beams=4)
+    assert beams.max_rows == 4
+
+
 @pytest.mark.parametrize("decoder,beam", [("greedy", 1), ("beam", 4)])
 def test_freezing_without_the_compiled_engine_is_refused(toy, decoder, beam):
     refusal = "--compiled-freezing applies to --step-engine compiled; got --step-engine static"
