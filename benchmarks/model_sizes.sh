@@ -161,8 +161,10 @@ wanted screen && row base-screen-beam5 --path "$BASE" --decoders beam --beam 5 -
 # active set the top 3 (fastgen-train-clusters' default) and the top 20 tokens of its member states, each state on its
 # nearest cluster and (n2, n3) on its 2 or 3 nearest (--cluster-nearest); each row beside the same decoder on the same
 # engine without it (--reference self): greedy at batch 1 on the default engine's units, stock beam 5 at batch 64 on
-# the compiled engine, and there --cluster-full-normalizer (the file's tokens, the whole vocabulary's softmax: which
-# outputs change because of the normaliser alone)
+# the compiled engine, and there --cluster-union-normalizer (the softmax over the active tokens, without the file's
+# estimate of the mass outside them) and --cluster-full-normalizer (the file's tokens, the whole vocabulary's softmax:
+# which outputs change because of the normaliser alone). A file made before the estimate is used as it is (one line
+# says so); remove it to have it made again
 if wanted clusters; then
   for TOP in 3 20; do
     FILE=$M/clusters1000k$TOP.pt
@@ -176,6 +178,7 @@ if wanted clusters; then
     --reference self --step-engine compiled --compiled-freezing --no-ctranslate2 "${CP[@]}"
   row base-clusters-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 192 \
     --repeat 2 --reference self --step-engine compiled --no-ctranslate2 "${CP[@]}" \
+    --variant "k20union=--cluster-projection $K20 --cluster-union-normalizer" \
     --variant "k20full=--cluster-projection $K20 --cluster-full-normalizer"
 fi
 # variable-width beams (var-batch) and their stream (var-stream, var-batch's outputs) beside stock beam search at

@@ -85,7 +85,7 @@ def figure2(args, checkpoint, bin_dir, out):
     """Record each direction's states once, cluster them per scope for every count; keep the chosen files."""
     from fairseq_fastgen.cluster import train
     from fairseq_fastgen.bench.cluster_projection import held_out_states
-    from fairseq_fastgen.cluster.clusterfile import ModelFingerprint
+    from fairseq_fastgen.cluster.clusterfile import ModelFingerprint, output_projection_of
     from fairseq_fastgen.cluster.directory import write_directory
     from fairseq_fastgen.cluster.multilingual import direction_task, target_language_tokens
 
@@ -113,7 +113,8 @@ def figure2(args, checkpoint, bin_dir, out):
             cfg.cluster_scope = scope
             for (source_lang, target_lang), members in train.group_by_scope(list(recordings.values()), scope).items():
                 train.check_enough_states(cfg, members, f" ({scope} {source_lang or '*'}-{target_lang})")
-                cluster_file = train.cluster_file_of(cfg, members, fingerprint, specials, source_lang, target_lang)
+                cluster_file = train.cluster_file_of(cfg, members, fingerprint, specials, source_lang, target_lang,
+                                                     output_projection_of(model.decoder))
                 for member in members:
                     files[(scope, f"{member.source_lang}-{member.target_lang}")] = cluster_file
                 if clusters == args.chosen_clusters:

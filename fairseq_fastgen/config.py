@@ -97,6 +97,13 @@ class PluginOptions(FairseqDataclass):
                           "projection too, so it is not faster); separates the effect of the missing tokens "
                           "from that of the softmax over the active tokens only"},
     )
+    cluster_union_normalizer: bool = field(
+        default=False,
+        metadata={"help": "with --cluster-projection: normalise the probabilities over the active tokens only, "
+                          "as files made before the estimate of the mass outside them do (by default a file that "
+                          "holds that estimate adds it to the softmax's normaliser: more outputs the same as "
+                          "without the projection, at beam search above all)"},
+    )
     time_projection: bool = field(
         default=False,
         metadata={"help": "time the full vocabulary projection of every decoder step and report it with the "

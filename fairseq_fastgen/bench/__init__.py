@@ -29,6 +29,11 @@ each written to a temporary name and renamed.
 
 measures nothing: it plots sentences/s against model size from the results.json
 of runs already made, beside CTranslate2 (size_plot.py).
+
+Where a configuration decodes with a cluster file, each configuration without
+one is timed as it runs by default; its full projection is timed in one more,
+untimed pass of its own (``--time-projection``, which takes the projection out
+of the compiled engine's units), the baseline of the projection speedup.
 """
 
 import contextlib
@@ -36,7 +41,7 @@ import logging
 import platform
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 
@@ -67,18 +72,30 @@ def build_candidate(config, bench, run_cfg, inputs, peer):
     models = inputs.khead_models if options.decodes_with_khead(config, bench) else inputs.models
     generator = inputs.task.build_generator(models, run_cfg.generation)  # refuses a misuse
     if isinstance(peer, ProcessPeer):
-        return peer.candidate(config)
+        return peer.candidate(config, time_projection=bool(getattr(run_cfg.generation, "time_projection", False)))
     return FairseqCandidate(inputs.task, models, generator, run_cfg.generation.prefix_size)
 
 
+class Prepared(NamedTuple):
+    """A configuration ready for its warm-up: fairseq's config, its candidate, and the config of its projection
+    timer (None where its full projection is not timed)."""
+
+    run_cfg: object
+    candidate: object
+    timer_cfg: object = None
+
+
 def prepare_candidate(config, bench, inputs, peer):
-    """(run config, candidate) of a configuration, or its skipped ConfigResult when a peer declines it; a misuse of
+    """The configuration's :class:`Prepared`, or its skipped ConfigResult when a peer declines it; a misuse of
     the plugin raises :class:`UsageError`."""
     with usage_errors():  # a decoder's prepare_cli refuses its options too
-        run_cfg = options.run_config(inputs.cfg, config, bench.cluster_projection, bench.variants,
-                                     time_projection=options.projects_on_clusters(bench))
+        run_cfg = options.run_config(inputs.cfg, config, bench.cluster_projection, bench.variants)
+        timer_cfg = None
+        if options.times_projection_apart(config, bench):
+            timer_cfg = options.run_config(inputs.cfg, config, bench.cluster_projection, bench.variants,
+                                           time_projection=True)
     try:
-        return run_cfg, build_candidate(config, bench, run_cfg, inputs, peer)
+        return Prepared(run_cfg, build_candidate(config, bench, run_cfg, inputs, peer), timer_cfg)
     except UsageError:
         raise
     except ValueError as error:  # CTranslate2 declines this model or these options
@@ -86,18 +103,36 @@ def prepare_candidate(config, bench, inputs, peer):
         return ConfigResult(config, skipped=str(error))
 
 
-def warm_up_configuration(config, run_cfg, candidate, inputs, progress):
-    """The configuration's warm-up pass: a WarmRun, or a skipped ConfigResult when decoding refuses it."""
+def warm_up_configuration(config, prepared: Prepared, bench, inputs, peer, progress):
+    """The configuration's warm-up pass (and its projection timer's pass): a WarmRun, or a skipped ConfigResult
+    when decoding refuses it."""
     progress.start(f"warm-up {config.label}")
+    candidate = prepared.candidate
     try:
-        batches = inputs.batches(run_cfg.dataset) if candidate.reads_batches else []
+        batches = inputs.batches(prepared.run_cfg.dataset) if candidate.reads_batches else []
         result = warm_up(config, candidate, batches, inputs.use_cuda)
     except ValueError as error:  # e.g. the fairseq-generate process of a --whole-process pass failed
         logger.info("%s skipped: %s", config.label, error)
-        progress.update(1 + progress.repeat)
+        progress.update(progress.passes_of(prepared))
         return ConfigResult(config, skipped=str(error))
     progress.update()
+    if prepared.timer_cfg is not None:
+        progress.start(f"projection timing {config.label}")
+        result.statistics.update(time_full_projection(config, prepared.timer_cfg, bench, inputs, peer, batches))
+        progress.update()
     return WarmRun(result, candidate, batches)
+
+
+def time_full_projection(config, timer_cfg, bench, inputs, peer, batches) -> dict:
+    """The ``projection_*`` statistics of one untimed pass of ``config`` with ``--time-projection``: the baseline
+    of the projection speedup, timed apart so that the configuration's own passes run as a user runs them."""
+    try:
+        timer = build_candidate(config, bench, timer_cfg, inputs, peer)
+        timer.decode(batches)
+    except ValueError as error:  # UsageError included: the baseline is then reported without a projection time
+        logger.info("%s: its full projection was not timed: %s", config.label, error)
+        return {}
+    return {name: value for name, value in timer.statistics().items() if name.startswith("projection_")}
 
 
 def run_bench(bench, cfg):
@@ -129,14 +164,14 @@ def measure_all(bench, cfg):
     configs = options.configurations(bench, with_ctranslate2=isinstance(peer, CTranslate2Peer))
     candidates = [prepare_candidate(config, bench, inputs, peer) for config in configs]  # every misuse refused here
     prepared = []
-    with PassCounter(len(configs), bench.repeat, disable=cfg.common.no_progress_bar) as progress:
+    with PassCounter(candidates, bench.repeat, disable=cfg.common.no_progress_bar) as progress:
         try:
             for config, candidate in zip(configs, candidates):
                 if isinstance(candidate, ConfigResult):
-                    progress.update(1 + bench.repeat)
+                    progress.update(progress.passes_of(candidate))
                     prepared.append(candidate)
                 else:
-                    prepared.append(warm_up_configuration(config, *candidate, inputs, progress))
+                    prepared.append(warm_up_configuration(config, candidate, bench, inputs, peer, progress))
             progress.start("timed passes")
             time_interleaved([p for p in prepared if isinstance(p, WarmRun)], bench.repeat, inputs.use_cuda, progress)
         except Stopped as stop:

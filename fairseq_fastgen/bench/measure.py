@@ -155,16 +155,21 @@ class WarmRun:
 
 
 class PassCounter:
-    """The passes of a bench run (per configuration one warm-up and ``repeat`` timed ones): shown by a progress
-    bar on stderr (``disable``: logged as they start instead, as fairseq does with --no-progress-bar), and counted
-    here (a disabled bar counts nothing) for the report of a stopped run."""
+    """The passes of a bench run (per configuration one warm-up, one more where its full projection is timed apart,
+    and ``repeat`` timed ones): shown by a progress bar on stderr (``disable``: logged as they start instead, as
+    fairseq does with --no-progress-bar), and counted here (a disabled bar counts nothing) for the report of a
+    stopped run.  ``prepared``: each configuration's Prepared, or its ConfigResult where it was skipped."""
 
-    def __init__(self, configurations: int, repeat: int, disable: bool):
+    def __init__(self, prepared: list, repeat: int, disable: bool):
         self.repeat = repeat
-        self.total = configurations * (1 + repeat)
+        self.total = sum(self.passes_of(p) for p in prepared)
         self.done = 0
         self.running = None  # what the pass under way belongs to
         self.bar = tqdm(total=self.total, unit="pass", file=sys.stderr, disable=disable)
+
+    def passes_of(self, prepared) -> int:
+        """The passes of one configuration (also of one skipped before its warm-up)."""
+        return 1 + self.repeat + (getattr(prepared, "timer_cfg", None) is not None)
 
     def start(self, what: str):
         self.running = what

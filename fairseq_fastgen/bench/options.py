@@ -111,7 +111,8 @@ def bench_parser() -> argparse.ArgumentParser:
                         help=f"checkpoint of a k-head model for {', '.join(KHEAD_DECODERS)} (same data-bin)")
     parser.add_argument("--cluster-projection", default=None,
                         help="cluster file: every decoder is also measured with the cluster-projected "
-                             "vocabulary (configurations marked /cp)")
+                             "vocabulary (configurations marked /cp); the configurations without a file time "
+                             "their full projection in one more, untimed pass")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=OPTIONS",
                         help="also measure every configuration with these generation options added to the "
                              "common ones, labelled /NAME; repeatable (e.g. --variant 'copies=--no-shared-"
@@ -245,13 +246,20 @@ def has_cluster_file(config: BenchConfig, bench) -> bool:
     return config.cluster_projection or bool(getattr(variant, "cluster_projection", None))
 
 
+def times_projection_apart(config: BenchConfig, bench) -> bool:
+    """Whether a pass of its own times this configuration's full projection: the plugin's decoders (stock beam
+    included) without a cluster file, in a run where another configuration has one."""
+    return (projects_on_clusters(bench) and not has_cluster_file(config, bench)
+            and config.decoder not in (CTRANSLATE2, STOCK_PROCESS))
+
+
 def decodes_with_khead(config: BenchConfig, bench) -> bool:
     """Whether this configuration decodes with the --khead-path model instead of --path."""
     return bench.khead_path is not None and config.decoder in KHEAD_DECODERS
 
 
 # generation options that only mean something with a cluster file (refused without one), at their defaults
-CLUSTER_FILE_OPTIONS = {"cluster_nearest": 1, "cluster_full_normalizer": False}
+CLUSTER_FILE_OPTIONS = {"cluster_nearest": 1, "cluster_full_normalizer": False, "cluster_union_normalizer": False}
 
 
 def run_config(cfg, config: BenchConfig, cluster_projection: Optional[str], variants: Optional[Dict] = None,
@@ -259,8 +267,8 @@ def run_config(cfg, config: BenchConfig, cluster_projection: Optional[str], vari
     """fairseq's config for one configuration: its options, beam, batching, decoder and projection.
 
     With ``time_projection`` a configuration without a cluster file times its full
-    vocabulary projection (``--time-projection``): the baseline of the projection
-    speedup.
+    vocabulary projection (``--time-projection``): the pass that times the baseline
+    of the projection speedup.
 
     A decoder's ``prepare_cli`` hook adjusts it as fairseq-generate would (the
     streaming decoders read whole pools and stream them through the batch size).

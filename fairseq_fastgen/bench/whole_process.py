@@ -65,8 +65,8 @@ def without_option(argv: List[str], name: str) -> List[str]:
     return kept
 
 
-def generate_command(config, bench, stats_path: Optional[str]) -> List[str]:
-    """The fairseq-generate command line of one configuration."""
+def generate_command(config, bench, stats_path: Optional[str], time_projection: bool = False) -> List[str]:
+    """The fairseq-generate command line of one configuration (``time_projection``: its projection timer's)."""
     batching = []
     if config.batch_size is not None:
         batching += ["--batch-size", str(config.batch_size)]
@@ -82,8 +82,8 @@ def generate_command(config, bench, stats_path: Optional[str]) -> List[str]:
         command += shlex.split(bench.variant_argv[config.variant])
     if config.cluster_projection:
         command += ["--cluster-projection", bench.cluster_projection]
-    if options.projects_on_clusters(bench) and not options.has_cluster_file(config, bench):
-        command.append("--time-projection")  # the baseline of the projection speedup, as in-process
+    if time_projection:
+        command.append("--time-projection")  # the baseline of the projection speedup, in a pass of its own
     if options.decodes_with_khead(config, bench):
         command += ["--path", bench.khead_path]  # the last --path wins
     return command
@@ -149,8 +149,8 @@ class ProcessPeer:
         self.bench = bench
         self.work_dir = tempfile.TemporaryDirectory(prefix="fastgen-bench-")
 
-    def candidate(self, config) -> "ProcessCandidate":
-        return ProcessCandidate(config, self.bench, self.work_dir.name)
+    def candidate(self, config, time_projection: bool = False) -> "ProcessCandidate":
+        return ProcessCandidate(config, self.bench, self.work_dir.name, time_projection)
 
 
 class ProcessCandidate(Candidate):
@@ -158,11 +158,12 @@ class ProcessCandidate(Candidate):
 
     reads_batches = False
 
-    def __init__(self, config, bench, work_dir: str):
+    def __init__(self, config, bench, work_dir: str, time_projection: bool = False):
         self.stats_path = None
         if config.decoder != STOCK_PROCESS:
-            self.stats_path = os.path.join(work_dir, config.label.replace("/", "_") + ".stats.json")
-        self.command = generate_command(config, bench, self.stats_path)
+            name = config.label.replace("/", "_") + (".projection" if time_projection else "")
+            self.stats_path = os.path.join(work_dir, name + ".stats.json")
+        self.command = generate_command(config, bench, self.stats_path, time_projection)
         self.env = dict(os.environ)
         if bench.threads is not None:
             self.env.update(OMP_NUM_THREADS=str(bench.threads), MKL_NUM_THREADS=str(bench.threads))

@@ -8,6 +8,10 @@ It holds
 * ``centroids`` (clusters, hidden) float32 and their squared norms (clusters,);
 * the active token set of every cluster in CSR form: cluster ``c`` owns
   ``tokens[offsets[c]:offsets[c + 1]]`` (ascending token ids);
+* where made by this version: each cluster's estimate of the softmax mass outside
+  its active tokens, ``outside_intercepts`` (clusters,) and ``outside_gradients``
+  (clusters, hidden) float32 (``outside_mass.py``; files without them normalise
+  over the active tokens);
 * a fingerprint of the model it was made for (vocabulary size, hidden size,
   SHA-256 of the output projection), the scope and languages it serves
   (scope, source and target language; the source is None for scope ``target``)
@@ -42,6 +46,7 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # version 1 has no scope: it served one direction
 SCOPES = ("direction", "target")
 TENSOR_NAMES = ("centroids", "centroid_sqnorms", "offsets", "tokens")
+ESTIMATE_NAMES = ("outside_intercepts", "outside_gradients")  # optional: files made before the estimate lack them
 
 
 class ClusterFileError(UsageError):
@@ -101,6 +106,12 @@ class ClusterFile:
     target_lang: Optional[str] = None
     training: Dict[str, object] = field(default_factory=dict)  # plain values: how the file was made
     scope: str = "direction"  # "direction": one source and target language; "target": one target language
+    outside_intercepts: Optional[Tensor] = None  # (clusters,) float32: outside_mass.py's estimate, where made
+    outside_gradients: Optional[Tensor] = None  # (clusters, hidden) float32
+
+    @property
+    def has_outside_estimate(self) -> bool:
+        return self.outside_intercepts is not None and self.outside_gradients is not None
 
     @classmethod
     def build(cls, centroids: Tensor, token_lists_or_csr, fingerprint: ModelFingerprint, **metadata):
@@ -144,7 +155,7 @@ class ClusterFile:
             problems.append(f"top_k {self.top_k} is outside [1, vocabulary size {vocab_size}]")
         if self.states and clusters > self.states:
             problems.append(f"{clusters} clusters from only {self.states} states")
-        problems += self._scope_problems()
+        problems += self._scope_problems() + self._estimate_problems()
         if eos is not None and not problems:
             lacking = [c for c in range(clusters) if not self.cluster_tokens(c).eq(eos).any()]
             if lacking:
@@ -158,6 +169,18 @@ class ClusterFile:
         if self.scope == "target" and (self.source_lang is not None or self.target_lang is None):
             return [f"a file of scope target names a target language and no source language, "
                     f"got source {self.source_lang!r}, target {self.target_lang!r}"]
+        return []
+
+    def _estimate_problems(self) -> List[str]:
+        if self.outside_intercepts is None and self.outside_gradients is None:
+            return []
+        clusters, hidden = self.num_clusters, self.fingerprint.hidden_size
+        if not self.has_outside_estimate or self.outside_intercepts.shape != (clusters,) \
+                or self.outside_gradients.shape != (clusters, hidden):
+            return [f"the outside-mass estimate must hold ({clusters},) intercepts and ({clusters}, {hidden}) "
+                    f"gradients"]
+        if not (torch.isfinite(self.outside_intercepts).all() and torch.isfinite(self.outside_gradients).all()):
+            return ["the outside-mass estimate contains inf or nan"]
         return []
 
     def serves(self) -> str:
@@ -209,7 +232,8 @@ class ClusterFile:
     def save(self, path):
         """Write atomically (a temporary file renamed into place)."""
         self.validate()
-        tensors = {name: getattr(self, name).contiguous() for name in TENSOR_NAMES}
+        tensors = {name: getattr(self, name).contiguous() for name in TENSOR_NAMES + ESTIMATE_NAMES
+                   if getattr(self, name) is not None}
         metadata = self.metadata()
         payload = {"metadata": metadata, "tensors": tensors, "checksum": _checksum(metadata, tensors)}
         write_atomically(Path(path), lambda f: torch.save(payload, f))
@@ -237,6 +261,7 @@ class ClusterFile:
             target_lang=metadata["target_lang"],
             training=dict(metadata["training"]),
             scope=metadata.get("scope", "direction"),
+            **{name: tensors[name] for name in ESTIMATE_NAMES if name in tensors},
         )
         if cluster_file.num_clusters != metadata["num_clusters"]:
             raise ClusterFileError(f"cluster file {path}: metadata says {metadata['num_clusters']} clusters, "
@@ -260,7 +285,8 @@ def _unpack(payload, path):
             f"version {FORMAT_VERSION}: rebuild it with fastgen-train-clusters"
         )
     tensors = payload.get("tensors")
-    if not isinstance(tensors, dict) or any(not isinstance(tensors.get(n), Tensor) for n in TENSOR_NAMES):
+    if not isinstance(tensors, dict) or any(not isinstance(tensors.get(n), Tensor) for n in TENSOR_NAMES) or any(
+            not isinstance(tensors[n], Tensor) for n in ESTIMATE_NAMES if n in tensors):
         raise ClusterFileError(f"cluster file {path} lacks some of the tensors {', '.join(TENSOR_NAMES)}")
     if payload.get("checksum") != _checksum(metadata, tensors):
         raise ClusterFileError(f"cluster file {path} is corrupted (checksum mismatch)")
@@ -269,7 +295,7 @@ def _unpack(payload, path):
 
 def _checksum(metadata, tensors) -> str:
     digest = hashlib.sha256(json.dumps(metadata, sort_keys=True).encode())
-    for name in TENSOR_NAMES:
+    for name in TENSOR_NAMES + tuple(name for name in ESTIMATE_NAMES if name in tensors):
         tensor = tensors[name]
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
         digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, output_projection_of
 from fairseq_fastgen.cluster.directory import Direction, load_for_direction
+from fairseq_fastgen.cluster.outside_mass import EstimatedNormalizer
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets, cluster_union_mask
 from fairseq_fastgen.ops.onednn_linear import attached_to, linear_like
 from fairseq_fastgen.counters import GenerationCounters
@@ -116,15 +117,15 @@ class TimedFullProjection:
 class ClusterProjection(TimedFullProjection):
     """``projection(features (rows, n, hidden), decoder) -> logits (rows, n, vocab)``, on the clusters' tokens."""
 
-    def __init__(self, cluster_file: ClusterFile, full_normalizer: Optional["FullNormalizer"] = None,
-                 nearest: int = 1):
-        """``full_normalizer``: ``--cluster-full-normalizer``'s, or None (the softmax over the union); ``nearest``:
-        the clusters each state takes the tokens of (``--cluster-nearest``)."""
+    def __init__(self, cluster_file: ClusterFile, normalizer=None, nearest: int = 1):
+        """``normalizer``: what puts the mass outside the union into the pad column, ``--cluster-full-normalizer``'s
+        FullNormalizer or the file's EstimatedNormalizer (``outside_mass.py``), or None (the softmax over the union);
+        ``nearest``: the clusters each state takes the tokens of (``--cluster-nearest``)."""
         super().__init__()
         self.cluster_file = cluster_file
         self.nearest = nearest
         self.vocab_size = cluster_file.fingerprint.vocab_size
-        self.full_normalizer = full_normalizer
+        self.normalizer = normalizer
         self._tensors_by_device = {}
 
     def project(self, features: Tensor, linear: torch.nn.Linear):
@@ -138,8 +139,9 @@ class ClusterProjection(TimedFullProjection):
         # (vocab,), (active,)
         mask, columns = cluster_union_mask(clusters.reshape(-1), on_device.active_sets, self.vocab_size)
         logits = project_onto_columns(features, linear, mask, columns)  # (rows, n, vocab)
-        if self.full_normalizer is not None and columns.numel() < self.vocab_size:
-            self.full_normalizer.put_outside_mass(logits, features, linear, mask)
+        if self.normalizer is not None and columns.numel() < self.vocab_size:
+            nearest = clusters if clusters.dim() == 1 else clusters[:, 0]  # (rows * n,) each state's nearest
+            self.normalizer.put_outside_mass(logits, features, linear, mask, nearest)
         return logits, columns.numel()
 
     def _tensors_on(self, device) -> "ClusterTensors":
@@ -173,8 +175,9 @@ class FullNormalizer:
     def __init__(self, pad: int, temperature: float = 1.0):
         self.pad, self.temperature = pad, temperature
 
-    def put_outside_mass(self, logits: Tensor, features: Tensor, linear: torch.nn.Linear, mask: Tensor):
-        """logits (rows, n, vocab) edited in place; mask (vocab,) true on the union."""
+    def put_outside_mass(self, logits: Tensor, features: Tensor, linear: torch.nn.Linear, mask: Tensor,
+                         clusters: Tensor = None):
+        """logits (rows, n, vocab) edited in place; mask (vocab,) true on the union (``clusters``: unused)."""
         kept = mask.clone()  # (vocab,) the union's candidates; pad's own mass joins the outside
         kept[self.pad] = False
         full = linear(features.reshape(-1, features.size(-1))).view_as(logits)  # (rows, n, vocab)
@@ -241,13 +244,14 @@ def padded_width(active: int, vocab_size: int) -> int:
     return min(vocab_size, -(-active // step) * step)
 
 
-def load_projection(path, model, full_normalizer: Optional[FullNormalizer] = None,
-                    direction: Optional[Direction] = None, nearest: int = 1) -> ClusterProjection:
+def load_projection(path, model, normalizer: str = "estimate", direction: Optional[Direction] = None,
+                    nearest: int = 1, temperature: float = 1.0) -> ClusterProjection:
     """Read ``path`` (a cluster file, or a directory of them: the file of ``direction``, the run's
     (source, target) languages), check it against ``model``'s vocabulary projection and against
-    ``direction``, and return the projection (normalising over the whole vocabulary with
-    ``full_normalizer``, ``--cluster-full-normalizer``; each state on its ``nearest`` clusters,
-    ``--cluster-nearest``).
+    ``direction``, and return the projection: each state on its ``nearest`` clusters (``--cluster-nearest``),
+    normalised as ``normalizer`` says: "estimate" (the default: the file's estimate of the mass outside the
+    union, where it holds one and ``temperature`` is 1, else over the union), "union"
+    (``--cluster-union-normalizer``) or "full" (``--cluster-full-normalizer``, over the whole vocabulary).
 
     Raises ClusterFileError for a missing, truncated, corrupted or inconsistent
     file, one made for another model, or one of another direction or target language.
@@ -269,7 +273,26 @@ def load_projection(path, model, full_normalizer: Optional[FullNormalizer] = Non
     clusters = cluster_file.centroids.size(0)
     if nearest > clusters:
         raise ClusterFileError(f"--cluster-nearest {nearest}: {path} has {clusters} clusters")
-    return ClusterProjection(cluster_file, full_normalizer, nearest)
+    return ClusterProjection(cluster_file, normalizer_of(normalizer, cluster_file, decoder, temperature, path), nearest)
+
+
+def normalizer_of(normalizer: str, cluster_file: ClusterFile, decoder, temperature: float, path):
+    """The projection's normaliser (``load_projection``'s ``normalizer``): a FullNormalizer, an
+    EstimatedNormalizer, or None (over the union), with one line where the estimate cannot serve."""
+    pad = decoder.dictionary.pad()
+    if normalizer == "full":
+        return FullNormalizer(pad, temperature)
+    if normalizer == "union":
+        return None
+    if not cluster_file.has_outside_estimate:
+        logger.info("--cluster-projection: %s holds no estimate of the mass outside its tokens (made before "
+                    "fastgen-train-clusters fitted one): the softmax is over the active tokens", path)
+        return None
+    if temperature != 1.0:
+        logger.info("--cluster-projection: the estimate of the mass outside the active tokens is of temperature "
+                    "1; at --temperature %g the softmax is over the active tokens", temperature)
+        return None
+    return EstimatedNormalizer(cluster_file.outside_intercepts, cluster_file.outside_gradients, pad)
 
 
 class ProjectionCounters(GenerationCounters):

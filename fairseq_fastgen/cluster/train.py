@@ -21,7 +21,10 @@ writes a directory too when ``--output`` is an existing directory.
    dictionary's special symbols except pad (which fairseq bans anyway).
    A multilingual model's clusters also keep the target language token the
    decoder is forced to start with.
-4. Writes the file (format: :mod:`fairseq_fastgen.cluster.clusterfile`),
+4. Fits each cluster's estimate of the softmax mass outside its active tokens
+   (:mod:`fairseq_fastgen.cluster.outside_mass`), the default normaliser of
+   decoding with the file.
+5. Writes the file (format: :mod:`fairseq_fastgen.cluster.clusterfile`),
    to a temporary name renamed into place; a directory's index last.
 """
 
@@ -43,11 +46,12 @@ from fairseq.data import data_utils
 from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.dataclass.utils import gen_parser_from_dataclass
 
-from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
+from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint, output_projection_of
 from fairseq_fastgen.cluster.directory import write_directory
 from fairseq_fastgen.cluster.multilingual import (
     direction_task, is_multilingual, model_directions, target_language_tokens,
 )
+from fairseq_fastgen.cluster.outside_mass import fit_outside_mass
 from fairseq_fastgen.cluster.projection import nearest_clusters
 from fairseq_fastgen.option_checks import exit_on_usage_error
 from fairseq_fastgen.ops.cluster_union import ClusterActiveSets
@@ -162,10 +166,12 @@ def train_clusters(cfg: ClusterTrainingConfig) -> List[ClusterFile]:
         check_enough_states(cfg, members, f" ({cfg.cluster_scope} {source_lang or '*'}-{target_lang})"
                             if as_directory else "")
     specials = special_tokens(task.target_dictionary)
+    projection = output_projection_of(model.decoder)
     cluster_files = []
     for (source_lang, target_lang), members in groups.items():
         extra = target_language_tokens(task, target_lang) if multilingual else []
-        cluster_files.append(cluster_file_of(cfg, members, fingerprint, specials + extra, source_lang, target_lang))
+        cluster_files.append(cluster_file_of(cfg, members, fingerprint, specials + extra, source_lang, target_lang,
+                                             projection))
     if as_directory:
         paths = write_directory(output, cluster_files)
     else:
@@ -213,18 +219,26 @@ def check_enough_states(cfg: ClusterTrainingConfig, recordings: List[Recording],
 
 
 def cluster_file_of(cfg: ClusterTrainingConfig, recordings: List[Recording], fingerprint: ModelFingerprint,
-                    specials, source_lang: Optional[str], target_lang: Optional[str]) -> ClusterFile:
-    """k-means over the recordings' states pooled, and the clusters' active sets."""
+                    specials, source_lang: Optional[str], target_lang: Optional[str], projection) -> ClusterFile:
+    """k-means over the recordings' states pooled, the clusters' active sets, and their estimates of the mass
+    outside them (``projection``: the decoder's output projection)."""
     states = np.ascontiguousarray(np.concatenate([r.states for r in recordings]))  # (states, hidden)
     top_tokens = np.concatenate([r.top_tokens for r in recordings])  # (states, K)
     centroids = kmeans_centroids(states, cfg)
-    active_sets = cluster_active_sets(states, top_tokens, centroids, specials, fingerprint.vocab_size)
+    assignment = assign_states(torch.from_numpy(states), centroids)  # (states,)
+    active_sets = cluster_active_sets(states, top_tokens, centroids, specials, fingerprint.vocab_size, assignment)
+    logger.info("estimating the mass outside each cluster's %d tokens on average",
+                active_sets.tokens.numel() // centroids.size(0))
+    intercepts, gradients = fit_outside_mass(torch.from_numpy(states), assignment, centroids, active_sets,
+                                             projection.weight.detach().cpu(), None if projection.bias is None
+                                             else projection.bias.detach().cpu())
     return ClusterFile.build(
         centroids, active_sets, fingerprint, top_k=cfg.top_k, states=int(states.shape[0]),
         source_lang=source_lang, target_lang=target_lang, scope=cfg.cluster_scope,
         training={"checkpoint": cfg.path, "split": cfg.split, "source_only": cfg.source_only,
                   "iterations": cfg.iterations, "seed": cfg.seed,
                   "directions": [f"{r.source_lang}-{r.target_lang}" for r in recordings]},
+        outside_intercepts=intercepts, outside_gradients=gradients,
     )
 
 
@@ -317,19 +331,25 @@ def special_tokens(dictionary):
     return [index for index in range(dictionary.nspecial) if index != dictionary.pad()]
 
 
+def assign_states(states: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """(states,) each state's nearest cluster, by the rule decoding uses; states (states, hidden)."""
+    sqnorms = centroids.pow(2).sum(dim=1)
+    return torch.cat([nearest_clusters(states[i: i + ASSIGNMENT_CHUNK], centroids, sqnorms)
+                      for i in range(0, states.size(0), ASSIGNMENT_CHUNK)])
+
+
 def cluster_active_sets(states: np.ndarray, top_tokens: np.ndarray, centroids: torch.Tensor, specials,
-                        vocab_size: int) -> ClusterActiveSets:
+                        vocab_size: int, assignment: Optional[torch.Tensor] = None) -> ClusterActiveSets:
     """Per cluster: the union of its members' top-K tokens and ``specials``.
 
-    Members are assigned with the same nearest-centroid rule as decoding uses.
-    A cluster left without members takes the top-K tokens of its nearest state.
+    Members are assigned with the same nearest-centroid rule as decoding uses
+    (``assignment``, where given). A cluster left without members takes the
+    top-K tokens of its nearest state.
     """
-    sqnorms = centroids.pow(2).sum(dim=1)
     states_t = torch.from_numpy(states)
-    assignment = torch.cat([
-        nearest_clusters(states_t[i: i + ASSIGNMENT_CHUNK], centroids, sqnorms)
-        for i in range(0, states.shape[0], ASSIGNMENT_CHUNK)
-    ]).numpy()  # (states,)
+    if assignment is None:
+        assignment = assign_states(states_t, centroids)
+    assignment = assignment.numpy()  # (states,)
     clusters = centroids.size(0)
     top_tokens = top_tokens.copy()
     empty = np.flatnonzero(np.bincount(assignment, minlength=clusters) == 0)

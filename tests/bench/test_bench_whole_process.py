@@ -35,7 +35,9 @@ def test_generate_commands_carry_the_configuration_and_stock_runs_without_the_pl
     for name, value in [("--decoder", "blockwise"), ("--beam", "1"), ("--batch-size", "64"),
                         ("--gen-subset", "test"), ("--decoder-stats-json", "stats.json")]:
         assert plugin[plugin.index(name) + 1] == value
-    assert "--no-shared-encoder-cache" in plugin
+    assert "--no-shared-encoder-cache" in plugin and "--time-projection" not in plugin
+    timer = generate_command(BenchConfig("beam", 5, 64, None), args, "timer.json", time_projection=True)
+    assert timer[-1] == "--time-projection" and timer[timer.index("--decoder-stats-json") + 1] == "timer.json"
     stock = generate_command(BenchConfig(options.STOCK_PROCESS, 4, None, 900), args, None)
     assert stock[: len(toy.stock_fairseq_command("generate"))] == toy.stock_fairseq_command("generate")
     assert "--user-dir" not in stock and "--decoder" not in stock and "khead.pt" not in stock

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from fairseq.dataclass.configs import GenerationConfig  # the plugin's merged class
 from fairseq_fastgen.adapters.output_layer import attached_projection
 from fairseq_fastgen.cluster.clusterfile import ClusterFile, ClusterFileError, ModelFingerprint
-from fairseq_fastgen.cluster.projection import nearest_clusters
+from fairseq_fastgen.cluster.outside_mass import EstimatedNormalizer
+from fairseq_fastgen.cluster.projection import FullNormalizer, nearest_clusters
 from fairseq_fastgen.sequence_generators import DECODERS
 from tests.float_scores import assert_same_scores
 
@@ -234,29 +235,64 @@ def test_full_normalizer_keeps_the_tokens_and_scores_them_with_the_full_softmax(
     """--cluster-full-normalizer: the same greedy tokens as the cluster projection alone
     (a row's shift does not move its argmax), each scored by the full vocabulary's
     log-softmax, not by the softmax over the active tokens."""
-    reduced, _ = decode(toy.task, model, "greedy", 1, batch_size=1, cluster_projection=str(trained_cluster_path))
+    reduced, _ = decode(toy.task, model, "greedy", 1, batch_size=1, cluster_projection=str(trained_cluster_path),
+                        cluster_union_normalizer=True)
     normalized, projection = decode(toy.task, model, "greedy", 1, batch_size=1,
                                     cluster_projection=str(trained_cluster_path), cluster_full_normalizer=True)
-    assert projection.full_normalizer is not None
+    assert isinstance(projection.normalizer, FullNormalizer)
     assert projection.statistics.as_dict()["projection_active_fraction_max"] < 1.0
-    assert sorted(normalized) == sorted(reduced)
     raised = 0
-    for sentence_id, hypothesis in normalized.items():
-        tokens = hypothesis["tokens"]
-        assert torch.equal(tokens, reduced[sentence_id]["tokens"]), sentence_id
-        _, logits = teacher_forced(model, toy.task, sentence_id, tokens)
-        full = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)  # (length,)
-        if tokens.numel() >= model.max_decoder_positions() - 1:
-            full, tokens = full[:-1], tokens[:-1]  # eos forced at the length limit
-        torch.testing.assert_close(hypothesis["positional_scores"][: tokens.numel()], full, rtol=1e-4, atol=1e-4)
-        raised += int((reduced[sentence_id]["positional_scores"][: tokens.numel()] > full + 1e-3).any())
+    for sentence_id, (scores, reduced_scores, full) in scored_against_full(model, toy.task, normalized, reduced):
+        torch.testing.assert_close(scores, full, rtol=1e-4, atol=1e-4)
+        raised += int((reduced_scores > full + 1e-3).any())
     assert raised > 0  # the active-only softmax did raise some scores: the normaliser made a difference
 
 
+def test_the_files_estimate_keeps_greedys_tokens_and_scores_them_nearer_the_full_softmax(toy, model,
+                                                                                        trained_cluster_path):
+    """By default a file from fastgen-train-clusters adds its estimate of the mass outside the active tokens to
+    the softmax's normaliser: the same greedy tokens as over the active tokens alone, each scored nearer the full
+    vocabulary's log-softmax than that softmax scores it."""
+    union, _ = decode(toy.task, model, "greedy", 1, batch_size=1, cluster_projection=str(trained_cluster_path),
+                      cluster_union_normalizer=True)
+    estimated, projection = decode(toy.task, model, "greedy", 1, batch_size=1,
+                                   cluster_projection=str(trained_cluster_path))
+    assert isinstance(projection.normalizer, EstimatedNormalizer)
+    union_error = estimate_error = 0.0
+    for sentence_id, (scores, union_scores, full) in scored_against_full(model, toy.task, estimated, union):
+        assert (scores <= union_scores + 1e-5).all(), sentence_id  # the estimate only adds mass
+        estimate_error += float((scores - full).abs().sum())
+        union_error += float((union_scores - full).abs().sum())
+    assert estimate_error < 0.5 * union_error
+
+
+def scored_against_full(model, task, hypotheses, others):
+    """Per sentence of two greedy decodes that must give the same tokens: (sentence id, (positional scores of
+    ``hypotheses``, of ``others``, the full vocabulary's log-softmax of those tokens)), each (length,)."""
+    assert sorted(hypotheses) == sorted(others)
+    for sentence_id, hypothesis in hypotheses.items():
+        tokens = hypothesis["tokens"]
+        assert torch.equal(tokens, others[sentence_id]["tokens"]), sentence_id
+        _, logits = teacher_forced(model, task, sentence_id, tokens)
+        full = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)  # (length,)
+        if tokens.numel() >= model.max_decoder_positions() - 1:
+            full, tokens = full[:-1], tokens[:-1]  # eos forced at the length limit
+        length = tokens.numel()
+        yield sentence_id, (hypothesis["positional_scores"][:length], others[sentence_id]["positional_scores"][:length],
+                            full)
+
+
+def test_two_normalisers_at_once_are_refused(toy, model, trained_cluster_path):
+    with pytest.raises(ValueError, match="--cluster-full-normalizer and --cluster-union-normalizer .*give one"):
+        decode(toy.task, model, "greedy", 1, cluster_projection=str(trained_cluster_path),
+               cluster_full_normalizer=True, cluster_union_normalizer=True)
+
+
 @pytest.mark.parametrize("decoder", ["greedy", "beam"])
-def test_full_normalizer_without_a_cluster_file_is_refused(toy, model, decoder):
-    with pytest.raises(ValueError, match="--cluster-full-normalizer .*--cluster-projection FILE"):
-        decode(toy.task, model, decoder, 1, cluster_full_normalizer=True)
+@pytest.mark.parametrize("normalizer", ["full", "union"])
+def test_a_normaliser_without_a_cluster_file_is_refused(toy, model, decoder, normalizer):
+    with pytest.raises(ValueError, match=f"--cluster-{normalizer}-normalizer .*--cluster-projection FILE"):
+        decode(toy.task, model, decoder, 1, **{f"cluster_{normalizer}_normalizer": True})
 
 
 def test_fingerprint_matches_the_model(toy, trained_cluster_path):

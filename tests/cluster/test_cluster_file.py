@@ -39,6 +39,32 @@ def test_round_trip(tmp_path):
     assert not (tmp_path / "clusters.pt.tmp").exists()
 
 
+def test_the_outside_mass_estimate_round_trips_and_a_file_without_it_still_loads(tmp_path):
+    estimate = dict(outside_intercepts=torch.tensor([1.5, -2.0]), outside_gradients=torch.arange(6.0).view(2, 3))
+    small_file(**estimate).save(tmp_path / "estimate.pt")
+    loaded = ClusterFile.load(tmp_path / "estimate.pt")
+    assert loaded.has_outside_estimate
+    for name, tensor in estimate.items():
+        assert torch.equal(getattr(loaded, name), tensor), name
+    small_file().save(tmp_path / "plain.pt")  # as files made before the estimate
+    assert not ClusterFile.load(tmp_path / "plain.pt").has_outside_estimate
+    payload = torch.load(tmp_path / "estimate.pt", weights_only=True)
+    payload["tensors"]["outside_gradients"][1, 2] += 1.0  # the estimate is under the checksum too
+    torch.save(payload, tmp_path / "edited.pt")
+    with pytest.raises(ClusterFileError, match="checksum"):
+        ClusterFile.load(tmp_path / "edited.pt")
+
+
+@pytest.mark.parametrize("estimate, message", [
+    (dict(outside_intercepts=torch.zeros(2)), "must hold \\(2,\\) intercepts and \\(2, 3\\) gradients"),
+    (dict(outside_intercepts=torch.zeros(3), outside_gradients=torch.zeros(2, 3)), "must hold"),
+    (dict(outside_intercepts=torch.zeros(2), outside_gradients=torch.full((2, 3), float("inf"))), "inf or nan"),
+])
+def test_an_inconsistent_estimate_is_refused(tmp_path, estimate, message):
+    with pytest.raises(ClusterFileError, match=message):
+        small_file(**estimate).save(tmp_path / "clusters.pt")
+
+
 def test_corrupted_tensor_bytes_are_refused(tmp_path):
     path = tmp_path / "clusters.pt"
     small_file().save(path)
