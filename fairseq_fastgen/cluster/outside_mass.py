@@ -51,9 +51,9 @@ def fit_outside_mass(states: Tensor, assignment: Tensor, centroids: Tensor, acti
     sample = torch.linspace(0, states.size(0) - 1, min(FIT_STATES, states.size(0))).long()
     remainders = torch.cat([
         exact_log_outside(states[chunk], weight, bias, outside[assignment[chunk]])
-        - (intercepts[assignment[chunk]] + (gradients[assignment[chunk]] * states[chunk]).sum(dim=-1))
+        - estimated_log_outside(intercepts, gradients, assignment[chunk], states[chunk])
         for chunk in sample.split(STATES_PER_CHUNK)
-    ])  # (sampled,) m(h) - e(h), at least 0 up to rounding
+    ])  # (sampled,) m(h) - e(h) before the correction, at least 0 up to rounding
     members = assignment[sample]
     clusters = centroids.size(0)
     sums = torch.zeros(clusters, dtype=torch.float64).index_add_(0, members, remainders.double())
@@ -89,19 +89,21 @@ class EstimatedNormalizer:
     """The default normaliser of a file that holds the estimate: the pad column of the reduced logits takes each
     state's estimated log mass outside its cluster's tokens, ``e(h)`` (of the model's own logits: temperature 1)."""
 
-    def __init__(self, intercepts: Tensor, gradients: Tensor, pad: int):
+    def __init__(self, pad: int):
         self.pad = pad
-        self._tensors_by_device = {torch.device("cpu"): (intercepts, gradients)}  # (clusters,), (clusters, hidden)
 
-    def _tensors_on(self, device):
-        if device not in self._tensors_by_device:
-            self._tensors_by_device[device] = tuple(t.to(device) for t in self._tensors_by_device[torch.device("cpu")])
-        return self._tensors_by_device[device]
-
-    def put_outside_mass(self, logits: Tensor, features: Tensor, linear, mask: Tensor, clusters: Tensor):
-        """logits (rows, n, vocab) edited in place; features (rows, n, hidden); clusters (rows * n,) each state's
-        nearest cluster (``linear``, ``mask``: unused)."""
-        intercepts, gradients = self._tensors_on(logits.device)
+    def put_outside_mass(self, logits: Tensor, features: Tensor, linear, mask: Tensor, nearest: Tensor,
+                         file_tensors):
+        """logits (rows, n, vocab) edited in place; features (rows, n, hidden); nearest (rows * n,) each state's
+        nearest cluster; ``file_tensors``: the projection's ClusterTensors on this device, with the estimate
+        (``linear``, ``mask``: unused)."""
         states = features.reshape(-1, features.size(-1)).float()  # (states, hidden)
-        outside = intercepts[clusters] + (gradients[clusters] * states).sum(dim=-1)  # (states,) e(h)
+        outside = estimated_log_outside(file_tensors.outside_intercepts, file_tensors.outside_gradients, nearest,
+                                        states)  # (states,) e(h)
         logits.view(-1, logits.size(-1))[:, self.pad] = outside.to(logits.dtype)
+
+
+def estimated_log_outside(intercepts: Tensor, gradients: Tensor, clusters: Tensor, states: Tensor) -> Tensor:
+    """(n,) e(h) = intercept + gradient . h of each state (n, hidden) of ``clusters`` (n,): intercepts (clusters,),
+    gradients (clusters, hidden)."""
+    return intercepts[clusters] + (gradients[clusters] * states).sum(dim=-1)

@@ -141,16 +141,18 @@ class ClusterProjection(TimedFullProjection):
         logits = project_onto_columns(features, linear, mask, columns)  # (rows, n, vocab)
         if self.normalizer is not None and columns.numel() < self.vocab_size:
             nearest = clusters if clusters.dim() == 1 else clusters[:, 0]  # (rows * n,) each state's nearest
-            self.normalizer.put_outside_mass(logits, features, linear, mask, nearest)
+            self.normalizer.put_outside_mass(logits, features, linear, mask, nearest, on_device)
         return logits, columns.numel()
 
     def _tensors_on(self, device) -> "ClusterTensors":
         if device not in self._tensors_by_device:
             cf = self.cluster_file
             centroids = cf.centroids.to(device)
+            estimate = (cf.outside_intercepts.to(device), cf.outside_gradients.to(device)) \
+                if cf.has_outside_estimate else (None, None)
             self._tensors_by_device[device] = ClusterTensors(
                 centroids, centroids.mul(-2), cf.centroid_sqnorms.to(device),
-                ClusterActiveSets(cf.offsets.to(device), cf.tokens.to(device)),
+                ClusterActiveSets(cf.offsets.to(device), cf.tokens.to(device)), *estimate,
             )
         return self._tensors_by_device[device]
 
@@ -162,6 +164,8 @@ class ClusterTensors(NamedTuple):
     minus_twice_centroids: Tensor  # (clusters, hidden) -2 C, the weight of the distances through a linear product
     sqnorms: Tensor  # (clusters,) ||C||^2
     active_sets: ClusterActiveSets
+    outside_intercepts: Optional[Tensor] = None  # (clusters,) the estimate of the mass outside each set, where held
+    outside_gradients: Optional[Tensor] = None  # (clusters, hidden)
 
 
 class FullNormalizer:
@@ -176,8 +180,9 @@ class FullNormalizer:
         self.pad, self.temperature = pad, temperature
 
     def put_outside_mass(self, logits: Tensor, features: Tensor, linear: torch.nn.Linear, mask: Tensor,
-                         clusters: Tensor = None):
-        """logits (rows, n, vocab) edited in place; mask (vocab,) true on the union (``clusters``: unused)."""
+                         nearest: Tensor = None, file_tensors: "ClusterTensors" = None):
+        """logits (rows, n, vocab) edited in place; mask (vocab,) true on the union (``nearest``, ``file_tensors``:
+        the estimate's, unused)."""
         kept = mask.clone()  # (vocab,) the union's candidates; pad's own mass joins the outside
         kept[self.pad] = False
         full = linear(features.reshape(-1, features.size(-1))).view_as(logits)  # (rows, n, vocab)
@@ -292,7 +297,7 @@ def normalizer_of(normalizer: str, cluster_file: ClusterFile, decoder, temperatu
         logger.info("--cluster-projection: the estimate of the mass outside the active tokens is of temperature "
                     "1; at --temperature %g the softmax is over the active tokens", temperature)
         return None
-    return EstimatedNormalizer(cluster_file.outside_intercepts, cluster_file.outside_gradients, pad)
+    return EstimatedNormalizer(pad)
 
 
 class ProjectionCounters(GenerationCounters):
