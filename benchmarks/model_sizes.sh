@@ -8,7 +8,7 @@
 #   bash benchmarks/model_sizes.sh [MODEL_DIR] [OUT_DIR] [ROWS]
 #
 # MODEL_DIR is what `benchmarks/multi30k.py --size base` builds (bin/, base/checkpoint_best.pt, khead4/, and the
-# cluster files clusters1000k3.pt and clusters1000k20.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
+# cluster files clusters1000k{3,12,15,20}.pt, made here when missing); defaults bench_out/multi30k-base, bench/sizes, every row.
 # ROWS picks rows by name: "bs1 int8 students iteration narrow k8 kernel prefetch proposals bs64 beam5 screen clusters
 # relaxed relaxed-compiled varbeam big". CTranslate2 joins when installed.
 set -uo pipefail
@@ -164,9 +164,9 @@ wanted screen && row base-screen-beam5 --path "$BASE" --decoders beam --beam 5 -
 # the compiled engine, and there --cluster-union-normalizer (the softmax over the active tokens, without the file's
 # estimate of the mass outside them) and --cluster-full-normalizer (the file's tokens, the whole vocabulary's softmax:
 # which outputs change because of the normaliser alone). A file made before the estimate is used as it is (one line
-# says so); remove it to have it made again
+# says so); remove it to have it made again. Between the two, the top 12 and 15 (155 and 192 tokens a cluster) at beam 5
 if wanted clusters; then
-  for TOP in 3 20; do
+  for TOP in 3 12 15 20; do
     FILE=$M/clusters1000k$TOP.pt
     [ -f "$FILE" ] || .venv/bin/fastgen-train-clusters "$M/bin" --path "$BASE" --output "$FILE" --num-clusters 1000 \
       --top-k $TOP --max-states 100000 --cpu > "$OUT/clusters-k$TOP.log" 2>&1 || tail -5 "$OUT/clusters-k$TOP.log"
@@ -180,6 +180,9 @@ if wanted clusters; then
     --repeat 2 --reference self --step-engine compiled --no-ctranslate2 "${CP[@]}" \
     --variant "k20union=--cluster-projection $K20 --cluster-union-normalizer" \
     --variant "k20full=--cluster-projection $K20 --cluster-full-normalizer"
+  row base-clusters-k12-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 192 \
+    --repeat 2 --reference self --step-engine compiled --no-ctranslate2 \
+    --variant "k12=--cluster-projection $M/clusters1000k12.pt" --variant "k15=--cluster-projection $M/clusters1000k15.pt"
 fi
 # variable-width beams (var-batch) and their stream (var-stream, var-batch's outputs) beside stock beam search at
 # beam 5 and 20, batch 64
