@@ -14,7 +14,10 @@ Steps, each skipped when its output exists (so a rerun resumes):
    --distill-mix distilled``) x frozen base (``--freeze-base``) or fine-tuned (the
    whole model trains); all with ``--khead-identity-first`` and ``random_subloss``.
    k = 1 frozen is the base model itself; k = 1 fine-tuned is the base trained for
-   as many updates more as the other fine-tuned students;
+   as many updates more as the other fine-tuned students. Named in ``--students``
+   only, students on "greedy" data: the base's own float32 greedy translations of the
+   training split (OUT/distilled-greedy, made before the first of them), the tokens
+   exact blockwise decoding accepts against;
 4. ``fastgen-bench`` on the test split for each model (greedy and blockwise, beam 1,
    batch 64), then the table: BLEU and mean accepted block size per cell;
 5. ``speed`` (not in the default stages; run it with the machine otherwise idle):
@@ -45,7 +48,9 @@ from multi30k import (  # noqa: E402  (the base model's settings)
 
 from fastgen_demo import toy  # noqa: E402
 
-DATA_KINDS = ("regular", "distilled")
+DATA_KINDS = ("regular", "distilled")  # the paper's table
+# the base's own greedy translations: what a frozen base's heads 2..k must guess for exact acceptance (not in the table)
+GREEDY_DATA = "greedy"
 REGIMES = ("frozen", "finetuned")
 
 
@@ -54,12 +59,20 @@ def run_logged(command, log_path, env=None):
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def distill(bin_dir, teacher, output_dir, split, workers, log_path, teacher_args=()):
+def distill(bin_dir, teacher, output_dir, split, workers, log_path, teacher_args=(), beam=5):
     """Run fastgen-distill (one torch thread per worker) and return its summary."""
     run_logged([console_script("fastgen-distill"), str(bin_dir), "--path", str(teacher), "--split", split,
-                "--output-dir", str(output_dir), "--workers", str(workers), "--beam", "5", "--batch-size", "64",
+                "--output-dir", str(output_dir), "--workers", str(workers), "--beam", str(beam), "--batch-size", "64",
                 "--cpu", *teacher_args], log_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
     return json.loads((Path(output_dir) / f"distill.{split}.json").read_text())
+
+
+def greedy_translations(bin_dir, base, output_dir, bench_dir):
+    """The base's float32 greedy translations of the training split in ``output_dir`` (made when missing): the
+    compiled engine gives fairseq's float32 tokens, the ones exact blockwise decoding of a frozen base gives."""
+    step("fastgen-distill train, greedy (2 workers)", output_dir / "distill.train.json",
+         lambda: distill(bin_dir, base, output_dir, "train", 2, bench_dir / "distill-train-greedy.log",
+                         ("--step-engine", "compiled"), beam=1))
 
 
 def cell_name(k, regime, data_kind):
@@ -71,7 +84,7 @@ def train_student(args, bin_dir, save_dir, base, k, regime, data_kind, distilled
     extra = ["--subloss-mode", args.finetune_subloss_mode] if regime == "finetuned" else []
     if args.khead_ffn_dim:
         extra += ["--khead-ffn-dim", str(args.khead_ffn_dim)]
-    if data_kind == "distilled":
+    if data_kind != "regular":  # distilled_dir: that kind's translations of the training split
         extra += ["--task", "translation_distill", "--distilled-data", str(distilled_dir), "--distill-mix", "distilled"]
     if restore is not None:  # fairseq starts from it on the first launch only: a stopped run resumes from its own
         extra += ["--finetune-from-model", str(Path(restore).resolve())]
@@ -85,9 +98,9 @@ def train_student(args, bin_dir, save_dir, base, k, regime, data_kind, distilled
     toy.train(bin_dir, save_dir, spec, show_progress=True, criterion_args=STUDENT_CRITERION, device=args.device)
 
 
-def cells(ks):
+def cells(ks, data_kinds=DATA_KINDS):
     """(k, regime, data kind) of every student to train; k = 1 frozen is the base itself."""
-    return [(k, regime, data_kind) for regime in REGIMES for k in ks for data_kind in DATA_KINDS
+    return [(k, regime, data_kind) for regime in REGIMES for k in ks for data_kind in data_kinds
             if not (k == 1 and regime == "frozen")]
 
 
@@ -192,6 +205,7 @@ def main(argv=None):
     args = resolve_size(parser.parse_args(argv))
     out, bench_dir = Path(args.out), Path(args.bench_dir)
     bin_dir, base, distilled = out / "bin", out / "base" / "checkpoint_best.pt", out / "distilled"
+    data_dirs = {"regular": None, "distilled": distilled, GREEDY_DATA: out / "distilled-greedy"}
     ks = [int(k) for k in args.k.split(",")]
     wanted = args.stages.split(",")
     bench_dir.mkdir(parents=True, exist_ok=True)
@@ -214,6 +228,7 @@ def main(argv=None):
     suffix = f"-ffn{args.khead_ffn_dim}" if args.khead_ffn_dim else ""  # students of a narrower k-head layer
     students = {cell_name(*cell) + suffix: cell for cell in cells(ks)}
     order = list(students)
+    students.update({cell_name(*cell) + suffix: cell for cell in cells(ks, (GREEDY_DATA,))})
     if args.students:
         order = args.students.split(",")
         unknown = [name for name in order if name not in students]
@@ -223,9 +238,11 @@ def main(argv=None):
         for name in order:
             k, regime, data_kind = students[name]
             save_dir = out / "table1" / name
+            if data_kind == GREEDY_DATA:
+                greedy_translations(bin_dir, base, data_dirs[GREEDY_DATA], bench_dir)
             train_step(f"student {name}", save_dir, save_dir / "checkpoint_last.pt",
                        lambda k=k, regime=regime, data_kind=data_kind, save_dir=save_dir: train_student(
-                           args, bin_dir, save_dir, base, k, regime, data_kind, distilled))
+                           args, bin_dir, save_dir, base, k, regime, data_kind, data_dirs[data_kind]))
     models = [("k1-base", base)] + [(name, out / "table1" / name / "checkpoint_last.pt") for name in students]
     for two_stage in args.two_stage.split(",") if args.two_stage else []:
         k, data_kind = two_stage.split("-")
@@ -239,8 +256,8 @@ def main(argv=None):
             frozen = out / "table1" / (cell_name(k, "frozen", data_kind) + suffix) / "checkpoint_last.pt"
             train_step(f"student {name}", out / "table1" / name, checkpoint,
                        lambda k=k, data_kind=data_kind, name=name, frozen=frozen: train_student(
-                           args, bin_dir, out / "table1" / name, base, int(k), "finetuned", data_kind, distilled,
-                           restore=frozen))
+                           args, bin_dir, out / "table1" / name, base, int(k), "finetuned", data_kind,
+                           data_dirs[data_kind], restore=frozen))
     if "bench" in wanted:
         for name, checkpoint in models:
             if not checkpoint.exists():
