@@ -243,7 +243,8 @@ def main(argv=None):
             train_step(f"student {name}", save_dir, save_dir / "checkpoint_last.pt",
                        lambda k=k, regime=regime, data_kind=data_kind, save_dir=save_dir: train_student(
                            args, bin_dir, save_dir, base, k, regime, data_kind, data_dirs[data_kind]))
-    models = [("k1-base", base)] + [(name, out / "table1" / name / "checkpoint_last.pt") for name in students]
+    models = [("k1-base", base)] + [(name, out / "table1" / name / "checkpoint_last.pt") for name in students
+                                    if students[name][2] != GREEDY_DATA or (out / "table1" / name).exists()]
     for two_stage in args.two_stage.split(",") if args.two_stage else []:
         k, data_kind = two_stage.split("-")
         name = f"k{k}-frozen-then-finetuned-{data_kind}"
