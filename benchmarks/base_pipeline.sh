@@ -18,7 +18,7 @@
 #      (the two stages of docs/benchmarks.md, "The students"), first with a k-head layer a quarter as wide
 #      (--khead-ffn-dim 512: an iteration reads 4.2M parameters of it instead of 16.8M; the narrow students gave the
 #      best blockwise figures, and k = 8 is the one that can accept more than 4 tokens an iteration), then the wide;
-#      between the narrow k = 8 stages, a frozen one on the base's greedy translations (multi30k_distill.py's "greedy")
+#      first of all a narrow frozen k = 8 one on the base's greedy translations (multi30k_distill.py's "greedy")
 #   5. the frozen-base k = 4 student on the regular data (model_sizes.sh's default KHEAD);
 #   6. multi30k_distill.py's "bench" stage: BLEU and the mean accepted block of every model (batch 64, not timed);
 #   7. the big transformer (benchmarks/multi30k.py --size big, 2,400 updates: about 4x the base's time an update
@@ -75,11 +75,11 @@ students() {
   "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages students --students "k$K-frozen-distilled$suffix" \
     --two-stage "$K-distilled" "$@"
 }
-# before fine-tuning it: the narrow frozen k = 8 student on the distilled data, then the same on the base's own greedy
-# translations (the tokens exact acceptance checks a frozen base's heads against; made from the base in float32)
-say "k = 8 frozen students, distilled and greedy data --khead-ffn-dim 512"
+# the narrow frozen k = 8 student on the base's own greedy translations (the tokens exact acceptance checks a frozen
+# base's heads against; made from the base in float32), beside the same student on the distilled data below
+say "k = 8 frozen student, greedy data --khead-ffn-dim 512"
 "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages students --khead-ffn-dim 512 \
-  --students k8-frozen-distilled-ffn512,k8-frozen-greedy-ffn512
+  --students k8-frozen-greedy-ffn512
 students 8 --khead-ffn-dim 512
 students 4 --khead-ffn-dim 512
 students 8

@@ -171,18 +171,18 @@ if wanted clusters; then
     [ -f "$FILE" ] || .venv/bin/fastgen-train-clusters "$M/bin" --path "$BASE" --output "$FILE" --num-clusters 1000 \
       --top-k $TOP --max-states 100000 --cpu > "$OUT/clusters-k$TOP.log" 2>&1 || tail -5 "$OUT/clusters-k$TOP.log"
   done
-  K3=$M/clusters1000k3.pt K20=$M/clusters1000k20.pt
+  K3=$M/clusters1000k3.pt K12=$M/clusters1000k12.pt K15=$M/clusters1000k15.pt K20=$M/clusters1000k20.pt
+  BEAM5=(--path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 192 --repeat 2 --reference self
+         --step-engine compiled --no-ctranslate2)
   CP=(--variant "k3=--cluster-projection $K3" --variant "k3n3=--cluster-projection $K3 --cluster-nearest 3"
       --variant "k20=--cluster-projection $K20" --variant "k20n2=--cluster-projection $K20 --cluster-nearest 2")
   row base-clusters-bs1 --path "$BASE" --decoders greedy --beam 1 --batch-size 1 --max-sentences 100 --repeat 2 \
     --reference self --step-engine compiled --compiled-freezing --no-ctranslate2 "${CP[@]}"
-  row base-clusters-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 192 \
-    --repeat 2 --reference self --step-engine compiled --no-ctranslate2 "${CP[@]}" \
+  row base-clusters-beam5-bs64 "${BEAM5[@]}" "${CP[@]}" \
     --variant "k20union=--cluster-projection $K20 --cluster-union-normalizer" \
     --variant "k20full=--cluster-projection $K20 --cluster-full-normalizer"
-  row base-clusters-k12-beam5-bs64 --path "$BASE" --decoders beam --beam 5 --batch-size 64 --max-sentences 192 \
-    --repeat 2 --reference self --step-engine compiled --no-ctranslate2 \
-    --variant "k12=--cluster-projection $M/clusters1000k12.pt" --variant "k15=--cluster-projection $M/clusters1000k15.pt"
+  row base-clusters-k12-beam5-bs64 "${BEAM5[@]}" --variant "k12=--cluster-projection $K12" \
+    --variant "k15=--cluster-projection $K15"
 fi
 # variable-width beams (var-batch) and their stream (var-stream, var-batch's outputs) beside stock beam search at
 # beam 5 and 20, batch 64

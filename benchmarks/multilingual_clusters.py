@@ -94,6 +94,7 @@ def figure2(args, checkpoint, bin_dir, out):
                                       max_states=args.max_states, cpu=True)
     model, task = train.load_model(cfg, load_split=False)
     fingerprint = ModelFingerprint.of_decoder(model.decoder)
+    projection = output_projection_of(model.decoder)  # the outside-mass estimate of every file is fitted on it
     specials = train.special_tokens(task.target_dictionary) + target_language_tokens(task, TARGET)
     recordings, test_states = {}, {}
     with torch.no_grad():
@@ -114,7 +115,7 @@ def figure2(args, checkpoint, bin_dir, out):
             for (source_lang, target_lang), members in train.group_by_scope(list(recordings.values()), scope).items():
                 train.check_enough_states(cfg, members, f" ({scope} {source_lang or '*'}-{target_lang})")
                 cluster_file = train.cluster_file_of(cfg, members, fingerprint, specials, source_lang, target_lang,
-                                                     output_projection_of(model.decoder))
+                                                     projection)
                 for member in members:
                     files[(scope, f"{member.source_lang}-{member.target_lang}")] = cluster_file
                 if clusters == args.chosen_clusters:
