@@ -252,7 +252,9 @@ def test_with_the_kernel_a_sentences_beams_attend_to_its_keys_in_one_product(toy
     per_beam, per_beam_weights = step.attend_per_beam(q, keys, values, mask, beams)
     assert together.shape == per_beam.shape == (sentences * beams * heads, 1, head_dim)
     assert together_weights.shape == per_beam_weights.shape == (sentences * beams * heads, 1, src_len)
-    torch.testing.assert_close(together, per_beam, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(together_weights, per_beam_weights, rtol=1e-6, atol=1e-6)
+    # float32 rounding of sums of head_dim products of unit-scale values: products blocked otherwise by the BLAS of
+    # another processor differ by a few 1e-6 (1.3e-6 on an Intel Xeon without AMX)
+    torch.testing.assert_close(together, per_beam, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together_weights, per_beam_weights, rtol=1e-5, atol=1e-5)
     weights = together_weights.view(sentences, beams, heads, src_len)
     assert torch.all(weights[1, :, :, 5:] == 0) and torch.all(weights[0] > 0)

@@ -100,10 +100,26 @@ def test_the_beams_of_a_sentence_share_its_encoder_keys_on_the_compiled_engine(t
     generator = toy.generator(decoder="beam", beam=beam, step_engine="compiled", compiled_many_rows="unit")
     runner = generator.model.runner
     shapes = recorded_cache_shapes(runner)
+    eager_steps = recorded_eager_steps(runner)
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8, prefix_size))
     assert shapes and all(sources * beam == rows and beams == beam for rows, sources, beams in shapes)
     assert len({rows for rows, _, _ in shapes}) > 2  # sentences finished and left
     assert runner.units.packaged[("beams", beam)] is runner.many_rows_step is not None
+    # each batch's first step: one row per sentence (its beams hold the same bos), eager, on a cache of one row
+    # per sentence; every later step the unit's, on all the beams
+    assert eager_steps == [(8, 1, 0)] * (len(ids) // 8)
+
+
+def recorded_eager_steps(runner) -> list:
+    """A list that gets (rows, the cache's beams, its positions) at each of ``runner``'s eager steps from now on."""
+    calls, eager_step = [], runner.eager_step
+
+    def recording_eager_step(tokens, encoder_out, cache):
+        calls.append((tokens.size(0), cache.beams, cache.length))
+        return eager_step(tokens, encoder_out, cache)
+
+    runner.eager_step = recording_eager_step
+    return calls
 
 
 @pytest.mark.parametrize("beam,prefix_size,shared", [(5, 0, True), (4, 1, True), (4, 0, False)])
