@@ -12,30 +12,20 @@ and how many sentences got the same tokens both ways. Set ``FASTGEN_COMPILED_DIR
 runs (the warm-up round compiles what is missing).
 """
 
-import argparse
-
 # first: it loads the plugin, whose options fairseq's GenerationConfig then has
-from interleaved import load_test_split, print_medians, timed_rounds  # (benchmarks/, the A/B scripts' own)
+from interleaved import (ab_parser, best_tokens, first_test_batches, load_test_split,  # (benchmarks/, the
+                         print_way_against, timed_rounds)  # A/B scripts' own)
 from fairseq.dataclass.configs import GenerationConfig  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("data_bin")
-    parser.add_argument("checkpoint")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--sentences", type=int, default=300)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = ab_parser(__doc__, batch_size=1, sentences=300)
     parser.add_argument("--quantize", help="the units' precision (int8: the encoder's unit holds int8 rows)")
     parser.add_argument("--decoder", default="greedy")
     parser.add_argument("--blockwise-int8-proposals", action="store_true")
-    parser.add_argument("--max-len-b", type=int, default=200, help="outputs capped at this many tokens (an "
-                        "untrained model's run to the cap)")
     args = parser.parse_args()
     model, task = load_test_split(args.data_bin, args.checkpoint)
-    batches = list(task.get_batch_iterator(
-        task.dataset("test"), max_sentences=args.batch_size, disable_iterator_cache=True,
-    ).next_epoch_itr(shuffle=False))[: max(1, args.sentences // args.batch_size)]
+    batches = first_test_batches(task, args.batch_size, args.sentences)
     generator = task.build_generator([model], GenerationConfig(
         beam=1, decoder=args.decoder, step_engine="compiled", compiled_freezing=True, quantize=args.quantize,
         blockwise_int8_proposals=args.blockwise_int8_proposals, max_len_a=0, max_len_b=args.max_len_b))
@@ -47,16 +37,12 @@ def main():
     def decode_with(unit_pass):
         def decode():
             units.encoder_pass = unit_pass
-            return [h[0]["tokens"].tolist() for sample in batches for h in generator.generate([model], sample)]
+            return best_tokens(generator, model, batches)
         return decode
 
     seconds, tokens = timed_rounds({"encoder unit": decode_with(encoder_pass),
                                     "fairseq's encoder": decode_with(None)}, args.rounds)
-    median = print_medians(seconds, len(tokens["encoder unit"]))
-    same = sum(a == b for a, b in zip(*tokens.values()))
-    ratio = median["fairseq's encoder"] / median["encoder unit"]
-    print(f"with the encoder unit: {ratio:.2f}x; the same tokens for {same} of {len(tokens['encoder unit'])} "
-          f"sentences")
+    print_way_against(seconds, tokens, "encoder unit", "fairseq's encoder", "with the encoder unit")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ Alternating the ways within each round makes a change in the machine's speed hit
 round warms up (units loaded or compiled, buffers allocated) and is not timed.
 """
 
+import argparse
 import statistics
 import time
 from typing import Callable, Dict, List, Tuple
@@ -45,3 +46,35 @@ def print_medians(seconds: Dict[str, List[float]], sentences: int) -> Dict[str, 
         print(f"{name}: median {median[name]:.3f} s ({sentences / median[name]:.1f} sentences/s); rounds: "
               + ", ".join(f"{value:.3f}" for value in values))
     return median
+
+
+def first_test_batches(task, batch_size: int, sentences: int) -> List:
+    """fairseq's batches of ``batch_size`` test sentences (sorted by length), as many as hold ``sentences``."""
+    batches = task.get_batch_iterator(task.dataset("test"), max_sentences=batch_size, disable_iterator_cache=True)
+    return list(batches.next_epoch_itr(shuffle=False))[: max(1, sentences // batch_size)]
+
+
+def best_tokens(generator, model, batches: List) -> List[List[int]]:
+    """Each sentence's best hypothesis's tokens, batch after batch."""
+    return [h[0]["tokens"].tolist() for sample in batches for h in generator.generate([model], sample)]
+
+
+def print_way_against(seconds: Dict[str, List[float]], outputs: Dict[str, List], way: str, other: str, what: str):
+    """The medians, then ``what``: ``other``'s median over ``way``'s (``way``'s speed-up), and how many sentences
+    got the same tokens both ways."""
+    median = print_medians(seconds, len(outputs[way]))
+    same = sum(a == b for a, b in zip(outputs[way], outputs[other]))
+    print(f"{what}: {median[other] / median[way]:.3f}x; the same tokens for {same} of {len(outputs[way])} sentences")
+
+
+def ab_parser(doc: str, batch_size: int, sentences: int) -> argparse.ArgumentParser:
+    """The A/B scripts' common arguments: DATA_BIN, CHECKPOINT, --batch-size, --sentences, --rounds, --max-len-b."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data_bin")
+    parser.add_argument("checkpoint")
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--sentences", type=int, default=sentences)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-len-b", type=int, default=200, help="outputs capped at this many tokens (an "
+                        "untrained model's run to the cap)")
+    return parser
