@@ -2,7 +2,7 @@
 in one process (not part of the product).
 
     python benchmarks/beam_first_step_ab.py DATA_BIN CHECKPOINT [--beam 5] [--batch-size 64] [--sentences 128]
-        [--rounds 3] [--max-len-b 25]
+        [--rounds 3] [--max-len-b 25] [--quantize int8]
 
 Every beam of a sentence starts from the same bos, so the compiled engine runs a beam search's first step once per
 sentence and copies its keys and outputs to the beams (``CompiledRunner.first_step_of_beams``; CTranslate2 starts
@@ -22,12 +22,13 @@ from fairseq.dataclass.configs import GenerationConfig  # noqa: E402
 def main():
     parser = ab_parser(__doc__, batch_size=64, sentences=128)
     parser.add_argument("--beam", type=int, default=5)
+    parser.add_argument("--quantize", help="the units' precision (int8: the eager first step runs the int8 layers)")
     args = parser.parse_args()
     model, task = load_test_split(args.data_bin, args.checkpoint)
     batches = first_test_batches(task, args.batch_size, args.sentences)
     generator = task.build_generator([model], GenerationConfig(
-        beam=args.beam, decoder="beam", step_engine="compiled", compiled_freezing=True, max_len_a=0,
-        max_len_b=args.max_len_b))
+        beam=args.beam, decoder="beam", step_engine="compiled", compiled_freezing=True, quantize=args.quantize,
+        max_len_a=0, max_len_b=args.max_len_b))
     runner = generator.model.runner
 
     def every_beam(cache):  # the rule before: one row per sentence only where the static engine's step serves

@@ -365,13 +365,16 @@ class CompiledRunner(StaticRunner):
     def starts_beams_once(self, cache: StaticCache) -> bool:
         """Whether the next step is the first of a cache whose sentences' beams share their encoder-decoder keys
         (fairseq's beam search) and runs one row per sentence: where the static engine's step serves that many rows,
-        or, with more sentences than the row buckets take, through the eager step (oneDNN's products) instead of
-        the unit for many rows over every beam (beam 5, batch 64: 64 rows instead of 320, 1.03x a whole decode of
-        25 tokens a sentence at base size; fewer sentences gain nothing: their step is bound by reading weights)."""
+        or, in float32 with more sentences than the row buckets take, through the eager step (oneDNN's products)
+        instead of the unit for many rows over every beam (beam 5, batch 64: 64 rows instead of 320, 1.03x a whole
+        decode of 25 tokens a sentence at base size; fewer sentences gain nothing: their step is bound by reading
+        weights). Under --quantize the units' own rounding stays (int8's eager step: 1.01x, 2 of 128 sentences
+        other tokens)."""
         if cache.length != 0 or cache.beams <= 1:
             return False
         sentences = cache.real_rows // cache.beams
-        return self.runs_static_step(sentences) or (self.many_rows_on_cpu and sentences > self.max_rows)
+        eager_first = self.many_rows_on_cpu and self.precision is None and sentences > self.max_rows
+        return self.runs_static_step(sentences) or eager_first
 
     def first_step_of_beams(self, tokens: Tensor, encoder_out, cache: StaticCache):
         """The first step of sentences of ``cache.beams`` beams: every beam of a sentence holds the same bos, so the

@@ -29,6 +29,7 @@ from fairseq_fastgen.ops import int8_kernel, precision_linear
 from fairseq_fastgen.ops.onednn_linear import onednn_available
 from fairseq_fastgen.ops.precision_linear import Int8Rows
 from tests.fastseq.conftest import LoadedToy, load, shared_test_dir
+from tests.engine.test_stock_search import recorded_eager_steps
 from tests.fastseq.test_precision_decoding import best_tokens, decode
 from tests.float_scores import SAME_BITS_ACROSS_UNITS, assert_same_scores
 from tests.models.khead_toy import khead_k2  # noqa: F401  (fixture)
@@ -208,13 +209,16 @@ def assert_encoder_unit_is_the_stand_ins(loaded_toy, generator, model):
 
 def test_beam_search_on_compiled_int8_units(loaded_toy, translate):
     """fairseq's beam search over the compiled engine in int8: its sentences' beams share their keys in the
-    unit for many rows; the hypotheses are static int8's tokens (up to near-ties between the units' rounding)."""
+    unit for many rows, the first step too (the units' rounding, not an eager step's as in float32); the
+    hypotheses are static int8's tokens (up to near-ties between the units' rounding)."""
     static = decode(loaded_toy, translate, 16, decoder="beam", beam=4, quantize="int8")
     generator = loaded_toy.task.build_generator(loaded_toy.models, GenerationConfig(
         decoder="beam", beam=4, quantize="int8", step_engine="compiled"))
+    eager_steps = recorded_eager_steps(runner_of(generator))
     int8 = translate(loaded_toy, generator, 16)
     assert_tokens_match_up_to_near_ties(int8, static, share=0.05)  # the encoder's unit too: the module's docstring
     assert runner_of(generator).units.packaged.get(("beams", 4)) is not None
+    assert eager_steps == []
 
 
 def assert_blockwise_is_greedy_on_compiled(loaded_khead, translate, quantize: str):
