@@ -14,8 +14,8 @@ many sentences got the same tokens both ways. Set ``FASTGEN_COMPILED_DIR`` to ke
 """
 
 # first: it loads the plugin, whose options fairseq's GenerationConfig then has
-from interleaved import (ab_parser, best_tokens, first_test_batches, load_test_split,  # (benchmarks/, the
-                         print_way_against, timed_rounds)  # A/B scripts' own)
+from interleaved import (ab_parser, decodes_after, first_test_batches, load_test_split,  # (benchmarks/, the
+                         own_attribute, print_way_against, timed_rounds)  # A/B scripts' own)
 from fairseq.dataclass.configs import GenerationConfig  # noqa: E402
 
 
@@ -34,17 +34,10 @@ def main():
     def every_beam(cache):  # the rule before: one row per sentence only where the static engine's step serves
         return cache.length == 0 and cache.beams > 1 and runner.runs_static_step(cache.real_rows // cache.beams)
 
-    def decode_with(rule):
-        def decode():
-            if rule is None:
-                vars(runner).pop("starts_beams_once", None)  # the runner's own rule
-            else:
-                runner.starts_beams_once = rule
-            return best_tokens(generator, model, batches)
-        return decode
-
-    seconds, tokens = timed_rounds({"one row per sentence": decode_with(None),
-                                    "every beam's row": decode_with(every_beam)}, args.rounds)
+    seconds, tokens = timed_rounds(decodes_after({
+        "one row per sentence": lambda: own_attribute(runner, "starts_beams_once", None),  # the runner's own rule
+        "every beam's row": lambda: own_attribute(runner, "starts_beams_once", every_beam),
+    }, generator, model, batches), args.rounds)
     print_way_against(seconds, tokens, "one row per sentence", "every beam's row", "first step at one row per sentence")
 
 

@@ -14,7 +14,7 @@ from fairseq's encoder.  Set ``FASTGEN_COMPILED_DIR`` to keep the units between 
 import argparse
 
 # first: it loads the plugin
-from interleaved import load_test_split, print_medians, timed_rounds  # (benchmarks/, the A/B scripts' own)
+from interleaved import first_test_batches, load_test_split, print_medians, timed_rounds  # (benchmarks/)
 from fairseq_fastgen.engine.compiled import CompiledRunner  # noqa: E402
 from fairseq_fastgen.ops.f32_rows_linear import many_rows_kernel_available  # noqa: E402
 
@@ -39,9 +39,7 @@ def main():
     unit = CompiledRunner(model, freezing=True, many_rows="unit")
     kernel = CompiledRunner(model, freezing=True, many_rows="kernel")
     for batch_size in (int(size) for size in args.batch_sizes.split(",")):
-        batches = list(task.get_batch_iterator(
-            task.dataset("test"), max_sentences=batch_size, disable_iterator_cache=True,
-        ).next_epoch_itr(shuffle=False))[: max(1, args.sentences // batch_size)]
+        batches = first_test_batches(task, batch_size, args.sentences)
         inputs = [batch["net_input"] for batch in batches]
         ways = {
             "compiled unit": lambda: [unit.encode(net_input) for net_input in inputs],

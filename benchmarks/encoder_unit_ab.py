@@ -13,7 +13,7 @@ runs (the warm-up round compiles what is missing).
 """
 
 # first: it loads the plugin, whose options fairseq's GenerationConfig then has
-from interleaved import (ab_parser, best_tokens, first_test_batches, load_test_split,  # (benchmarks/, the
+from interleaved import (ab_parser, decodes_after, first_test_batches, load_test_split,  # (benchmarks/, the
                          print_way_against, timed_rounds)  # A/B scripts' own)
 from fairseq.dataclass.configs import GenerationConfig  # noqa: E402
 
@@ -34,14 +34,10 @@ def main():
     if encoder_pass is None:
         raise SystemExit("this runner has no encoder unit (not on the CPU with oneDNN, or an encoder it cannot serve)")
 
-    def decode_with(unit_pass):
-        def decode():
-            units.encoder_pass = unit_pass
-            return best_tokens(generator, model, batches)
-        return decode
-
-    seconds, tokens = timed_rounds({"encoder unit": decode_with(encoder_pass),
-                                    "fairseq's encoder": decode_with(None)}, args.rounds)
+    seconds, tokens = timed_rounds(decodes_after({
+        "encoder unit": lambda: setattr(units, "encoder_pass", encoder_pass),
+        "fairseq's encoder": lambda: setattr(units, "encoder_pass", None),
+    }, generator, model, batches), args.rounds)
     print_way_against(seconds, tokens, "encoder unit", "fairseq's encoder", "with the encoder unit")
 
 

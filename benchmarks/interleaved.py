@@ -59,6 +59,23 @@ def best_tokens(generator, model, batches: List) -> List[List[int]]:
     return [h[0]["tokens"].tolist() for sample in batches for h in generator.generate([model], sample)]
 
 
+def decodes_after(switches: Dict[str, Callable[[], None]], generator, model, batches: List) -> Dict[str, Callable]:
+    """Per way of ``timed_rounds``: a call that makes its switch, then decodes the batches (``best_tokens``)."""
+    def decode_after(switch):
+        def decode():
+            switch()
+            return best_tokens(generator, model, batches)
+        return decode
+    return {name: decode_after(switch) for name, switch in switches.items()}
+
+
+def own_attribute(owner, name: str, value) -> None:
+    """``name`` set on ``owner`` itself, over its class's; None: dropped, the class's own again."""
+    vars(owner).pop(name, None)
+    if value is not None:
+        setattr(owner, name, value)
+
+
 def print_way_against(seconds: Dict[str, List[float]], outputs: Dict[str, List], way: str, other: str, what: str):
     """The medians, then ``what``: ``other``'s median over ``way``'s (``way``'s speed-up), and how many sentences
     got the same tokens both ways."""

@@ -15,7 +15,7 @@ import argparse
 import random
 
 # first: it loads the plugin, whose options fairseq's GenerationConfig then has
-from interleaved import load_test_split, print_medians, timed_rounds  # (benchmarks/, the A/B scripts' own)
+from interleaved import load_test_split, own_attribute, print_medians, timed_rounds  # (benchmarks/)
 from fairseq.dataclass.configs import GenerationConfig  # noqa: E402
 from fairseq_fastgen.engine.fairseq_runner import ModelRunner
 
@@ -45,9 +45,7 @@ def main():
 
     def decode_with(surviving_rows):
         def decode():
-            runner.__dict__.pop("surviving_rows", None)  # the engine's own
-            if surviving_rows is not None:
-                runner.surviving_rows = surviving_rows  # this runner only
+            own_attribute(runner, "surviving_rows", surviving_rows)  # None: the engine's own; else this runner only
             return sorted((int(i), h[0]["tokens"].tolist()) for sample in batches
                           for i, h in zip(sample["id"], generator.generate([model], sample)))
         return decode
