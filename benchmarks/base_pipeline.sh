@@ -18,12 +18,16 @@
 #      (the two stages of docs/benchmarks.md, "The students"), first with a k-head layer a quarter as wide
 #      (--khead-ffn-dim 512: an iteration reads 4.2M parameters of it instead of 16.8M; the narrow students gave the
 #      best blockwise figures, and k = 8 is the one that can accept more than 4 tokens an iteration), then the wide;
-#      first of all a narrow frozen k = 8 one on the base's greedy translations (multi30k_distill.py's "greedy")
+#      after the narrow k = 8 pair a narrow frozen k = 8 one on the base's greedy translations (multi30k_distill.py's
+#      "greedy")
 #   5. the frozen-base k = 4 student on the regular data (model_sizes.sh's default KHEAD);
 #   6. multi30k_distill.py's "bench" stage: BLEU and the mean accepted block of every model (batch 64, not timed);
 #   7. the big transformer (benchmarks/multi30k.py --size big, 2,400 updates: about 4x the base's time an update
 #      here) and its BLEU, in bench_out/multi30k-big (BIG_OUT), after everything the base-size rows need.
 set -euo pipefail
+# the whole script is one block, read before it runs: an edit to this file while a run is under way (they last a day)
+# does not shift what the running shell reads next
+{
 # nice alone does not yield to other sessions' work where the kernel groups processes by session (autogroup: a chain
 # started with setsid, as it should be to outlive its terminal, weighs as much as everything else): its group too
 echo 19 2>/dev/null > /proc/self/autogroup || true
@@ -75,12 +79,14 @@ students() {
   "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages students --students "k$K-frozen-distilled$suffix" \
     --two-stage "$K-distilled" "$@"
 }
+# first the narrow k = 8 student frozen, then fine-tuned whole: the one that can accept more than the 2.6 tokens an
+# iteration of the fine-tuned narrow k = 4 (docs/benchmarks.md, "At batch 1"), which blockwise's 2x needs
+students 8 --khead-ffn-dim 512
 # the narrow frozen k = 8 student on the base's own greedy translations (the tokens exact acceptance checks a frozen
-# base's heads against; made from the base in float32), beside the same student on the distilled data below
+# base's heads against; made from the base in float32), beside the same student on the distilled data
 say "k = 8 frozen student, greedy data --khead-ffn-dim 512"
 "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages students --khead-ffn-dim 512 \
   --students k8-frozen-greedy-ffn512
-students 8 --khead-ffn-dim 512
 students 4 --khead-ffn-dim 512
 students 8
 students 4
@@ -94,3 +100,5 @@ say "big transformer"
 "$PY" benchmarks/multi30k.py --size big --out "$BIG_OUT" --stop-after base
 bleu "$BIG_OUT"
 say "done"
+exit
+}
