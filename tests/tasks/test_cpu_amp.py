@@ -39,7 +39,8 @@ def one_update(trainer, task):
 
 
 @pytest.mark.skipif(not cpu_amp.native_bfloat16(), reason="this processor has no native bfloat16 products")
-def test_amp_on_the_cpu_runs_the_products_in_bfloat16_and_keeps_float32_weights(toy_model):
+def test_amp_on_the_cpu_runs_the_products_in_bfloat16_and_keeps_float32_weights(toy_model, monkeypatch):
+    monkeypatch.setattr(cpu_amp, "bfloat16_rates", lambda: (200.0, 100.0))  # a processor where bfloat16 pays
     torch.manual_seed(0)
     trainer, task = trainer_for(toy_model, "--amp")
     before = trainer.model.decoder.layers[0].fc1.weight.detach().clone()
@@ -64,3 +65,22 @@ def test_a_processor_without_native_bfloat16_trains_float32_and_says_so_once(toy
         assert one_update(trainer, task) == [torch.float32]
     warnings = [record.getMessage() for record in caplog.records if record.name == cpu_amp.__name__]
     assert len(warnings) == 1 and "no native bfloat16" in warnings[0]
+
+
+def test_where_bfloat16_products_are_slower_training_stays_float32_and_says_why_once(toy_model, monkeypatch,
+                                                                                      caplog):
+    monkeypatch.setattr(cpu_amp, "native_bfloat16", lambda: True)
+    monkeypatch.setattr(cpu_amp, "bfloat16_rates", lambda: (155.0, 252.0))  # an Intel Xeon without AMX's rates
+    monkeypatch.setattr(cpu_amp, "_warned", False)
+    trainer, task = trainer_for(toy_model, "--amp")
+    with caplog.at_level(logging.WARNING, logger=cpu_amp.__name__):
+        assert one_update(trainer, task) == [torch.float32]
+        assert one_update(trainer, task) == [torch.float32]
+    warnings = [record.getMessage() for record in caplog.records if record.name == cpu_amp.__name__]
+    assert len(warnings) == 1 and "155 against 252 GFLOP/s" in warnings[0]
+
+
+def test_the_bfloat16_and_float32_rates_are_measured_once_a_process():
+    cpu_amp.bfloat16_rates.cache_clear()
+    first = cpu_amp.bfloat16_rates()
+    assert all(rate > 0 for rate in first) and cpu_amp.bfloat16_rates() is first
