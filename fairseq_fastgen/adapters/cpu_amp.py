@@ -9,7 +9,7 @@ GPU. A transformer-base update of about 7k target tokens took 8.5 s against 21 s
 float32 (autocast would emulate the products, slower than float32). Native is not always faster: on an Intel Xeon
 with AVX-512 BF16 but no AMX, torch's bfloat16 product of a base update's shapes ran 155 GFLOP/s on 2 threads against
 252 in float32. So before the first step the plugin times one product of those shapes in each precision
-(``bfloat16_rates``, about 0.2 s) and autocasts only where bfloat16 is the faster; else one warning line gives both
+(``precision_linear.bfloat16_rates``, about 0.2 s) and autocasts only where bfloat16 is the faster; else one warning line gives both
 rates and training stays float32. ``--amp`` then still wraps the optimizer as fairseq does, so a checkpoint resumes
 with ``--amp`` on a machine of either kind.
 
@@ -18,14 +18,11 @@ exponent range and needs no loss scaling.
 """
 
 import contextlib
-import functools
 import logging
-import time
-from typing import Tuple
 
 import torch
 
-from fairseq_fastgen.ops.precision_linear import precision_refusal
+from fairseq_fastgen.ops.precision_linear import bfloat16_rates, precision_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -36,24 +33,6 @@ def native_bfloat16() -> bool:
     """Whether this processor multiplies bfloat16 natively (AVX-512 BF16 or AMX) and torch reaches it (oneDNN):
     where ``--quantize bf16`` runs."""
     return precision_refusal("bf16") is None
-
-
-@functools.lru_cache(maxsize=None)
-def bfloat16_rates() -> Tuple[float, float]:
-    """GFLOP/s of one product of a transformer-base update's shapes (8,192 tokens by 512 inputs, by 2,048 outputs)
-    in bfloat16 and in float32, on torch's threads, the faster of 3 timings each, measured once per process."""
-    def rate(dtype) -> float:
-        x, weight = torch.randn(8192, 512, dtype=dtype), torch.randn(2048, 512, dtype=dtype)
-        torch.nn.functional.linear(x, weight)  # the library picks and builds its kernel
-        fastest = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
-            fastest = min(fastest, time.perf_counter() - start)
-        return 2 * 8192 * 512 * 2048 / fastest / 1e9
-
-    with torch.no_grad():
-        return rate(torch.bfloat16), rate(torch.float32)
 
 
 def wants_cpu_autocast(model, optimizer) -> bool:

@@ -32,6 +32,7 @@ logger = logging.getLogger("fairseq_fastgen.engine")
 
 
 _quantized_fallback_named = []  # the line saying compiled falls back under --quantize: once per process
+_slow_bfloat16_named = []  # the line saying --quantize bf16 is slower than float32 here: once per process
 
 
 def compiled_precision_refusal(options: PluginOptions) -> Optional[str]:
@@ -74,6 +75,11 @@ def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
     engine = options.step_engine
     if engine not in ENGINES:
         raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    if options.quantize == "bf16" and not _slow_bfloat16_named and on_cpu(model):
+        slower = precision_linear.bfloat16_slower()
+        if slower is not None:
+            _slow_bfloat16_named.append(True)
+            logger.warning(f"--quantize bf16: {slower}; without --quantize the decode is likely faster")
     for name in ("compiled_freezing", "compile_in_background"):
         if getattr(options, name) and engine not in ("compiled", "auto"):
             flag = "--" + name.replace("_", "-")
@@ -103,6 +109,12 @@ def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
         _quantized_fallback_named.append(True)
         logger.warning(f"--step-engine compiled: {refusal}; runs on --step-engine static")
     return EngineChoice("static")
+
+
+def on_cpu(model) -> bool:
+    """Whether ``model`` (None: a model on the CPU) has its weights on the CPU."""
+    parameter = next(model.parameters(), None) if model is not None else None
+    return parameter is None or parameter.device.type == "cpu"
 
 
 def auto_choice(options: PluginOptions, model=None) -> EngineChoice:

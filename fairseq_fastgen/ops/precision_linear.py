@@ -27,6 +27,7 @@ difference.
 """
 
 import functools
+import time
 import warnings
 from typing import Optional, Tuple
 
@@ -71,6 +72,39 @@ INPUT_LEVELS = int8_kernel.INPUT_LEVELS  # each input row rounded to integers in
 # From this many rows a call goes to oneDNN's int8 product, below to fbgemm's; the two give the same bits
 # (tests/ops/test_precision_linear.py). fbgemm's product is the cheaper at a few rows, oneDNN's at many.
 ONEDNN_MIN_ROWS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def bfloat16_rates() -> Tuple[float, float]:
+    """GFLOP/s of one product of a transformer-base training update's shapes (8,192 rows by 512 inputs, by 2,048
+    outputs) in bfloat16 and in float32 on the CPU, torch's threads, the fastest of 3 timings each, measured once
+    per process (about 0.2 s). Native bfloat16 is not always the faster: on an Intel Xeon with AVX-512 BF16 but no
+    AMX it ran 155 GFLOP/s on 2 threads against float32's 252, and slower than float32 at 16 rows and more in
+    inference too (``benchmarks/precision_products.py``)."""
+    def rate(dtype) -> float:
+        x, weight = torch.randn(8192, 512, dtype=dtype), torch.randn(2048, 512, dtype=dtype)
+        F.linear(x, weight)  # the library picks and builds its kernel
+        fastest = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            F.linear(x, weight)
+            fastest = min(fastest, time.perf_counter() - start)
+        return 2 * 8192 * 512 * 2048 / fastest / 1e9
+
+    with torch.no_grad():
+        return rate(torch.bfloat16), rate(torch.float32)
+
+
+def bfloat16_slower() -> Optional[str]:
+    """Where this processor multiplies bfloat16 natively but slower than float32 (``bfloat16_rates``): both rates
+    in words; else None."""
+    if precision_refusal("bf16") is not None:
+        return None
+    bfloat16, float32 = bfloat16_rates()
+    if bfloat16 > float32:
+        return None
+    return (f"this processor's bfloat16 products are slower than its float32 ones ({bfloat16:.0f} against "
+            f"{float32:.0f} GFLOP/s, one product of 8,192 rows timed now)")
 
 
 def onednn_int8_available() -> bool:

@@ -2,11 +2,15 @@
 output bitwise the same whatever rows share its call), bfloat16 within its rounding, the stand-ins following
 weight updates and leaving gradients to torch, and a processor without the instructions refused in one line."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fairseq_fastgen.adapters.linear_forwards import QuantizedLinears
+from fairseq_fastgen.config import PluginOptions
+from fairseq_fastgen.engine import engine_setting
 from fairseq_fastgen.ops import precision_linear
 from fairseq_fastgen.ops.precision_linear import (
     MIN_INT8_WEIGHT, BFloat16Forward, Int8Forward, Int8Rows, bf16_linear, int8_linear, onednn_int8_available,
@@ -117,3 +121,23 @@ def test_a_processor_without_the_instructions_is_refused_in_one_line(monkeypatch
         with pytest.raises(ValueError, match=needed) as refusal:
             QuantizedLinears(model, precision)
         assert "\n" not in str(refusal.value)
+
+
+def test_the_bfloat16_and_float32_rates_are_measured_once_a_process():
+    precision_linear.bfloat16_rates.cache_clear()
+    first = precision_linear.bfloat16_rates()
+    assert all(rate > 0 for rate in first) and precision_linear.bfloat16_rates() is first
+
+
+@bf16_here
+@pytest.mark.parametrize("rates, warned", [((155.0, 252.0), True), ((400.0, 252.0), False)])
+def test_quantize_bf16_says_once_where_bfloat16_products_are_slower_than_float32(monkeypatch, caplog, rates, warned):
+    monkeypatch.setattr(precision_linear, "bfloat16_rates", lambda: rates)
+    monkeypatch.setattr("fairseq_fastgen.engine.choice._slow_bfloat16_named", [])
+    with caplog.at_level(logging.WARNING, logger="fairseq_fastgen.engine"):
+        for engine in ("static", "compiled", "static"):
+            engine_setting(PluginOptions(step_engine=engine, quantize="bf16"))
+        engine_setting(PluginOptions(step_engine="static"))  # float32: nothing to say
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--quantize bf16")]
+    assert len(lines) == (1 if warned else 0)  # once a process, and only where bfloat16 is the slower
+    assert all("155 against 252 GFLOP/s" in line and "without --quantize" in line for line in lines)

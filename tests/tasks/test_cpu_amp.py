@@ -79,8 +79,3 @@ def test_where_bfloat16_products_are_slower_training_stays_float32_and_says_why_
     warnings = [record.getMessage() for record in caplog.records if record.name == cpu_amp.__name__]
     assert len(warnings) == 1 and "155 against 252 GFLOP/s" in warnings[0]
 
-
-def test_the_bfloat16_and_float32_rates_are_measured_once_a_process():
-    cpu_amp.bfloat16_rates.cache_clear()
-    first = cpu_amp.bfloat16_rates()
-    assert all(rate > 0 for rate in first) and cpu_amp.bfloat16_rates() is first
