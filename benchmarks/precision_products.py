@@ -52,14 +52,14 @@ def int8_kernels(weight, with_onednn=True):
         own = Int8Rows(weight, kernel=True)
         kernels["int8 rows, plugin's kernel"] = lambda x: int8_linear(x, own, None)
     kernels["int8 rows, fbgemm"] = lambda x: in_library(x, library, 10 ** 9)
-    vendor = precision_linear.processor_vendor
-    precision_linear.processor_vendor = lambda: "GenuineIntel"  # the option takes oneDNN's on Intel only: time it
-    try:                                                          # here whatever the processor
+    measured = precision_linear.onednn_int8_fast
+    precision_linear.onednn_int8_fast = lambda: True  # the option takes oneDNN's only where it is not on a
+    try:                                               # reference path: time it here whatever the processor
         if with_onednn and precision_linear.onednn_int8_available():
             in_onednn = Int8Rows(weight, kernel=False)
             kernels["int8 rows, oneDNN"] = lambda x: in_library(x, in_onednn, 1)
     finally:
-        precision_linear.processor_vendor = vendor
+        precision_linear.onednn_int8_fast = measured
     return kernels
 
 

@@ -108,22 +108,48 @@ def bfloat16_slower() -> Optional[str]:
 
 
 def onednn_int8_available() -> bool:
-    """oneDNN's int8 product, on Intel processors only: on an AMD EPYC (Zen 5) torch's oneDNN took a reference
-    path, 4.4 ms for one row of a 512 x 512 weight against fbgemm's 25 us (benchmarks/precision_products.py)."""
+    """oneDNN's int8 product, where it runs and is not on a reference path (``onednn_int8_fast``)."""
     return (torch.cpu._is_vnni_supported() and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.onednn, "qlinear_pointwise") and processor_vendor() == "GenuineIntel")
+            and hasattr(torch.ops.onednn, "qlinear_pointwise") and onednn_int8_fast())
+
+
+ONEDNN_PROBE_SHAPE = (16, 256, 256)  # rows, in, out: the fewest rows oneDNN's product serves (ONEDNN_MIN_ROWS)
 
 
 @functools.lru_cache(maxsize=None)
-def processor_vendor() -> str:
-    """The x86 vendor string of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or "" where it does not say."""
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+def onednn_int8_fast() -> bool:
+    """Whether oneDNN's int8 product runs at least about as fast as fbgemm's here, timed once a process on
+    ``ONEDNN_PROBE_SHAPE``. Where torch's oneDNN has no int8 kernel for the processor it takes a reference path: on
+    an AMD EPYC (Zen 5) 4.4 ms for one row of a 512 x 512 weight against fbgemm's 25 us, on an Intel Xeon with VNNI
+    but no AMX 8.8 ms against 42 us (``benchmarks/precision_products.py``)."""
+    rows, in_features, out_features = ONEDNN_PROBE_SHAPE
+    integers = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8)
+    scales, zero_points = torch.full((out_features,), 0.01), torch.zeros(out_features, dtype=torch.long)
+    x = torch.randint(-127, 128, (rows, in_features), dtype=torch.int8)
+    with warnings.catch_warnings():  # torch announces the removal of quantized tensors
+        warnings.filterwarnings("ignore", message=".*quantized tensor.*")
+        quantized = torch._make_per_channel_quantized_tensor(integers, scales.double(), zero_points, 0)
+        fbgemm_packed = torch.ops.quantized.linear_prepack(quantized, None)
+    onednn_packed = torch.ops.onednn.qlinear_prepack(integers, None)
+
+    def fbgemm():
+        torch.ops.quantized.linear_dynamic(x.float(), fbgemm_packed, False)
+
+    def onednn():
+        torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, onednn_packed, scales, zero_points, None, 1.0, 0,
+                                           torch.float32, "none", [], "")
+
+    def fastest(product) -> float:
+        product()  # the library builds its kernel
+        seconds = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            product()
+            seconds = min(seconds, time.perf_counter() - start)
+        return seconds
+
+    with torch.no_grad():
+        return fastest(onednn) <= 2 * fastest(fbgemm)
 
 
 def rounded_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:

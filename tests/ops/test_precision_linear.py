@@ -13,7 +13,7 @@ from fairseq_fastgen.config import PluginOptions
 from fairseq_fastgen.engine import engine_setting
 from fairseq_fastgen.ops import precision_linear
 from fairseq_fastgen.ops.precision_linear import (
-    MIN_INT8_WEIGHT, BFloat16Forward, Int8Forward, Int8Rows, bf16_linear, int8_linear, onednn_int8_available,
+    MIN_INT8_WEIGHT, BFloat16Forward, Int8Forward, Int8Rows, bf16_linear, int8_linear,
     precision_refusal,
 )
 
@@ -48,10 +48,16 @@ def test_int8_rows_give_each_row_the_same_bits_whatever_rows_share_the_call():
     assert max(per_row) < 0.03  # every row rounded on its own scale, the smallest ones too
 
 
+onednn_int8_here = pytest.mark.skipif(
+    not (torch.cpu._is_vnni_supported() and hasattr(torch.ops.onednn, "qlinear_pointwise")),
+    reason="no oneDNN int8 product in this torch or processor")
+
+
 @int8_here
-@pytest.mark.skipif(not onednn_int8_available(), reason="no oneDNN int8 product on this CPU: fbgemm's only")
+@onednn_int8_here
 @pytest.mark.parametrize("shape", [(384, 256), (2048, 512), (512, 2048)])  # (out, in)
 def test_int8_rows_give_the_same_bits_in_fbgemm_and_in_onednn(monkeypatch, shape):
+    monkeypatch.setattr(precision_linear, "onednn_int8_fast", lambda: True)  # its bits, on a reference path too
     weight, bias = weight_and_bias(*shape)
     rows = Int8Rows(weight, kernel=False)  # the library kernels (the plugin's own: tests/ops/test_int8_kernel.py)
     x = torch.randn(40, shape[1]) * torch.logspace(-2, 2, 40).unsqueeze(1)
@@ -141,3 +147,22 @@ def test_quantize_bf16_says_once_where_bfloat16_products_are_slower_than_float32
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("--quantize bf16")]
     assert len(lines) == (1 if warned else 0)  # once a process, and only where bfloat16 is the slower
     assert all("155 against 252 GFLOP/s" in line and "without --quantize" in line for line in lines)
+
+
+@int8_here
+@onednn_int8_here
+@pytest.mark.parametrize("fast", [True, False])
+def test_the_library_kernels_take_onednn_only_where_its_int8_product_is_not_on_a_reference_path(monkeypatch, fast):
+    monkeypatch.setattr(precision_linear, "onednn_int8_fast", lambda: fast)
+    monkeypatch.setattr(precision_linear, "ONEDNN_MIN_ROWS", 1)
+    rows = Int8Rows(weight_and_bias(512, 512)[0], kernel=False)
+    int8_linear(torch.randn(4, 512), rows, None)
+    assert rows.has_onednn is fast and (rows.onednn is not None) is fast  # packed and called only where it is fast
+
+
+@onednn_int8_here
+def test_the_onednn_probe_runs_once_a_process():
+    precision_linear.onednn_int8_fast.cache_clear()
+    first = precision_linear.onednn_int8_fast()
+    assert isinstance(first, bool) and precision_linear.onednn_int8_fast.cache_info().misses == 1
+    assert precision_linear.onednn_int8_fast() is first and precision_linear.onednn_int8_fast.cache_info().hits == 1
