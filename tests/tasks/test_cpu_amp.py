@@ -56,26 +56,18 @@ def test_without_amp_training_stays_float32(toy_model):
     assert one_update(trainer, task) == [torch.float32]
 
 
-def test_a_processor_without_native_bfloat16_trains_float32_and_says_so_once(toy_model, monkeypatch, caplog):
-    monkeypatch.setattr(cpu_amp, "native_bfloat16", lambda: False)
+@pytest.mark.parametrize("native, rates, reason", [
+    (False, None, "no native bfloat16"),  # a processor without bfloat16 products
+    (True, (155.0, 252.0), "155 against 252 GFLOP/s"),  # an Intel Xeon without AMX's rates: native, but slower
+])
+def test_where_bfloat16_does_not_pay_training_stays_float32_and_says_why_once(toy_model, monkeypatch, caplog,
+                                                                             native, rates, reason):
+    monkeypatch.setattr(cpu_amp, "native_bfloat16", lambda: native)
+    monkeypatch.setattr(cpu_amp, "bfloat16_rates", lambda: rates)
     monkeypatch.setattr(cpu_amp, "_warned", False)
     trainer, task = trainer_for(toy_model, "--amp")
     with caplog.at_level(logging.WARNING, logger=cpu_amp.__name__):
         assert one_update(trainer, task) == [torch.float32]
         assert one_update(trainer, task) == [torch.float32]
     warnings = [record.getMessage() for record in caplog.records if record.name == cpu_amp.__name__]
-    assert len(warnings) == 1 and "no native bfloat16" in warnings[0]
-
-
-def test_where_bfloat16_products_are_slower_training_stays_float32_and_says_why_once(toy_model, monkeypatch,
-                                                                                      caplog):
-    monkeypatch.setattr(cpu_amp, "native_bfloat16", lambda: True)
-    monkeypatch.setattr(cpu_amp, "bfloat16_rates", lambda: (155.0, 252.0))  # an Intel Xeon without AMX's rates
-    monkeypatch.setattr(cpu_amp, "_warned", False)
-    trainer, task = trainer_for(toy_model, "--amp")
-    with caplog.at_level(logging.WARNING, logger=cpu_amp.__name__):
-        assert one_update(trainer, task) == [torch.float32]
-        assert one_update(trainer, task) == [torch.float32]
-    warnings = [record.getMessage() for record in caplog.records if record.name == cpu_amp.__name__]
-    assert len(warnings) == 1 and "155 against 252 GFLOP/s" in warnings[0]
-
+    assert len(warnings) == 1 and reason in warnings[0]
