@@ -130,6 +130,7 @@ class StepPackage:
     def __init__(self, step: PaddedStep, position_table, rows: Optional[int] = None):
         self.step, self.position_table, self.rows = step, position_table, rows
         self.beams, self.block = step.beams, step.block
+        self.threaded = threaded_loops(rows)
 
     @functools.cached_property  # its key hashes every weight: once
     def path(self) -> Path:
@@ -141,7 +142,8 @@ class StepPackage:
     def key(self) -> str:
         """The settings, the engine's code and the decoder step's weights (the decoder's parameters and the fused
         copies)."""
-        return digest_of(repr((self.rows,) + self.step.settings()), ENGINE_SOURCES, self.step.decoder_step)
+        return digest_of(repr((self.rows, self.threaded) + self.step.settings()), ENGINE_SOURCES,
+                         self.step.decoder_step)
 
     def export(self):
         inputs = example_inputs(self.step, self.position_table, self.rows)
@@ -161,6 +163,8 @@ class StepPackage:
         settings = {"freezing": True, "cpp.use_two_step_variance_threshold": 0}
         if self.rows is not None and self.block == 1:
             settings.update(max_autotune=True, max_autotune_gemm_backends="CPP")
+        if self.threaded:
+            settings.update(THREADED_LOOPS)
         if self.shares_constants:
             settings["aot_inductor.package_constants_in_so"] = False
         return settings
@@ -179,6 +183,20 @@ class StepPackage:
         """``loaded`` (the package's callable), reading the step's own tensors where it shares them."""
         return bind_constants(loaded, self.step) if self.shares_constants else loaded
 
+# inductor writes the loops between the products (norms, softmaxes, the attention of a few positions) for as many
+# threads as the compiling process runs, and a background compilation runs one: under torch's 2 threads such a unit
+# ran them on one thread, the other waiting (beam 5, batch 64: 17% of the first thread's time in the unit's loops,
+# the second idle 22% of its time). A unit of many rows for a process of more than one thread is written for this
+# machine's cores, OpenMP's thread count read when it runs (torch's), and keyed apart from the one-thread unit (whose
+# loops stay serial: no parallel regions to enter at one thread)
+THREADED_LOOPS = {"cpp.threads": max(2, os.cpu_count() or 1), "cpp.dynamic_threads": True}
+
+
+def threaded_loops(rows: Optional[int]) -> bool:
+    """Whether a unit for ``rows`` rows (None: any number) made now gets THREADED_LOOPS: one of many rows, in a
+    process running torch on more than one thread (read when the package is described, in the decoding process)."""
+    return rows is None and torch.get_num_threads() > 1
+
 
 class EncoderPackage:
     """An encoder's :class:`~fairseq_fastgen.engine.encoder_pass.EncoderPass` for one row or (``rows`` None) any
@@ -188,6 +206,7 @@ class EncoderPackage:
 
     def __init__(self, encoder_pass: EncoderPass, rows: Optional[int] = None):
         self.encoder_pass, self.rows = encoder_pass, rows
+        self.threaded = threaded_loops(rows)
         self.position_table = encoder_pass.position_table(2)
 
     @functools.cached_property  # its key hashes every weight: once
@@ -195,8 +214,8 @@ class EncoderPackage:
         return package_file(f"encoder-{'any' if self.rows is None else self.rows}-rows-{self.key()}")
 
     def key(self) -> str:
-        return digest_of(repr((self.rows, type(self.encoder_pass.encoder).__qualname__)), self.SOURCES,
-                         self.encoder_pass)
+        return digest_of(repr((self.rows, self.threaded, type(self.encoder_pass.encoder).__qualname__)),
+                         self.SOURCES, self.encoder_pass)
 
     def export(self):
         from torch.export import Dim
@@ -212,7 +231,7 @@ class EncoderPackage:
                                    dynamic_shapes=({**row, 1: Dim("source", min=2)}, table, None), strict=False)
 
     def settings(self) -> dict:
-        return {"freezing": True}
+        return {"freezing": True, **(THREADED_LOOPS if self.threaded else {})}
 
     def bind(self, loaded):
         return loaded  # its constants in the package

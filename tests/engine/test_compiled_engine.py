@@ -117,6 +117,38 @@ def test_the_many_rows_step_is_compiled_once_and_loaded_by_later_runners(toy, tm
     assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
 
 
+def test_the_unit_of_many_rows_runs_its_loops_on_the_threads_of_the_process_it_is_made_for(toy, tmp_path,
+                                                                                            monkeypatch):
+    """The loops between a unit's products are written for the threads of the process that describes the unit: for
+    one thread serial, for more OpenMP's parallel loops whose thread count is read when they run, in a unit keyed
+    apart (a background compilation runs one thread, which must not make the unit of a two-thread decode serial).
+    Both give fairseq's tokens."""
+    if not onednn_linear_module.onednn_available():
+        pytest.skip("the step above the row buckets is compiled on the CPU with oneDNN only")
+    import zipfile
+
+    from tests.engine.test_static_engine import translate_batches
+
+    monkeypatch.setenv("FASTGEN_COMPILED_DIR", str(tmp_path))
+    ids = SENTENCES[:24]
+    _, expected = decode(toy, ids, 8, step_engine="fairseq", decoder="greedy", beam=1)
+    threads_before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            generator = toy.generator(decoder="greedy", beam=1, step_engine="compiled", compiled_many_rows="unit")
+            assert_same_tokens_close_scores(expected, translate_batches(toy, generator, ids, 8))
+    finally:
+        torch.set_num_threads(threads_before)
+
+    def parallel_loops(package: Path) -> bool:
+        with zipfile.ZipFile(package) as archive:
+            return any("#pragma omp parallel" in archive.read(name).decode("utf-8", "replace")
+                       for name in archive.namelist() if name.endswith(".cpp"))
+
+    assert sorted(parallel_loops(package) for package in tmp_path.glob("step-any-rows-*.pt2")) == [False, True]
+
+
 def resident_constants(library: str) -> tuple:
     """(bytes of ``library``'s constants, bytes of the mappings that hold them now in this process's memory)."""
     import re
