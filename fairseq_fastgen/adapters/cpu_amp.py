@@ -9,9 +9,9 @@ GPU. A transformer-base update of about 7k target tokens took 8.5 s against 21 s
 float32 (autocast would emulate the products, slower than float32). Native is not always faster: on an Intel Xeon
 with AVX-512 BF16 but no AMX, torch's bfloat16 product of a base update's shapes ran 155 GFLOP/s on 2 threads against
 252 in float32. So before the first step the plugin times one product of those shapes in each precision
-(``precision_linear.bfloat16_rates``, about 0.2 s) and autocasts only where bfloat16 is the faster; else one warning line gives both
-rates and training stays float32. ``--amp`` then still wraps the optimizer as fairseq does, so a checkpoint resumes
-with ``--amp`` on a machine of either kind.
+(``precision_linear.bfloat16_rates``, about 0.2 s) and autocasts only where bfloat16 is the faster; else one warning
+line gives both rates and training stays float32. ``--amp`` then still wraps the optimizer as fairseq does, so a
+checkpoint resumes with ``--amp`` on a machine of either kind.
 
 fairseq's loss scaler (``torch.cuda.amp.GradScaler``) disables itself without CUDA; bfloat16 has float32's
 exponent range and needs no loss scaling.

@@ -183,6 +183,7 @@ class StepPackage:
         """``loaded`` (the package's callable), reading the step's own tensors where it shares them."""
         return bind_constants(loaded, self.step) if self.shares_constants else loaded
 
+
 # inductor writes the loops between the products (norms, softmaxes, the attention of a few positions) for as many
 # threads as the compiling process runs, and a background compilation runs one: under torch's 2 threads such a unit
 # ran them on one thread, the other waiting (beam 5, batch 64: 17% of the first thread's time in the unit's loops,

@@ -74,22 +74,29 @@ INPUT_LEVELS = int8_kernel.INPUT_LEVELS  # each input row rounded to integers in
 ONEDNN_MIN_ROWS = 16
 
 
+def fastest_seconds(call, timings: int = 3) -> float:
+    """The fastest of ``timings`` timed calls of ``call``, after one untimed (the library picks and builds its
+    kernel)."""
+    call()
+    fastest = float("inf")
+    for _ in range(timings):
+        start = time.perf_counter()
+        call()
+        fastest = min(fastest, time.perf_counter() - start)
+    return fastest
+
+
 @functools.lru_cache(maxsize=None)
 def bfloat16_rates() -> Tuple[float, float]:
     """GFLOP/s of one product of a transformer-base training update's shapes (8,192 rows by 512 inputs, by 2,048
     outputs) in bfloat16 and in float32 on the CPU, torch's threads, the fastest of 3 timings each, measured once
     per process (about 0.2 s). Native bfloat16 is not always the faster: on an Intel Xeon with AVX-512 BF16 but no
-    AMX it ran 155 GFLOP/s on 2 threads against float32's 252, and slower than float32 at 16 rows and more in
-    inference too (``benchmarks/precision_products.py``)."""
+    AMX it ran 155 GFLOP/s on 2 threads against float32's 252, and in inference it was slower at most shapes too
+    (a 512 x 512 weight at every row count; the vocabulary's at 64 rows 28.7 ms against 17.7:
+    ``benchmarks/precision_products.py``)."""
     def rate(dtype) -> float:
         x, weight = torch.randn(8192, 512, dtype=dtype), torch.randn(2048, 512, dtype=dtype)
-        F.linear(x, weight)  # the library picks and builds its kernel
-        fastest = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            F.linear(x, weight)
-            fastest = min(fastest, time.perf_counter() - start)
-        return 2 * 8192 * 512 * 2048 / fastest / 1e9
+        return 2 * 8192 * 512 * 2048 / fastest_seconds(lambda: F.linear(x, weight)) / 1e9
 
     with torch.no_grad():
         return rate(torch.bfloat16), rate(torch.float32)
@@ -139,17 +146,8 @@ def onednn_int8_fast() -> bool:
         torch.ops.onednn.qlinear_pointwise(x, 1.0, 0, onednn_packed, scales, zero_points, None, 1.0, 0,
                                            torch.float32, "none", [], "")
 
-    def fastest(product) -> float:
-        product()  # the library builds its kernel
-        seconds = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            product()
-            seconds = min(seconds, time.perf_counter() - start)
-        return seconds
-
     with torch.no_grad():
-        return fastest(onednn) <= 2 * fastest(fbgemm)
+        return fastest_seconds(onednn) <= 2 * fastest_seconds(fbgemm)
 
 
 def rounded_weight(weight: Tensor) -> Tuple[Tensor, Tensor]:
