@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from fairseq_fastgen.ops.precision_linear import bfloat16_rates, precision_refusal
+from fairseq_fastgen.ops import precision_linear
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ _warned = False
 def native_bfloat16() -> bool:
     """Whether this processor multiplies bfloat16 natively (AVX-512 BF16 or AMX) and torch reaches it (oneDNN):
     where ``--quantize bf16`` runs."""
-    return precision_refusal("bf16") is None
+    return precision_linear.precision_refusal("bf16") is None
 
 
 def wants_cpu_autocast(model, optimizer) -> bool:
@@ -52,11 +52,9 @@ def training_precision(model, optimizer):
     if not wants_cpu_autocast(model, optimizer):
         return contextlib.nullcontext()
     if native_bfloat16():
-        bfloat16, float32 = bfloat16_rates()
-        if bfloat16 > float32:
+        reason = precision_linear.bfloat16_slower()
+        if reason is None:
             return torch.autocast("cpu", dtype=torch.bfloat16)
-        reason = (f"its bfloat16 products are slower than its float32 ones here ({bfloat16:.0f} against "
-                  f"{float32:.0f} GFLOP/s at a base update's shapes)")
     else:
         reason = "this processor has no native bfloat16 products (AVX-512 BF16 or AMX)"
     if not _warned:

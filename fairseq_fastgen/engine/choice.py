@@ -75,7 +75,8 @@ def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
     engine = options.step_engine
     if engine not in ENGINES:
         raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
-    if options.quantize == "bf16" and not _slow_bfloat16_named and on_cpu(model):
+    if (options.quantize == "bf16" and not _slow_bfloat16_named and on_cpu(model)
+            and precision_linear.precision_refusal("bf16") is None):
         slower = precision_linear.bfloat16_slower()
         if slower is not None:
             _slow_bfloat16_named.append(True)

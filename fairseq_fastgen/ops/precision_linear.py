@@ -103,15 +103,13 @@ def bfloat16_rates() -> Tuple[float, float]:
 
 
 def bfloat16_slower() -> Optional[str]:
-    """Where this processor multiplies bfloat16 natively but slower than float32 (``bfloat16_rates``): both rates
-    in words; else None."""
-    if precision_refusal("bf16") is not None:
-        return None
+    """Where this processor's bfloat16 products are no faster than its float32 ones (``bfloat16_rates``; ask where
+    they are native: ``precision_refusal("bf16")`` None), why, with both rates, in words; else None."""
     bfloat16, float32 = bfloat16_rates()
     if bfloat16 > float32:
         return None
     return (f"this processor's bfloat16 products are slower than its float32 ones ({bfloat16:.0f} against "
-            f"{float32:.0f} GFLOP/s, one product of 8,192 rows timed now)")
+            f"{float32:.0f} GFLOP/s, one product of a base update's shapes timed now)")
 
 
 def onednn_int8_available() -> bool:

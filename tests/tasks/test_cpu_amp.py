@@ -10,6 +10,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.trainer import Trainer
 
 from fairseq_fastgen.adapters import cpu_amp
+from fairseq_fastgen.ops import precision_linear
 from fastgen_demo import toy
 
 TINY = toy.ToyModelSpec(arch="transformer", layers=1, dim=32, ffn=64, heads=2, max_update=10, warmup=1)
@@ -40,7 +41,7 @@ def one_update(trainer, task):
 
 @pytest.mark.skipif(not cpu_amp.native_bfloat16(), reason="this processor has no native bfloat16 products")
 def test_amp_on_the_cpu_runs_the_products_in_bfloat16_and_keeps_float32_weights(toy_model, monkeypatch):
-    monkeypatch.setattr(cpu_amp, "bfloat16_rates", lambda: (200.0, 100.0))  # a processor where bfloat16 pays
+    monkeypatch.setattr(precision_linear, "bfloat16_rates", lambda: (200.0, 100.0))  # a processor where bfloat16 pays
     torch.manual_seed(0)
     trainer, task = trainer_for(toy_model, "--amp")
     before = trainer.model.decoder.layers[0].fc1.weight.detach().clone()
@@ -63,7 +64,7 @@ def test_without_amp_training_stays_float32(toy_model):
 def test_where_bfloat16_does_not_pay_training_stays_float32_and_says_why_once(toy_model, monkeypatch, caplog,
                                                                              native, rates, reason):
     monkeypatch.setattr(cpu_amp, "native_bfloat16", lambda: native)
-    monkeypatch.setattr(cpu_amp, "bfloat16_rates", lambda: rates)
+    monkeypatch.setattr(precision_linear, "bfloat16_rates", lambda: rates)
     monkeypatch.setattr(cpu_amp, "_warned", False)
     trainer, task = trainer_for(toy_model, "--amp")
     with caplog.at_level(logging.WARNING, logger=cpu_amp.__name__):
