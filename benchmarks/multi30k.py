@@ -137,26 +137,27 @@ def resolve_size(args):
     return args
 
 
-def base_spec(args):
+def base_spec(args, save_every=40):
     return toy.ToyModelSpec(
         layers=args.layers, dim=args.dim, ffn=args.ffn, heads=args.heads, max_positions=256,
         max_update=args.max_update, max_tokens=args.max_tokens, lr=args.lr, warmup=args.warmup,
         validate_interval=args.validate_interval,
         extra_args=["--share-all-embeddings", "--dropout", str(args.dropout), "--weight-decay", "0.0001"]
-        + cpu_training(args),
+        + cpu_training(args, save_every),
     )
 
 
-def cpu_training(args):
+def cpu_training(args, save_every):
     """Base and big train for hours on a CPU: in bfloat16 mixed precision (``--amp``, which the plugin runs on the
     CPU: 8.5 s an update at base size on 2 Zen 5 cores, 21 s in float32; 16-18 s on a slower machine of that kind)
     where the processor's bfloat16 products beat its float32 ones (the plugin measures them: on an Intel Xeon without
     AMX they do not, and ``--amp`` trains in float32 there, resumable on either kind of machine), and with a
-    checkpoint every 40 updates, so that a stopped run resumes (fairseq-train reads checkpoint_last.pt) within
-    minutes of where it was. The toy model keeps its float32 recipe (the demo and the tests train it)."""
+    checkpoint every ``save_every`` updates (the base 40; a student 20, a fine-tuned one's update being the longer),
+    so that a stopped run resumes (fairseq-train reads checkpoint_last.pt) within minutes of where it was. The toy
+    model keeps its float32 recipe (the demo and the tests train it)."""
     if args.size == "toy" or args.device != "cpu":
         return []
-    return ["--amp", "--save-interval-updates", "40", "--keep-interval-updates", "1"]
+    return ["--amp", "--save-interval-updates", str(save_every), "--keep-interval-updates", "1"]
 
 
 STUDENT_CRITERION = ["--criterion", "random_subloss", "--label-smoothing", "0.1"]
@@ -186,7 +187,7 @@ def add_base_model_options(parser):
 
 def student_spec(args, base_checkpoint, k, lr, updates, freeze_base, extra_args=(), validate_interval=None):
     """A ``transformer_khead`` student (``--khead-identity-first``) warm started from the base model."""
-    base = base_spec(args)
+    base = base_spec(args, save_every=20)
     khead_args = ["--block-size", str(k), "--khead-identity-first", "--base-checkpoint", str(base_checkpoint)]
     if freeze_base:
         khead_args.append("--freeze-base")
