@@ -12,7 +12,9 @@
 #
 # In order, each needing the ones before:
 #   1. the base transformer (benchmarks/multi30k.py --size base), BLEU of its checkpoint_best.pt in base/bleu.txt;
-#   2. the cluster files of model_sizes.sh's "clusters" rows (1,000 clusters, top 3 and top 20 tokens);
+#   2. the cluster files of model_sizes.sh's "clusters" rows (1,000 clusters, top 3 and top 20 tokens), then the
+#      trained base's figures on this machine (benchmarks/trained_base_figures.sh, about two hours: each row alone on
+#      the machine; leave it to itself while it runs);
 #   3. the base's beam-5 translations of the training split (fastgen-distill, int8 teacher on the compiled engine);
 #   4. for k = 8, then 4: a frozen-base student on the distilled data, then the same student fine-tuned whole
 #      (the two stages of docs/benchmarks.md, "The students"), first with a k-head layer a quarter as wide
@@ -67,6 +69,8 @@ for TOP in 3 20; do
       --max-states 100000 --cpu
   fi
 done
+say "the trained base's figures"
+bash benchmarks/trained_base_figures.sh "$M" || true
 say "distilled training data"
 "$PY" benchmarks/multi30k_distill.py "${STUDENTS[@]}" --stages distill \
   --teacher-args "--quantize int8 --step-engine compiled"
