@@ -69,18 +69,25 @@ class EngineChoice:
 AUTO_ON_CPU = EngineChoice("compiled", freezing=True, background=True)  # what auto runs on the CPU
 
 
+def name_slower_bfloat16(options: PluginOptions, model) -> None:
+    """One warning line, once a process, where ``--quantize bf16`` decodes on a CPU whose native bfloat16 products
+    are slower than its float32 ones (``precision_linear.bfloat16_slower``); the decode goes on in bfloat16."""
+    if (options.quantize != "bf16" or _slow_bfloat16_named or not on_cpu(model)
+            or precision_linear.precision_refusal("bf16") is not None):
+        return
+    slower = precision_linear.bfloat16_slower()
+    if slower is not None:
+        _slow_bfloat16_named.append(True)
+        logger.warning(f"--quantize bf16: {slower}; without --quantize the decode is likely faster")
+
+
 def engine_choice(options: PluginOptions, model=None) -> EngineChoice:
     """``--step-engine``, checked with the options that depend on it; ``auto`` resolved for ``model`` (None: a
     float32 model on the CPU)."""
     engine = options.step_engine
     if engine not in ENGINES:
         raise ValueError(f"--step-engine must be one of {', '.join(ENGINES)}; got {engine!r}")
-    if (options.quantize == "bf16" and not _slow_bfloat16_named and on_cpu(model)
-            and precision_linear.precision_refusal("bf16") is None):
-        slower = precision_linear.bfloat16_slower()
-        if slower is not None:
-            _slow_bfloat16_named.append(True)
-            logger.warning(f"--quantize bf16: {slower}; without --quantize the decode is likely faster")
+    name_slower_bfloat16(options, model)
     for name in ("compiled_freezing", "compile_in_background"):
         if getattr(options, name) and engine not in ("compiled", "auto"):
             flag = "--" + name.replace("_", "-")
