@@ -38,7 +38,8 @@ wanted int8 && row base-blockwise-int8-bs1 --path "$BASE" --khead-path "$KHEAD" 
 # greedy's tokens)
 STUDENTS=${STUDENTS:-k4-frozen-distilled k4-frozen-then-finetuned-distilled-mean k4-frozen-distilled-ffn512
   k4-frozen-then-finetuned-distilled-mean-ffn512 k8-frozen-distilled-ffn512 k8-frozen-then-finetuned-distilled-mean-ffn512
-  k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean}
+  k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean k4-frozen-then-finetuned-distilled-mean-listed-ffn512
+  k8-frozen-then-finetuned-distilled-mean-listed-ffn512 k8-frozen-then-finetuned-distilled-mean-listed}
 # heads 2..k proposing among the 4,000 tokens most frequent in the training targets (--blockwise-proposal-vocab)
 VOCAB=$M/proposal-vocab4000.txt
 if wanted students; then
@@ -46,9 +47,11 @@ if wanted students; then
   for STUDENT in $STUDENTS; do
     [ -f "$M/table1/$STUDENT/train.done" ] || { echo "== student $STUDENT: not trained yet"; continue; }
     STUDENT_PATH=$M/table1/$STUDENT/checkpoint_last.pt
+    LISTED=()  # a student whose heads 2..k learned to choose among the list (-listed) proposes from it in every row
+    [[ $STUDENT == *-listed* ]] && LISTED=(--blockwise-proposal-vocab "$VOCAB")
     row "student-$STUDENT-bs1" --path "$(greedy_beside "$STUDENT_PATH")" --khead-path "$STUDENT_PATH" \
       --decoders greedy,blockwise --beam 1 --batch-size 1 --max-sentences 100 --repeat 2 --reference greedy \
-      --step-engine compiled --compiled-freezing --blockwise-int8-proposals --no-ctranslate2 \
+      --step-engine compiled --compiled-freezing --blockwise-int8-proposals --no-ctranslate2 "${LISTED[@]}" \
       --variant "screen=--screened-projection" --variant "int8=--quantize int8" \
       --variant "int8-vocab=--quantize int8 --blockwise-proposal-vocab $VOCAB"
   done

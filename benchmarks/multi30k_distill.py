@@ -82,6 +82,8 @@ def cell_name(k, regime, data_kind):
 def train_student(args, bin_dir, save_dir, base, k, regime, data_kind, distilled_dir, restore=None):
     """fairseq-train one student; ``restore``: fine-tune this (frozen) student's checkpoint."""
     extra = ["--subloss-mode", args.finetune_subloss_mode] if regime == "finetuned" else []
+    if restore is not None and args.finetune_proposal_vocab:  # a --two-stage student: its name says -listed
+        extra += ["--proposal-vocab", str(Path(args.finetune_proposal_vocab).resolve())]
     if args.khead_ffn_dim:
         extra += ["--khead-ffn-dim", str(args.khead_ffn_dim)]
     if data_kind != "regular":  # distilled_dir: that kind's translations of the training split
@@ -104,6 +106,14 @@ def cells(ks, data_kinds=DATA_KINDS):
             if not (k == 1 and regime == "frozen")]
 
 
+def listed_decoding(args, name):
+    """fastgen-bench options of student ``name``: a student fine-tuned with --finetune-proposal-vocab (suffix
+    -listed) proposes among the same list, on int8 proposals (the list needs them)."""
+    if "-listed" not in name or not args.finetune_proposal_vocab:
+        return ()
+    return ("--blockwise-int8-proposals", "--blockwise-proposal-vocab", str(args.finetune_proposal_vocab))
+
+
 def bench_command(bin_dir, checkpoint, output_dir, threads, batch_sizes="64", repeat=1, extra=()):
     return [console_script("fastgen-bench"), str(bin_dir), "--path", str(checkpoint), "--cpu", "--threads", str(threads),
             "--post-process", "sentencepiece", "--decoders", "greedy,blockwise", "--beam", "1",
@@ -111,10 +121,10 @@ def bench_command(bin_dir, checkpoint, output_dir, threads, batch_sizes="64", re
             "--output-dir", str(output_dir), *extra]
 
 
-def speed_command(bin_dir, checkpoint, output_dir):
+def speed_command(bin_dir, checkpoint, output_dir, extra=()):
     """The speed stage's bench: batch 1 and 64, three timed passes, one thread, each decoder at its fastest."""
     return bench_command(bin_dir, checkpoint, output_dir, threads=1, batch_sizes="1,64", repeat=3,
-                         extra=("--onednn-linear", "--blockwise-int8-proposals"))
+                         extra=("--onednn-linear", "--blockwise-int8-proposals", *extra))
 
 
 def speed_rows(name, results_path):
@@ -188,6 +198,11 @@ def main(argv=None):
     parser.add_argument("--finetune-subloss-mode", choices=["random", "mean"], default="random",
                         help="random_subloss --subloss-mode of the fine-tuned students; a two-stage student "
                              "trained with mean gets the suffix -mean")
+    parser.add_argument("--finetune-proposal-vocab", default=None, metavar="FILE",
+                        help="the --two-stage students' heads 2..k learn to choose among FILE's tokens only "
+                             "(random_subloss --proposal-vocab: about a third of a k = 8 update's time at 32k "
+                             "tokens); their names get the suffix -listed, and they are benched with "
+                             "--blockwise-proposal-vocab FILE")
     parser.add_argument("--students", default=None,
                         help="comma-separated students to train, in this order (e.g. k8-frozen-regular,"
                              "k4-finetuned-distilled); default: every cell, frozen ones first")
@@ -250,6 +265,8 @@ def main(argv=None):
         name = f"k{k}-frozen-then-finetuned-{data_kind}"
         if args.finetune_subloss_mode == "mean":
             name += "-mean"
+        if args.finetune_proposal_vocab:
+            name += "-listed"
         name += suffix
         checkpoint = out / "table1" / name / "checkpoint_last.pt"
         models.insert(0, (name, checkpoint))
@@ -266,7 +283,9 @@ def main(argv=None):
                 continue
             step(f"fastgen-bench {name}", bench_dir / name / "results.json",
                  lambda checkpoint=checkpoint, name=name: run_logged(
-                     bench_command(bin_dir, checkpoint, bench_dir / name, args.threads), bench_dir / f"{name}.log"))
+                     bench_command(bin_dir, checkpoint, bench_dir / name, args.threads,
+                                   extra=listed_decoding(args, name)),
+                     bench_dir / f"{name}.log"))
         print_table(ks, bench_dir, suffix)
     if "speed" in wanted:
         trained = sorted(((name, checkpoint) for name, checkpoint in models if checkpoint.exists()),
@@ -276,7 +295,8 @@ def main(argv=None):
         for name, checkpoint in trained:
             step(f"fastgen-bench {name}, batch 1 and 64", speed_dir / name / "results.json",
                  lambda checkpoint=checkpoint, name=name: run_logged(
-                     speed_command(bin_dir, checkpoint, speed_dir / name), speed_dir / f"{name}.log"))
+                     speed_command(bin_dir, checkpoint, speed_dir / name, listed_decoding(args, name)),
+                     speed_dir / f"{name}.log"))
         print_speed_table([name for name, _ in trained], speed_dir)
 
 

@@ -14,12 +14,22 @@ average each head over the minibatches that trained it; every head's features
 still enter the loss with weight zero, so every parameter is part of the graph
 (data parallel training needs that).  Validation always projects every head and
 reports the mean, plus ``loss_h<i>`` / ``acc_h<i>`` for every head.
+
+With ``--proposal-vocab FILE`` heads 2..k choose among the file's tokens only
+(what ``--blockwise-proposal-vocab`` lets them propose when decoding): their
+softmax spans those rows of the output projection, so at a large vocabulary
+each of them costs a fraction of a full projection (mean mode at k = 8 and
+32k tokens: 7 of the 8 projections shrink to a list of 4,000).  Head 1 keeps
+the whole vocabulary.  A target outside the list counts for nothing in those
+heads' loss and as a miss in their accuracy.
 """
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from omegaconf import II
 
 from fairseq import metrics, utils
@@ -29,6 +39,7 @@ from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 
 from fairseq_fastgen.option_checks import require_finite_in_range
 from fairseq_fastgen.refusals import UsageError
+from fairseq_fastgen.token_lists import listed_tokens
 
 
 @dataclass
@@ -42,16 +53,33 @@ class RandomSublossConfig(FairseqDataclass):
         metadata={"help": "random: each minibatch trains one head's loss, chosen uniformly at random; "
                           "mean: the mean of all heads' losses"},
     )
+    proposal_vocab: Optional[str] = field(
+        default=None,
+        metadata={"help": "heads 2..k learn to choose among this file's tokens only (fairseq's dictionary format, "
+                          "as --blockwise-proposal-vocab reads it; the special symbols always count): their softmax "
+                          "spans those rows of the output projection, a fraction of a large vocabulary's cost. "
+                          "Decode the student with the same file as --blockwise-proposal-vocab (its heads never "
+                          "learn to rank the other tokens); head 1 keeps the whole vocabulary"},
+    )
     sentence_avg: bool = II("optimization.sentence_avg")
 
 
 @register_criterion("random_subloss", dataclass=RandomSublossConfig)
 class RandomSublossCriterion(FairseqCriterion):
-    def __init__(self, task, label_smoothing, subloss_mode, sentence_avg):
+    def __init__(self, task, label_smoothing, subloss_mode, sentence_avg, proposal_vocab=None):
         super().__init__(task)
         self.epsilon = require_finite_in_range("--label-smoothing", label_smoothing, 0, 1, error=UsageError)
         self.mode = str(subloss_mode)
         self.sentence_avg = sentence_avg
+        self.listed = None  # (N,) the tokens heads 2..k choose among, ascending; None: every token
+        if proposal_vocab:
+            try:
+                self.listed = listed_tokens(proposal_vocab, task.target_dictionary, "--proposal-vocab")
+            except ValueError as error:
+                raise UsageError(str(error)) from None
+            self.list_position = torch.full((len(task.target_dictionary),), -1, dtype=torch.long)  # (vocab,)
+            self.list_position[self.listed] = torch.arange(len(self.listed))
+            self.listed_pad = int(self.list_position[self.padding_idx])  # pad is always listed
 
     def forward(self, model, sample, reduce=True):
         first_logits, extra = model(**sample["net_input"])  # (batch, tgt_len, vocab)
@@ -65,20 +93,24 @@ class RandomSublossCriterion(FairseqCriterion):
         zero = torch.zeros((), device=target.device)  # logged for the heads this minibatch does not train
         for head in range(block_size):
             if chosen is not None and head != chosen:
-                logging_output.update({f"loss_h{head + 1}": zero, f"ntokens_h{head + 1}": 0, f"correct_h{head + 1}": 0})
+                logging_output.update({f"loss_h{head + 1}": zero, f"ntokens_h{head + 1}": 0, f"correct_h{head + 1}": 0,
+                                       f"targets_h{head + 1}": 0})
                 continue
             head_target = shifted_target(target, head, self.padding_idx)
-            logits = first_logits if head == 0 else model.decoder.output_layer(features[:, :, head])
-            lprobs = model.get_normalized_probs((logits, None), log_probs=True)  # (batch, len, vocab)
-            loss, nll_loss = label_smoothed_nll_loss(
-                lprobs.view(-1, lprobs.size(-1)), head_target.view(-1), self.epsilon, ignore_index=self.padding_idx
-            )
             real = head_target.ne(self.padding_idx)
+            logits, loss_target, ignored, tokens = self.head_scores(model, first_logits, features, head, head_target)
+            lprobs = model.get_normalized_probs((logits, None), log_probs=True)  # (batch, len, vocab or N)
+            loss, nll_loss = label_smoothed_nll_loss(
+                lprobs.view(-1, lprobs.size(-1)), loss_target.view(-1), self.epsilon, ignore_index=ignored
+            )
             losses.append(loss)
             nll_losses.append(nll_loss)
             logging_output[f"loss_h{head + 1}"] = loss.data
-            logging_output[f"ntokens_h{head + 1}"] = int(real.sum())
-            logging_output[f"correct_h{head + 1}"] = int((lprobs.argmax(dim=-1).eq(head_target) & real).sum())
+            logging_output[f"ntokens_h{head + 1}"] = int(loss_target.ne(ignored).sum())
+            logging_output[f"targets_h{head + 1}"] = int(real.sum())
+            best = lprobs.argmax(dim=-1)  # (batch, len)
+            best = best if tokens is None else tokens[best]  # token ids
+            logging_output[f"correct_h{head + 1}"] = int((best.eq(head_target) & real).sum())
 
         loss = torch.stack(losses).mean()
         nll_loss = torch.stack(nll_losses).mean()
@@ -90,6 +122,20 @@ class RandomSublossCriterion(FairseqCriterion):
             nsentences=sample["target"].size(0), sample_size=sample_size,
         )
         return loss, sample_size, logging_output
+
+    def head_scores(self, model, first_logits, features, head, head_target):
+        """What head ``head`` is scored on: its logits (batch, len, V), its targets as indices of their last
+        dimension (batch, len), the index that counts for nothing, and the token (V,) each index stands for
+        (None: index = token).  V is the vocabulary, or under --proposal-vocab the listed tokens for heads 2..k."""
+        if head == 0:
+            return first_logits, head_target, self.padding_idx, None
+        if self.listed is None:
+            return model.decoder.output_layer(features[:, :, head]), head_target, self.padding_idx, None
+        listed = self.listed.to(head_target.device)
+        rows = model.decoder.output_projection.weight.index_select(0, listed)  # (N, dim)
+        logits = F.linear(features[:, :, head], rows)  # (batch, len, N)
+        position = self.list_position.to(head_target.device)[head_target]  # (batch, len), -1: not listed
+        return logits, position.masked_fill(position.lt(0), self.listed_pad), self.listed_pad, listed
 
     @staticmethod
     def chosen_head(model) -> int:
@@ -113,7 +159,8 @@ class RandomSublossCriterion(FairseqCriterion):
             if head_tokens > 0:
                 head_loss = total(f"loss_h{head}") / head_tokens / math.log(2)
                 metrics.log_scalar(f"loss_h{head}", head_loss, head_tokens, round=3)
-                head_accuracy = 100.0 * total(f"correct_h{head}") / head_tokens
+                head_targets = total(f"targets_h{head}") or head_tokens  # every real target, listed or not
+                head_accuracy = 100.0 * total(f"correct_h{head}") / head_targets
                 metrics.log_scalar(f"acc_h{head}", head_accuracy, head_tokens, round=2)
             head += 1
 

@@ -135,6 +135,13 @@ def test_frozen_identity_head_is_never_chosen(toy_model):
     assert unfrozen.decoder.trainable_heads() == [0, 1, 2]
 
 
+def reduced(logs):
+    """What fairseq's meters show of ``logs`` after the criterion's reduce_metrics."""
+    with metrics.aggregate() as aggregated:
+        RandomSublossCriterion.reduce_metrics(logs)
+    return aggregated.get_smoothed_values()
+
+
 def test_logged_metrics_name_every_head():
     logs = [
         {"loss": 6.0, "nll_loss": 5.0, "ntokens": 10, "sample_size": 10, "nsentences": 2,
@@ -142,9 +149,7 @@ def test_logged_metrics_name_every_head():
         {"loss": 3.0, "nll_loss": 2.0, "ntokens": 5, "sample_size": 5, "nsentences": 1,
          "loss_h1": 2.0, "ntokens_h1": 5, "correct_h1": 4, "loss_h2": 4.0, "ntokens_h2": 4, "correct_h2": 3},
     ]
-    with metrics.aggregate() as aggregated:
-        RandomSublossCriterion.reduce_metrics(logs)
-    values = aggregated.get_smoothed_values()
+    values = reduced(logs)
     assert values["acc_h1"] == pytest.approx(100 * 9 / 15, abs=0.01)
     assert values["acc_h2"] == pytest.approx(100 * 4 / 12, abs=0.01)
     assert values["loss_h2"] == pytest.approx(12 / 12 / math.log(2), abs=1e-3)
@@ -159,3 +164,85 @@ def test_label_smoothing_out_of_range_is_refused(smoothing, shown):
         RandomSublossCriterion(task, label_smoothing=smoothing, subloss_mode="random", sentence_avg=False)
     assert str(refusal.value) == f"--label-smoothing must be a finite number in [0, 1], got {shown}"
     assert RandomSublossCriterion(task, label_smoothing=0.1, subloss_mode="mean", sentence_avg=False).epsilon == 0.1
+
+
+def write_token_list(path, dictionary, tokens):
+    path.write_text("".join(f"{dictionary[token]} 1\n" for token in tokens), encoding="utf-8")
+    return str(path)
+
+
+class OneListedHead(OneHead):
+    """One head seen through the listed tokens only: the columns of its full logits that the list holds, and its
+    targets as positions in the list (a target left out becomes the list's position of pad)."""
+
+    def __init__(self, model, head, listed, pad):
+        super().__init__(model, head)
+        self.listed, self.pad = listed, pad
+
+    def forward(self, **net_input):
+        logits, extra = super().forward(**net_input)
+        return logits[:, :, self.listed], extra
+
+    def get_targets(self, sample, net_output):
+        position = {int(token): index for index, token in enumerate(self.listed)}
+        return torch.tensor([[position.get(token, position[self.pad]) for token in row]
+                             for row in sample["target"].tolist()])
+
+
+@torch.no_grad()
+def test_a_list_of_every_token_changes_no_head(khead, tmp_path):
+    model, task, sample = khead
+    model.eval()
+    dictionary = task.target_dictionary
+    every = write_token_list(tmp_path / "every.txt", dictionary, range(dictionary.nspecial, len(dictionary)))
+    _, _, plain = criterion(task, "mean").eval()(model, sample)
+    _, _, listed = RandomSublossCriterion(task, SMOOTHING, "mean", False, proposal_vocab=every).eval()(model, sample)
+    for head in range(1, BLOCK + 1):
+        assert math.isclose(float(listed[f"loss_h{head}"]), float(plain[f"loss_h{head}"]), rel_tol=1e-5)
+        for count in ("correct", "ntokens", "targets"):
+            assert listed[f"{count}_h{head}"] == plain[f"{count}_h{head}"]
+
+
+@torch.no_grad()
+def test_listed_heads_choose_among_the_list_and_head_1_among_every_token(khead, tmp_path):
+    model, task, sample = khead
+    model.eval()
+    dictionary, pad = task.target_dictionary, task.target_dictionary.pad()
+    in_targets = sorted(set(sample["target"].flatten().tolist()) - set(range(dictionary.nspecial)))
+    kept = in_targets[::2] + list(range(len(dictionary) - 50, len(dictionary)))  # half the targets, 50 others
+    path = write_token_list(tmp_path / "half.txt", dictionary, kept)
+    listed = torch.tensor(sorted(set(kept) | set(range(dictionary.nspecial))))
+    _, _, logged = RandomSublossCriterion(task, SMOOTHING, "mean", False, proposal_vocab=path).eval()(model, sample)
+    _, _, plain = criterion(task, "mean").eval()(model, sample)
+    assert math.isclose(float(logged["loss_h1"]), float(plain["loss_h1"]), rel_tol=1e-6)
+    stock = LabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=SMOOTHING,
+                                               report_accuracy=True)
+    for head in range(1, BLOCK):
+        shifted = dict(sample, target=shifted_by_hand(sample["target"], head, pad))
+        loss, _, expected = stock(OneListedHead(model, head, listed, pad), shifted)
+        assert math.isclose(float(logged[f"loss_h{head + 1}"]), float(loss), rel_tol=1e-5)
+        assert logged[f"correct_h{head + 1}"] == int(expected["n_correct"])
+        assert logged[f"ntokens_h{head + 1}"] == int(expected["total"])  # the listed targets
+        assert logged[f"targets_h{head + 1}"] == int(shifted["target"].ne(pad).sum())  # every target
+        assert logged[f"ntokens_h{head + 1}"] < logged[f"targets_h{head + 1}"]
+
+
+def test_accuracy_counts_every_target_and_loss_the_listed_ones():
+    values = reduced([{"loss": 3.0, "nll_loss": 2.0, "ntokens": 10, "sample_size": 10, "nsentences": 2,
+                       "loss_h1": 4.0, "ntokens_h1": 10, "targets_h1": 10, "correct_h1": 5,
+                       "loss_h2": 6.0, "ntokens_h2": 6, "targets_h2": 8, "correct_h2": 2}])
+    assert values["acc_h1"] == pytest.approx(100 * 5 / 10, abs=0.01)
+    assert values["acc_h2"] == pytest.approx(100 * 2 / 8, abs=0.01)
+    assert values["loss_h2"] == pytest.approx(6 / 6 / math.log(2), abs=1e-3)
+
+
+def test_a_list_naming_an_unknown_token_is_refused_in_one_line(khead, tmp_path):
+    _, task, _ = khead
+    path = tmp_path / "list.txt"
+    path.write_text("no-such-token-here 3\n", encoding="utf-8")
+    with pytest.raises(ValueError) as refusal:
+        RandomSublossCriterion(task, SMOOTHING, "mean", False, proposal_vocab=str(path))
+    assert str(refusal.value) == (f"--proposal-vocab {path}, line 1: 'no-such-token-here' is not a token of the "
+                                  f"model's target dictionary")
+    with pytest.raises(ValueError, match="cannot be read"):
+        RandomSublossCriterion(task, SMOOTHING, "mean", False, proposal_vocab=str(tmp_path / "missing.txt"))

@@ -15,6 +15,7 @@ from torch import Tensor
 from fairseq.dataclass import FairseqDataclass
 
 from fairseq_fastgen.option_checks import require_finite_in_range, require_int
+from fairseq_fastgen.token_lists import listed_tokens
 
 
 @dataclass
@@ -148,19 +149,7 @@ def proposal_tokens(options: BlockwiseOptions, tgt_dict, int8: bool) -> Optional
         raise ValueError(f"--blockwise-proposal-vocab {path} applies with int8 proposals (their projection reads the "
                          f"listed tokens' rows): the default on the CPU with exact acceptance, else "
                          f"--blockwise-int8-proposals")
-    try:
-        with open(path, encoding="utf-8") as lines:
-            symbols = [(number, line.split()[0]) for number, line in enumerate(lines, 1) if line.strip()]
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"--blockwise-proposal-vocab {path} cannot be read: {error}") from error
-    tokens = set(range(tgt_dict.nspecial))  # bos, pad, eos, unk: a max-length row must still propose eos
-    for number, symbol in symbols:
-        index = tgt_dict.index(symbol)
-        if index == tgt_dict.unk() and symbol != tgt_dict.unk_word:
-            raise ValueError(f"--blockwise-proposal-vocab {path}, line {number}: {symbol!r} is not a token of the "
-                             f"model's target dictionary")
-        tokens.add(index)
-    return torch.tensor(sorted(tokens), dtype=torch.long)
+    return listed_tokens(path, tgt_dict, "--blockwise-proposal-vocab")
 
 
 def build_acceptance(options: BlockwiseOptions, tgt_dict):
