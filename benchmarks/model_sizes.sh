@@ -38,8 +38,8 @@ wanted int8 && row base-blockwise-int8-bs1 --path "$BASE" --khead-path "$KHEAD" 
 # greedy's tokens)
 STUDENTS=${STUDENTS:-k4-frozen-distilled k4-frozen-then-finetuned-distilled-mean k4-frozen-distilled-ffn512
   k4-frozen-then-finetuned-distilled-mean-ffn512 k8-frozen-distilled-ffn512 k8-frozen-then-finetuned-distilled-mean-ffn512
-  k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean k4-frozen-then-finetuned-distilled-mean-listed-ffn512
-  k8-frozen-then-finetuned-distilled-mean-listed-ffn512 k8-frozen-then-finetuned-distilled-mean-listed}
+  k8-frozen-distilled k8-frozen-then-finetuned-distilled-mean k4-frozen-then-finetuned-distilled-mean-first0.5-listed-ffn512
+  k8-frozen-then-finetuned-distilled-mean-first0.5-listed-ffn512 k8-frozen-then-finetuned-distilled-mean-first0.5-listed}
 # heads 2..k proposing among the 4,000 tokens most frequent in the training targets (--blockwise-proposal-vocab)
 VOCAB=$M/proposal-vocab4000.txt
 if wanted students; then

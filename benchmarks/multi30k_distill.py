@@ -84,6 +84,8 @@ def train_student(args, bin_dir, save_dir, base, k, regime, data_kind, distilled
     extra = ["--subloss-mode", args.finetune_subloss_mode] if regime == "finetuned" else []
     if restore is not None and args.finetune_proposal_vocab:  # a --two-stage student: its name says -listed
         extra += ["--proposal-vocab", str(Path(args.finetune_proposal_vocab).resolve())]
+    if restore is not None and args.finetune_first_head_weight is not None:  # its name says -firstW
+        extra += ["--first-head-weight", str(args.finetune_first_head_weight)]
     if args.khead_ffn_dim:
         extra += ["--khead-ffn-dim", str(args.khead_ffn_dim)]
     if data_kind != "regular":  # distilled_dir: that kind's translations of the training split
@@ -198,6 +200,9 @@ def main(argv=None):
     parser.add_argument("--finetune-subloss-mode", choices=["random", "mean"], default="random",
                         help="random_subloss --subloss-mode of the fine-tuned students; a two-stage student "
                              "trained with mean gets the suffix -mean")
+    parser.add_argument("--finetune-first-head-weight", type=float, default=None, metavar="W",
+                        help="the --two-stage students' random_subloss --first-head-weight (mean mode: head 1's "
+                             "share of the loss); their names get the suffix -firstW")
     parser.add_argument("--finetune-proposal-vocab", default=None, metavar="FILE",
                         help="the --two-stage students' heads 2..k learn to choose among FILE's tokens only "
                              "(random_subloss --proposal-vocab: about a third of a k = 8 update's time at 32k "
@@ -265,6 +270,8 @@ def main(argv=None):
         name = f"k{k}-frozen-then-finetuned-{data_kind}"
         if args.finetune_subloss_mode == "mean":
             name += "-mean"
+        if args.finetune_first_head_weight is not None:
+            name += f"-first{args.finetune_first_head_weight:g}"
         if args.finetune_proposal_vocab:
             name += "-listed"
         name += suffix

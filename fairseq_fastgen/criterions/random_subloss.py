@@ -15,6 +15,9 @@ still enter the loss with weight zero, so every parameter is part of the graph
 (data parallel training needs that).  Validation always projects every head and
 reports the mean, plus ``loss_h<i>`` / ``acc_h<i>`` for every head.
 
+``--first-head-weight W`` (mean mode) gives head 1, the model's own
+prediction, the share W of the loss and the other heads 1 - W between them.
+
 With ``--proposal-vocab FILE`` heads 2..k choose among the file's tokens only
 (what ``--blockwise-proposal-vocab`` lets them propose when decoding): their
 softmax spans those rows of the output projection, so at a large vocabulary
@@ -61,15 +64,29 @@ class RandomSublossConfig(FairseqDataclass):
                           "Decode the student with the same file as --blockwise-proposal-vocab (its heads never "
                           "learn to rank the other tokens); head 1 keeps the whole vocabulary"},
     )
+    first_head_weight: Optional[float] = field(
+        default=None,
+        metadata={"help": "mean mode: head 1's share of the loss, the other heads sharing the rest equally "
+                          "(default: 1/k, the plain mean). Head 1 is the model's own prediction, the tokens greedy "
+                          "and exact blockwise decoding emit: fine-tuned at k = 8 with a share of 1/8 the base "
+                          "lost 6 BLEU on Multi30k in 220 updates"},
+    )
     sentence_avg: bool = II("optimization.sentence_avg")
 
 
 @register_criterion("random_subloss", dataclass=RandomSublossConfig)
 class RandomSublossCriterion(FairseqCriterion):
-    def __init__(self, task, label_smoothing, subloss_mode, sentence_avg, proposal_vocab=None):
+    def __init__(self, task, label_smoothing, subloss_mode, sentence_avg, proposal_vocab=None, first_head_weight=None):
         super().__init__(task)
         self.epsilon = require_finite_in_range("--label-smoothing", label_smoothing, 0, 1, error=UsageError)
         self.mode = str(subloss_mode)
+        self.first_head_weight = None
+        if first_head_weight is not None:
+            if self.mode != "mean":
+                raise UsageError("--first-head-weight applies to --subloss-mode mean (random mode trains one head "
+                                 "a minibatch)")
+            self.first_head_weight = require_finite_in_range("--first-head-weight", first_head_weight, 0, 1,
+                                                             error=UsageError)
         self.sentence_avg = sentence_avg
         self.listed = None  # (N,) the tokens heads 2..k choose among, ascending; None: every token
         if proposal_vocab:
@@ -112,8 +129,7 @@ class RandomSublossCriterion(FairseqCriterion):
             best = best if tokens is None else tokens[best]  # token ids
             logging_output[f"correct_h{head + 1}"] = int((best.eq(head_target) & real).sum())
 
-        loss = torch.stack(losses).mean()
-        nll_loss = torch.stack(nll_losses).mean()
+        loss, nll_loss = self.combined(losses), self.combined(nll_losses)
         if chosen is not None:  # the other heads' parameters join the graph with gradient zero
             loss = loss + 0.0 * features.sum()
         sample_size = sample["target"].size(0) if self.sentence_avg else sample["ntokens"]
@@ -122,6 +138,13 @@ class RandomSublossCriterion(FairseqCriterion):
             nsentences=sample["target"].size(0), sample_size=sample_size,
         )
         return loss, sample_size, logging_output
+
+    def combined(self, losses):
+        """The minimized loss of the heads' ``losses`` (one each, or the chosen head's alone in random mode)."""
+        losses = torch.stack(losses)  # (heads,)
+        if self.first_head_weight is None or len(losses) < 2:
+            return losses.mean()
+        return self.first_head_weight * losses[0] + (1 - self.first_head_weight) * losses[1:].mean()
 
     def head_scores(self, model, first_logits, features, head, head_target):
         """What head ``head`` is scored on: its logits (batch, len, V), its targets as indices of their last

@@ -246,3 +246,27 @@ def test_a_list_naming_an_unknown_token_is_refused_in_one_line(khead, tmp_path):
                                   f"model's target dictionary")
     with pytest.raises(ValueError, match="cannot be read"):
         RandomSublossCriterion(task, SMOOTHING, "mean", False, proposal_vocab=str(tmp_path / "missing.txt"))
+
+
+@torch.no_grad()
+def test_first_head_weight_shares_the_loss_between_head_1_and_the_others(khead):
+    model, task, sample = khead
+    model.eval()
+    for weight in (0.5, 0.9, 1 / BLOCK):
+        loss, _, logged = RandomSublossCriterion(task, SMOOTHING, "mean", False, first_head_weight=weight).eval()(
+            model, sample)
+        heads = per_head_losses(logged)
+        assert math.isclose(float(loss), weight * heads[0] + (1 - weight) * sum(heads[1:]) / (BLOCK - 1),
+                            rel_tol=1e-6)
+    assert math.isclose(float(loss), sum(heads) / BLOCK, rel_tol=1e-6)  # 1/k: the plain mean
+
+
+@pytest.mark.parametrize("mode, weight, message", [
+    ("random", 0.5, "--first-head-weight applies to --subloss-mode mean (random mode trains one head a minibatch)"),
+    ("mean", 1.5, "--first-head-weight must be a finite number in [0, 1], got 1.5"),
+])
+def test_first_head_weight_misuse_is_refused_in_one_line(mode, weight, message):
+    task = SimpleNamespace(target_dictionary=None)
+    with pytest.raises(ValueError) as refusal:
+        RandomSublossCriterion(task, SMOOTHING, mode, False, first_head_weight=weight)
+    assert str(refusal.value) == message
