@@ -20,8 +20,8 @@ PACKAGE = Path(fairseq_fastgen.__file__).parent
 
 FLOORS = [
     {"refusals"},
-    {"safe_files", "checkpoint_safety", "stop_signals", "text_codec", "registry", "commands", "stock_fairseq",
-     "models", "tasks"},
+    {"safe_files", "checkpoint_safety", "stop_signals", "text_codec", "token_lists", "registry", "commands",
+     "stock_fairseq", "models", "tasks"},
     {"option_checks", "counters", "ctranslate2_model"},
     {"criterions"},
     {"ops"},
