@@ -6,7 +6,8 @@
 # Each step is skipped when its output exists and a stopped step resumes from its last checkpoint, so the same
 # command picks up wherever a previous run (or a lost machine) left off. On the 2-core Intel Xeon (bfloat16 on AMX)
 # the base takes about 3.5 hours (1,200 updates of ~10 s), a frozen student's update ~8 s and a fine-tuned one's ~25 s
-# (mean mode scores every head; at k = 8 the listed heads keep it near that, against ~45 s with the whole vocabulary), so the base-size chain runs about 20 hours and the big model about a day more; run
+# (mean mode scores every head; at k = 8 the listed heads keep it near that, against ~45 s with the whole
+# vocabulary), so the base-size chain runs about 20 hours and the big model about a day more; run
 # it under `nice -n 19` so that interactive work comes first, and stop it (kill -STOP, kill -CONT) while timing
 # anything else.
 #

@@ -94,9 +94,10 @@ class RandomSublossCriterion(FairseqCriterion):
                 self.listed = listed_tokens(proposal_vocab, task.target_dictionary, "--proposal-vocab")
             except ValueError as error:
                 raise UsageError(str(error)) from None
-            self.list_position = torch.full((len(task.target_dictionary),), -1, dtype=torch.long)  # (vocab,)
+            # (vocab,) each token's position in the list, -1: not listed.  The special symbols lead the ascending
+            # list, so pad's position is pad's own index: a listed head ignores the same index as the others
+            self.list_position = torch.full((len(task.target_dictionary),), -1, dtype=torch.long)
             self.list_position[self.listed] = torch.arange(len(self.listed))
-            self.listed_pad = int(self.list_position[self.padding_idx])  # pad is always listed
 
     def forward(self, model, sample, reduce=True):
         first_logits, extra = model(**sample["net_input"])  # (batch, tgt_len, vocab)
@@ -108,6 +109,8 @@ class RandomSublossCriterion(FairseqCriterion):
         chosen = self.chosen_head(model) if self.training and self.mode == "random" else None
         losses, nll_losses, logging_output = [], [], {}
         zero = torch.zeros((), device=target.device)  # logged for the heads this minibatch does not train
+        if self.listed is not None and self.listed.device != target.device:  # moved once, not every head
+            self.listed, self.list_position = self.listed.to(target.device), self.list_position.to(target.device)
         for head in range(block_size):
             if chosen is not None and head != chosen:
                 logging_output.update({f"loss_h{head + 1}": zero, f"ntokens_h{head + 1}": 0, f"correct_h{head + 1}": 0,
@@ -115,15 +118,15 @@ class RandomSublossCriterion(FairseqCriterion):
                 continue
             head_target = shifted_target(target, head, self.padding_idx)
             real = head_target.ne(self.padding_idx)
-            logits, loss_target, ignored, tokens = self.head_scores(model, first_logits, features, head, head_target)
+            logits, loss_target, tokens = self.head_scores(model, first_logits, features, head, head_target)
             lprobs = model.get_normalized_probs((logits, None), log_probs=True)  # (batch, len, vocab or N)
             loss, nll_loss = label_smoothed_nll_loss(
-                lprobs.view(-1, lprobs.size(-1)), loss_target.view(-1), self.epsilon, ignore_index=ignored
+                lprobs.view(-1, lprobs.size(-1)), loss_target.view(-1), self.epsilon, ignore_index=self.padding_idx
             )
             losses.append(loss)
             nll_losses.append(nll_loss)
             logging_output[f"loss_h{head + 1}"] = loss.data
-            logging_output[f"ntokens_h{head + 1}"] = int(loss_target.ne(ignored).sum())
+            logging_output[f"ntokens_h{head + 1}"] = int(loss_target.ne(self.padding_idx).sum())
             logging_output[f"targets_h{head + 1}"] = int(real.sum())
             best = lprobs.argmax(dim=-1)  # (batch, len)
             best = best if tokens is None else tokens[best]  # token ids
@@ -148,17 +151,16 @@ class RandomSublossCriterion(FairseqCriterion):
 
     def head_scores(self, model, first_logits, features, head, head_target):
         """What head ``head`` is scored on: its logits (batch, len, V), its targets as indices of their last
-        dimension (batch, len), the index that counts for nothing, and the token (V,) each index stands for
-        (None: index = token).  V is the vocabulary, or under --proposal-vocab the listed tokens for heads 2..k."""
+        dimension (batch, len; pad: counts for nothing), and the token (V,) each index stands for (None: index =
+        token).  V is the vocabulary, or under --proposal-vocab the listed tokens for heads 2..k."""
         if head == 0:
-            return first_logits, head_target, self.padding_idx, None
+            return first_logits, head_target, None
         if self.listed is None:
-            return model.decoder.output_layer(features[:, :, head]), head_target, self.padding_idx, None
-        listed = self.listed.to(head_target.device)
-        rows = model.decoder.output_projection.weight.index_select(0, listed)  # (N, dim)
+            return model.decoder.output_layer(features[:, :, head]), head_target, None
+        rows = model.decoder.output_projection.weight.index_select(0, self.listed)  # (N, dim)
         logits = F.linear(features[:, :, head], rows)  # (batch, len, N)
-        position = self.list_position.to(head_target.device)[head_target]  # (batch, len), -1: not listed
-        return logits, position.masked_fill(position.lt(0), self.listed_pad), self.listed_pad, listed
+        position = self.list_position[head_target]  # (batch, len), -1: not listed
+        return logits, position.masked_fill(position.lt(0), self.padding_idx), self.listed
 
     @staticmethod
     def chosen_head(model) -> int:
